@@ -1,0 +1,36 @@
+# Seedance: the two commands (see README). Works on a fresh machine with Python >= 3.10.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+HOST   ?= 127.0.0.1
+PORT   ?= 8000
+
+.PHONY: serve test lint clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+# Reinstall when the project's metadata changes.
+$(VENV)/.installed-%: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e '.[$*]'
+	@touch $@
+
+$(VENV)/.installed-base: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e .
+	@touch $@
+
+serve: $(VENV)/.installed-base
+	$(BIN)/seedance serve --host $(HOST) --port $(PORT) --engine synthetic \
+		--synthetic-ttft-ms 40 --synthetic-tokens-per-s 40
+
+test: $(VENV)/.installed-test
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: $(VENV)/.installed-dev
+	$(BIN)/ruff check src tests
+	$(BIN)/ruff format --check src tests
+	$(BIN)/mypy
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,268 @@
+"""Sans-I/O codec: bytes or text in, typed messages out, and back.
+
+No asyncio and no sockets here: the server and the client both move frames through these
+functions. Every rule of PROTOCOL.md sections 2-5 that concerns one frame lives here; an invalid
+frame becomes a :class:`~seedance.protocol.errors.SeedanceError`, never another exception.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Final, Literal
+
+import msgspec
+
+from seedance.protocol.errors import (
+    InvalidJSON,
+    InvalidRequest,
+    PayloadTooLarge,
+    SeedanceError,
+    UnsupportedFrame,
+)
+from seedance.protocol.messages import (
+    HEARTBEAT_PING,
+    HEARTBEAT_PONG,
+    Cancel,
+    ClientMessage,
+    EndSession,
+    ErrorBody,
+    ErrorFrame,
+    Generate,
+    Ping,
+    ServerFrame,
+)
+
+MAX_SEED: Final = 2**64 - 1
+DEFAULT_MAX_TOKENS: Final = 256
+MAX_STOP_STRINGS: Final = 4
+MAX_ID_CHARS: Final = 128
+
+_SESSION_ID_RE: Final = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
+_CONTROL_RE: Final = re.compile(r"[\x00-\x1f\x7f]")
+_PATH_RE: Final = re.compile(r" - at `\$\.?(.*)`$")
+
+_MESSAGE_TYPES: Final[dict[str, type[ClientMessage]]] = {
+    "generate": Generate,
+    "cancel": Cancel,
+    "ping": Ping,
+    "end_session": EndSession,
+}
+
+_encoder: Final = msgspec.json.Encoder()
+_server_decoder: Final = msgspec.json.Decoder(ServerFrame)
+
+
+@dataclass(frozen=True, slots=True)
+class FrameLimits:
+    """The limits that one frame is checked against."""
+
+    max_frame_bytes: int = 1024 * 1024
+    max_tokens: int = 4096
+
+
+# --------------------------------------------------------------------------- client frames
+
+
+def decode_client_text(data: str | bytes, limits: FrameLimits) -> ClientMessage:
+    """Decode and validate one text frame from a client.
+
+    Raises :class:`PayloadTooLarge`, :class:`InvalidJSON` or :class:`InvalidRequest`; the
+    error carries the frame's ``request_id`` when one could be read.
+    """
+    check_frame_size(data, limits.max_frame_bytes)
+    try:
+        obj = msgspec.json.decode(data)
+    except msgspec.ValidationError as exc:  # e.g. a number out of range
+        raise InvalidJSON(f"frame is not valid JSON: {_describe(exc)}") from None
+    except msgspec.DecodeError as exc:
+        raise InvalidJSON(f"frame is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidJSON("frame is not valid JSON: nested too deeply") from None
+    except UnicodeError:
+        raise InvalidJSON("frame is not valid JSON: not valid UTF-8") from None
+    if not isinstance(obj, dict):
+        raise InvalidJSON(f"frame must be a JSON object, got {_json_type(obj)}")
+    request_id = _peek_request_id(obj)
+    kind = obj.get("type", "generate")
+    cls = _MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        expected = ", ".join(_MESSAGE_TYPES)
+        raise InvalidRequest(
+            f"type: unknown message type {kind!r}; expected one of {expected}",
+            request_id=request_id,
+        )
+    try:
+        message = msgspec.convert(obj, cls)
+    except msgspec.ValidationError as exc:
+        raise InvalidRequest(_describe(exc), request_id=request_id) from None
+    if isinstance(message, Generate):
+        if "max_tokens" not in obj:  # the default never exceeds the model's limit
+            message.max_tokens = min(DEFAULT_MAX_TOKENS, limits.max_tokens)
+        _validate_generate(message, limits, request_id)
+    elif isinstance(message, Cancel) and message.request_id is not None:
+        _check_id("request_id", message.request_id)
+    return message
+
+
+def check_frame_size(data: str | bytes, max_bytes: int) -> None:
+    """Raise :class:`PayloadTooLarge` when ``data`` is over ``max_bytes`` bytes (UTF-8)."""
+    size = len(data)
+    if isinstance(data, str) and size <= max_bytes < size * 4:
+        size = len(data.encode("utf-8", "surrogatepass"))
+    if size > max_bytes:
+        raise PayloadTooLarge(f"frame of {size} bytes exceeds the limit of {max_bytes} bytes")
+
+
+def classify_binary(data: bytes) -> Literal["ping", "pong"]:
+    """Classify a binary frame: the compact heartbeat ping or pong; anything else is an error."""
+    if data == HEARTBEAT_PING:
+        return "ping"
+    if data == HEARTBEAT_PONG:
+        return "pong"
+    if data and data[0] >= 0x10:
+        raise UnsupportedFrame(
+            f"binary frame type 0x{data[0]:02x} is reserved for tensor frames and not supported"
+        )
+    raise UnsupportedFrame(
+        "binary frames must be a heartbeat: 01 00 (ping) or 02 00 (pong); "
+        f"got {len(data)} byte(s) starting {data[:4].hex(' ') or '(empty)'}"
+    )
+
+
+def validate_session_id(session_id: str) -> str:
+    if not _SESSION_ID_RE.fullmatch(session_id):
+        raise InvalidRequest("session_id must be 1-128 characters of A-Z a-z 0-9 _ . : -")
+    return session_id
+
+
+def _validate_generate(msg: Generate, limits: FrameLimits, request_id: str | None) -> None:
+    def bad(text: str) -> InvalidRequest:
+        return InvalidRequest(text, request_id=request_id)
+
+    if (msg.prompt is None) == (msg.messages is None):
+        raise bad("exactly one of prompt and messages is required")
+    if msg.messages is not None and not msg.messages:
+        raise bad("messages must hold at least one message")
+    if not 1 <= msg.max_tokens <= limits.max_tokens:
+        raise bad(f"max_tokens must be between 1 and {limits.max_tokens}")
+    if not 0.0 <= msg.temperature <= 2.0:
+        raise bad("temperature must be between 0 and 2")
+    if not 0.0 < msg.top_p <= 1.0:
+        raise bad("top_p must be greater than 0 and at most 1")
+    if isinstance(msg.stop, list) and len(msg.stop) > MAX_STOP_STRINGS:
+        raise bad(f"stop must be a string or a list of at most {MAX_STOP_STRINGS} strings")
+    if any(not s for s in msg.stop_strings()):
+        raise bad("stop strings must not be empty")
+    if msg.seed is not None and not 0 <= msg.seed <= MAX_SEED:
+        raise bad(f"seed must be an integer between 0 and {MAX_SEED}")
+    if msg.request_id is not None:
+        _check_id("request_id", msg.request_id)
+
+
+def _check_id(field: str, value: str) -> None:
+    if not 1 <= len(value) <= MAX_ID_CHARS:
+        raise InvalidRequest(f"{field} must be 1-{MAX_ID_CHARS} characters")
+    if _CONTROL_RE.search(value):
+        raise InvalidRequest(f"{field} must not contain control characters")
+
+
+def _peek_request_id(obj: dict[str, Any]) -> str | None:
+    value = obj.get("request_id")
+    if isinstance(value, str) and 1 <= len(value) <= MAX_ID_CHARS and not _CONTROL_RE.search(value):
+        return value
+    return None
+
+
+def _describe(exc: msgspec.ValidationError) -> str:
+    """Turn msgspec's message into one that names the field first: ``max_tokens: expected int``."""
+    text = str(exc)
+    match = _PATH_RE.search(text)
+    rule = text[: match.start()] if match else text
+    rule = rule.replace("`", "")
+    if rule.startswith("Object contains unknown field "):
+        return f"unknown field {rule.removeprefix('Object contains unknown field ')!r}"
+    if rule.startswith("Object missing required field "):
+        return f"missing field {rule.removeprefix('Object missing required field ')!r}"
+    path = match.group(1) if match else ""
+    if rule.startswith("Invalid enum value "):
+        rule = f"invalid value {rule.removeprefix('Invalid enum value ')}"
+        if path.endswith("role"):
+            rule += "; expected system, user or assistant"
+    rule = rule[:1].lower() + rule[1:]
+    if path and "[...]" not in path:
+        return f"{path}: {rule}"
+    return rule
+
+
+def _json_type(obj: object) -> str:
+    if isinstance(obj, list):
+        return "an array"
+    if isinstance(obj, str):
+        return "a string"
+    if isinstance(obj, bool):
+        return "a boolean"
+    if isinstance(obj, int | float):
+        return "a number"
+    return "null"
+
+
+# --------------------------------------------------------------------------- server frames
+
+
+def encode_frame(frame: ServerFrame) -> str:
+    """Encode a server frame as the text of a WebSocket text frame."""
+    return _encoder.encode(frame).decode("utf-8")
+
+
+def encode_error(error: SeedanceError, request_id: str | None = None) -> str:
+    body = ErrorBody(
+        code=error.code,
+        message=error.message,
+        retryable=error.retryable,
+        retry_after=error.retry_after_s,
+    )
+    return encode_frame(ErrorFrame(error=body, request_id=request_id or error.request_id))
+
+
+class TokenFrameEncoder:
+    """Builds the ``token`` frames of one request with no per-token dict or struct.
+
+    The request's constant suffix is encoded once; each frame costs one JSON string escape
+    and one string join.
+    """
+
+    __slots__ = ("_suffix",)
+
+    _PREFIX: Final = '{"type":"token","token":'
+
+    def __init__(self, request_id: str) -> None:
+        self._suffix = ',"request_id":' + _encoder.encode(request_id).decode("utf-8") + "}"
+
+    def encode(self, text: str, seq: int, n: int = 1) -> str:
+        token = _encoder.encode(text).decode("utf-8")
+        if n == 1:
+            return f'{self._PREFIX}{token},"seq":{seq}{self._suffix}'
+        return f'{self._PREFIX}{token},"seq":{seq},"n":{n}{self._suffix}'
+
+
+def decode_server_text(data: str | bytes) -> ServerFrame | None:
+    """Decode a frame from the server; ``None`` for a frame type this client does not know."""
+    try:
+        return _server_decoder.decode(data)
+    except msgspec.ValidationError as exc:
+        if "Invalid value" in str(exc) and "$.type" in str(exc):
+            return None
+        raise InvalidJSON(f"server frame does not match the protocol: {_describe(exc)}") from None
+    except msgspec.DecodeError as exc:
+        raise InvalidJSON(f"server frame is not valid JSON: {exc}") from None
+
+
+def encode_client_message(message: ClientMessage) -> str:
+    """Encode a client message with its ``type`` and the fields that differ from the defaults."""
+    fields: dict[str, Any] = {"type": message.type}
+    for info in msgspec.structs.fields(message):
+        value = getattr(message, info.name)
+        if info.name != "type" and value != info.default:
+            fields[info.name] = value
+    return _encoder.encode(fields).decode("utf-8")

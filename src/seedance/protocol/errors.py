@@ -1,0 +1,180 @@
+"""The one error hierarchy of Seedance, shared by the server and the client.
+
+Every error knows its protocol code (``../shared/PROTOCOL.md`` section 5), whether a client
+may retry it, and the WebSocket close code used when it ends a connection::
+
+    SeedanceError                       internal_error
+    ├── InvalidJSON                     invalid_json
+    ├── InvalidRequest                  invalid_request
+    ├── UnsupportedFrame                unsupported_frame
+    ├── SessionBusy                     session_busy        (retryable)
+    ├── ContextOverflow                 context_overflow
+    ├── ModelNotFound                   model_not_found     closes 4404
+    ├── Unauthorized                    unauthorized        closes 4401
+    ├── Forbidden                       forbidden           closes 4403
+    ├── QuotaExceeded                   quota_exceeded      (retryable) 4429 at connect
+    ├── Overloaded                      overloaded          (retryable) 1013 at connect
+    ├── PayloadTooLarge                 payload_too_large   closes 1009
+    ├── EngineError                     engine_error        (retryable)
+    ├── InternalError                   internal_error
+    └── ConnectionClosed                (client side only: the socket closed)
+
+Messages are written for the client: they name the field and the rule, never internal detail.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+# WebSocket close codes used by the protocol.
+CLOSE_NORMAL = 1000
+CLOSE_GOING_AWAY = 1001
+CLOSE_POLICY_VIOLATION = 1008
+CLOSE_MESSAGE_TOO_BIG = 1009
+CLOSE_INTERNAL_ERROR = 1011
+CLOSE_TRY_AGAIN_LATER = 1013
+CLOSE_UNAUTHORIZED = 4401
+CLOSE_FORBIDDEN = 4403
+CLOSE_NOT_FOUND = 4404
+CLOSE_IDLE_TIMEOUT = 4408
+CLOSE_QUOTA_EXCEEDED = 4429
+
+
+class SeedanceError(Exception):
+    """Base class: an error with a protocol code, safe to show to a client."""
+
+    code: ClassVar[str] = "internal_error"
+    retryable: ClassVar[bool] = False
+    #: Close code when this error ends the connection at any time (``None``: stays open).
+    close_code: ClassVar[int | None] = None
+    #: Close code when this error happens while connecting.
+    connect_close_code: ClassVar[int] = CLOSE_POLICY_VIOLATION
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        request_id: str | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.request_id = request_id
+        self.retry_after_s = retry_after_s
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(code={self.code!r}, message={self.message!r})"
+
+
+class InvalidJSON(SeedanceError):
+    code = "invalid_json"
+
+
+class InvalidRequest(SeedanceError):
+    code = "invalid_request"
+
+
+class UnsupportedFrame(SeedanceError):
+    code = "unsupported_frame"
+
+
+class SessionBusy(SeedanceError):
+    code = "session_busy"
+    retryable = True
+
+
+class ContextOverflow(SeedanceError):
+    code = "context_overflow"
+
+
+class ModelNotFound(SeedanceError):
+    code = "model_not_found"
+    close_code = CLOSE_NOT_FOUND
+    connect_close_code = CLOSE_NOT_FOUND
+
+
+class Unauthorized(SeedanceError):
+    code = "unauthorized"
+    close_code = CLOSE_UNAUTHORIZED
+    connect_close_code = CLOSE_UNAUTHORIZED
+
+
+class Forbidden(SeedanceError):
+    code = "forbidden"
+    close_code = CLOSE_FORBIDDEN
+    connect_close_code = CLOSE_FORBIDDEN
+
+
+class QuotaExceeded(SeedanceError):
+    code = "quota_exceeded"
+    retryable = True
+    connect_close_code = CLOSE_QUOTA_EXCEEDED
+
+
+class Overloaded(SeedanceError):
+    code = "overloaded"
+    retryable = True
+    connect_close_code = CLOSE_TRY_AGAIN_LATER
+
+
+class PayloadTooLarge(SeedanceError):
+    code = "payload_too_large"
+    close_code = CLOSE_MESSAGE_TOO_BIG
+    connect_close_code = CLOSE_MESSAGE_TOO_BIG
+
+
+class EngineError(SeedanceError):
+    code = "engine_error"
+    retryable = True
+
+
+class InternalError(SeedanceError):
+    code = "internal_error"
+    connect_close_code = CLOSE_INTERNAL_ERROR
+
+
+class ConnectionClosed(SeedanceError):
+    """Client side: the connection closed; ``received_code`` and ``reason`` say how."""
+
+    code = "connection_closed"
+    retryable = True
+
+    def __init__(self, received_code: int, reason: str = "") -> None:
+        super().__init__(f"connection closed with code {received_code}: {reason or 'no reason'}")
+        self.received_code = received_code
+        self.reason = reason
+
+
+ERRORS_BY_CODE: dict[str, type[SeedanceError]] = {
+    cls.code: cls
+    for cls in (
+        InvalidJSON,
+        InvalidRequest,
+        UnsupportedFrame,
+        SessionBusy,
+        ContextOverflow,
+        ModelNotFound,
+        Unauthorized,
+        Forbidden,
+        QuotaExceeded,
+        Overloaded,
+        PayloadTooLarge,
+        EngineError,
+        InternalError,
+    )
+}
+
+
+def error_from_wire(
+    code: str,
+    message: str,
+    *,
+    request_id: str | None = None,
+    retry_after_s: float | None = None,
+) -> SeedanceError:
+    """Rebuild the typed error of a received ``error`` frame (unknown codes: the base class)."""
+    cls = ERRORS_BY_CODE.get(code, SeedanceError)
+    err = cls(message, request_id=request_id, retry_after_s=retry_after_s)
+    if cls is SeedanceError:
+        err.code = code  # type: ignore[misc]  # keep the server's code visible to the caller
+    return err

@@ -1,0 +1,160 @@
+"""Typed messages of wire protocol v2 (``docs/protocol.md``).
+
+Client messages are decoded and validated by :mod:`seedance.protocol.codec`; server messages
+are ``msgspec`` structs whose JSON form carries ``"type"`` first. Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, NewType
+
+import msgspec
+
+SessionId = NewType("SessionId", str)
+RequestId = NewType("RequestId", str)
+TenantId = NewType("TenantId", str)
+
+Role = Literal["system", "user", "assistant"]
+FinishReason = Literal["stop", "length", "cancelled"]
+
+PROTOCOL_VERSION = "2.0"
+SUBPROTOCOL = "seedance.v2"
+
+# Compact binary heartbeat frames (PROTOCOL.md section 4).
+HEARTBEAT_PING = b"\x01\x00"
+HEARTBEAT_PONG = b"\x02\x00"
+
+
+class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One turn of a conversation."""
+
+    role: Role
+    content: str
+
+
+# --------------------------------------------------------------------------- client -> server
+
+
+class Generate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``generate``: a request for a reply. Field rules are in the codec."""
+
+    type: Literal["generate"] = "generate"
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    stream: bool = True
+    max_tokens: int = 256
+    temperature: float = 0.7
+    top_p: float = 1.0
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    request_id: str | None = None
+    reset: bool = False
+
+    def turns(self) -> list[ChatMessage]:
+        """The turns this request appends to the session context."""
+        if self.messages is not None:
+            return list(self.messages)
+        return [ChatMessage("user", self.prompt or "")]
+
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        if isinstance(self.stop, str):
+            return (self.stop,)
+        return tuple(self.stop)
+
+
+class Cancel(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``cancel``: stop the running generation (``request_id`` optional)."""
+
+    type: Literal["cancel"] = "cancel"
+    request_id: str | None = None
+
+
+class Ping(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``ping``: answered by a ``pong`` carrying the same ``id``."""
+
+    type: Literal["ping"] = "ping"
+    id: Any = None
+
+
+class EndSession(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``end_session``: delete the session now and close with 1000."""
+
+    type: Literal["end_session"] = "end_session"
+
+
+ClientMessage = Generate | Cancel | Ping | EndSession
+
+
+# --------------------------------------------------------------------------- server -> client
+
+
+class _ServerFrame(msgspec.Struct, tag_field="type", omit_defaults=True):
+    pass
+
+
+class SessionFrame(_ServerFrame, tag="session"):
+    session_id: str
+    model: str
+    created: bool
+    context_turns: int
+    expires_in: float
+    heartbeat_interval: float
+    idle_timeout: float
+    server: str
+
+
+class StartFrame(_ServerFrame, tag="start"):
+    request_id: str
+    trace_id: str
+    model: str
+    prompt_tokens: int
+
+
+class TokenFrame(_ServerFrame, tag="token"):
+    token: str
+    seq: int
+    request_id: str | None = None
+    n: int = 1
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class Timing(msgspec.Struct):
+    queue_ms: float
+    ttft_ms: float | None
+    total_ms: float
+
+
+class DoneFrame(_ServerFrame, tag="done"):
+    done: bool
+    request_id: str
+    trace_id: str
+    finish_reason: FinishReason
+    usage: Usage
+    timing: Timing
+    text: str | None = None
+
+
+class ErrorBody(msgspec.Struct, omit_defaults=True):
+    code: str
+    message: str
+    retryable: bool
+    retry_after: float | None = None
+
+
+class ErrorFrame(_ServerFrame, tag="error"):
+    error: ErrorBody
+    request_id: str | None = None
+
+
+class PongFrame(_ServerFrame, tag="pong"):
+    id: Any = None
+
+
+ServerFrame = SessionFrame | StartFrame | TokenFrame | DoneFrame | ErrorFrame | PongFrame
