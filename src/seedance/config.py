@@ -1,0 +1,311 @@
+"""Server configuration, read in one place.
+
+Every setting has one name used three ways: a flag (``--idle-timeout``), an environment
+variable (``SEEDANCE_IDLE_TIMEOUT``) and a key of the TOML file given by ``--config``
+(``idle_timeout = 30``). Precedence: flag > environment > file > default. The result is one
+frozen :class:`ServerConfig`, with units in the field names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from seedance.protocol.errors import SeedanceError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+ENV_PREFIX = "SEEDANCE_"
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+class ConfigError(SeedanceError):
+    """A setting is missing, unknown or out of range; raised before serving starts."""
+
+    code = "invalid_config"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    engine: str = "synthetic"
+    model: str | None = None
+    log_level: str = "info"
+    log_prompts: bool = False
+    max_frame_bytes: int = 1024 * 1024
+    session_ttl_s: float = 1800.0
+    max_sessions: int = 100_000
+    heartbeat_interval_s: float = 25.0
+    idle_timeout_s: float = 30.0
+    max_waiting: int = 1024
+    max_running: int = 0
+    max_connections: int = 100_000
+    max_pending_bytes: int = 1024 * 1024
+    write_timeout_s: float = 30.0
+    drain_timeout_s: float = 30.0
+    synthetic_ttft_ms: float = 0.0
+    synthetic_tokens_per_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Option:
+    """One setting: its field, flag, parser and help text."""
+
+    field: str
+    flag: str
+    parse: Callable[[str], Any]
+    help: str
+    check: Callable[[Any], bool] = lambda _: True
+    rule: str = ""
+
+    @property
+    def key(self) -> str:
+        """The TOML key."""
+        return self.flag.removeprefix("--").replace("-", "_")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.key.upper()
+
+
+def _bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
+def _positive(v: float) -> bool:
+    return v > 0
+
+
+def _non_negative(v: float) -> bool:
+    return v >= 0
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("host", "--host", str, "address to listen on"),
+    Option(
+        "port",
+        "--port",
+        int,
+        "TCP port (0: any free port)",
+        lambda v: 0 <= v <= 65535,
+        "between 0 and 65535",
+    ),
+    Option("engine", "--engine", str, "inference engine (installed: see `seedance engines`)"),
+    Option("model", "--model", str, "name the model is served under (default: the engine's)"),
+    Option(
+        "log_level",
+        "--log-level",
+        str.lower,
+        "log level",
+        lambda v: v in LOG_LEVELS,
+        "one of " + ", ".join(LOG_LEVELS),
+    ),
+    Option(
+        "log_prompts",
+        "--log-prompts",
+        _bool,
+        "log prompts and completions at DEBUG (off by default)",
+    ),
+    Option(
+        "max_frame_bytes",
+        "--max-frame-bytes",
+        int,
+        "largest inbound frame, bytes",
+        _positive,
+        "positive",
+    ),
+    Option(
+        "session_ttl_s",
+        "--session-ttl",
+        float,
+        "session lifetime after last use, seconds",
+        _positive,
+        "positive",
+    ),
+    Option(
+        "max_sessions", "--max-sessions", int, "sessions kept by this server", _positive, "positive"
+    ),
+    Option(
+        "heartbeat_interval_s",
+        "--heartbeat-interval",
+        float,
+        "send a heartbeat ping after this many seconds without inbound traffic",
+        _positive,
+        "positive",
+    ),
+    Option(
+        "idle_timeout_s",
+        "--idle-timeout",
+        float,
+        "close (4408) after this many seconds without any inbound frame",
+        _positive,
+        "positive",
+    ),
+    Option(
+        "max_waiting",
+        "--max-waiting",
+        int,
+        "admission queue length (waiting requests)",
+        _non_negative,
+        "0 or more",
+    ),
+    Option(
+        "max_running",
+        "--max-running",
+        int,
+        "generations run at once per engine (0: the engine's own limit)",
+        _non_negative,
+        "0 or more",
+    ),
+    Option(
+        "max_connections",
+        "--max-connections",
+        int,
+        "open WebSocket connections",
+        _positive,
+        "positive",
+    ),
+    Option(
+        "max_pending_bytes",
+        "--max-pending-bytes",
+        int,
+        "bytes held for a client that does not read before it is cut off",
+        _positive,
+        "positive",
+    ),
+    Option(
+        "write_timeout_s",
+        "--write-timeout",
+        float,
+        "cut off a client whose socket accepts nothing for this many seconds",
+        _positive,
+        "positive",
+    ),
+    Option(
+        "drain_timeout_s",
+        "--drain-timeout",
+        float,
+        "on shutdown, wait this long for running generations",
+        _non_negative,
+        "0 or more",
+    ),
+    Option(
+        "synthetic_ttft_ms",
+        "--synthetic-ttft-ms",
+        float,
+        "synthetic engine: delay before the first token, ms",
+        _non_negative,
+        "0 or more",
+    ),
+    Option(
+        "synthetic_tokens_per_s",
+        "--synthetic-tokens-per-s",
+        float,
+        "synthetic engine: token rate (0: unlimited)",
+        _non_negative,
+        "0 or more",
+    ),
+)
+
+_BY_KEY = {opt.key: opt for opt in OPTIONS}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``--config`` and one flag per option; unset flags stay ``None``."""
+    parser.add_argument(
+        "--config",
+        metavar="FILE.toml",
+        default=None,
+        help=f"TOML file of settings (env {ENV_PREFIX}CONFIG)",
+    )
+    defaults = ServerConfig()
+    for opt in OPTIONS:
+        default = getattr(defaults, opt.field)
+        shown = "" if default is None else f"; default {default}"
+        extra: dict[str, Any] = {"metavar": opt.key.upper()}
+        if opt.parse is _bool:  # ``--log-prompts`` alone means true
+            extra = {"nargs": "?", "const": "true", "metavar": "BOOL"}
+        parser.add_argument(
+            opt.flag,
+            dest=opt.field,
+            default=None,
+            help=f"{opt.help} (env {opt.env}{shown})",
+            **extra,
+        )
+
+
+def load_config(
+    flags: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> ServerConfig:
+    """Merge defaults, the TOML file, the environment and flags into a :class:`ServerConfig`.
+
+    ``flags`` maps field names to raw flag strings (``None``: not given), as
+    :func:`add_arguments` leaves them; ``flags["config"]`` names the TOML file.
+    """
+    flags = dict(flags or {})
+    env = env if env is not None else {}
+    values: dict[str, Any] = {}
+
+    path = flags.get("config") or env.get(ENV_PREFIX + "CONFIG")
+    if path:
+        for key, raw in _read_toml(Path(path)).items():
+            opt = _BY_KEY.get(key)
+            if opt is None:
+                raise ConfigError(f"{path}: unknown setting {key!r}")
+            values[opt.field] = _convert(opt, raw, f"{path}: {key}")
+    for opt in OPTIONS:
+        if opt.env in env:
+            values[opt.field] = _convert(opt, env[opt.env], opt.env)
+    for opt in OPTIONS:
+        raw = flags.get(opt.field)
+        if raw is not None:
+            values[opt.field] = _convert(opt, raw, opt.flag)
+    return dataclasses.replace(ServerConfig(), **values)
+
+
+def _convert(opt: Option, raw: Any, source: str) -> Any:
+    """Parse a string (flag, env, TOML string) or check a typed TOML value."""
+    try:
+        if isinstance(raw, str):
+            value = opt.parse(raw)
+        elif opt.parse is _bool and isinstance(raw, bool):
+            value = raw
+        elif opt.parse is int and isinstance(raw, int) and not isinstance(raw, bool):
+            value = raw
+        elif opt.parse is float and isinstance(raw, int | float) and not isinstance(raw, bool):
+            value = float(raw)
+        else:
+            raise TypeError(raw)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{source}: invalid value {raw!r}") from None
+    if not opt.check(value):
+        raise ConfigError(f"{source}: must be {opt.rule}, got {raw!r}")
+    return value
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as fh:
+            data: dict[str, Any] = tomllib.load(fh)
+            return data
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from None

@@ -1,0 +1,108 @@
+"""The one interface every inference backend implements.
+
+The serving layer knows engines only through :class:`Engine`: it counts tokens to fit a
+conversation into the context window, asks for a reply as an async iterator of
+:class:`TokenDelta`, and aborts a request by closing that iterator (``aclose()``), which it does
+on ``cancel``, on a client disconnect and on shutdown. An engine must stop the work behind a
+closed iterator promptly and free what it held.
+
+Engines are found by name through the ``seedance.engines`` entry point group (see
+:mod:`seedance.engines.registry`); an entry point names a factory ``(ServerConfig) -> Engine``.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass
+
+from seedance.protocol.messages import ChatMessage, FinishReason, RequestId
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What the serving layer needs to know about a served model."""
+
+    name: str
+    engine: str
+    context_length: int
+    max_output_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 0.7
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """One reply to generate: the whole (already trimmed) context and how to sample."""
+
+    request_id: RequestId
+    messages: tuple[ChatMessage, ...]
+    params: SamplingParams
+    prompt_tokens: int
+    priority: int = 0
+
+
+@dataclass(slots=True)
+class TokenDelta:
+    """Text that became final, and how many tokens it covers.
+
+    ``tokens`` may be more than one when an engine had to hold text back (a partial UTF-8
+    character, a possible stop string) and may be 0 on a last delta that only carries
+    ``finish_reason``. The last delta of a reply has ``finish_reason`` set.
+    """
+
+    text: str
+    tokens: int = 1
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineHealth:
+    ok: bool
+    detail: str = ""
+
+
+class Engine(abc.ABC):
+    """Base class of inference backends."""
+
+    #: How many generations the engine runs well at once; the admission cap defaults to it.
+    max_concurrency: int = 64
+    #: Tokens a chat template adds around each message and before the reply.
+    message_overhead_tokens: int = 0
+    reply_overhead_tokens: int = 0
+
+    @property
+    @abc.abstractmethod
+    def info(self) -> ModelInfo: ...
+
+    async def start(self) -> None:  # noqa: B027 - an optional hook
+        """Load what the engine needs; called once before serving."""
+
+    async def close(self) -> None:  # noqa: B027 - an optional hook
+        """Release everything; called once at shutdown after requests ended."""
+
+    @abc.abstractmethod
+    def count_tokens(self, text: str) -> int:
+        """Tokens of ``text`` under the model's tokenizer."""
+
+    def count_message_tokens(self, message: ChatMessage) -> int:
+        """Tokens one message takes in a prompt, template included."""
+        return self.count_tokens(message.content) + self.message_overhead_tokens
+
+    def count_prompt_tokens(self, messages: Sequence[ChatMessage]) -> int:
+        """Tokens of the whole prompt built from ``messages``."""
+        return self.reply_overhead_tokens + sum(self.count_message_tokens(m) for m in messages)
+
+    @abc.abstractmethod
+    def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
+        """Stream the reply. Closing the generator aborts the request."""
+
+    def health(self) -> EngineHealth:
+        return EngineHealth(ok=True)

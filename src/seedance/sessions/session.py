@@ -1,0 +1,72 @@
+"""A session: the turns of one conversation, and the generation running on it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from seedance.protocol.messages import ChatMessage, RequestId, SessionId, TenantId
+
+SessionKey = tuple[TenantId, SessionId]
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """One message of the context with its token count under ``model``."""
+
+    message: ChatMessage
+    tokens: int
+    model: str
+
+
+class Session:
+    """The state of one conversation. Owned by a :class:`~seedance.sessions.SessionStore`."""
+
+    __slots__ = ("active_request", "attached", "created_at", "key", "last_active", "turns")
+
+    def __init__(self, key: SessionKey, now: float) -> None:
+        self.key = key
+        self.turns: list[Turn] = []
+        self.created_at = now
+        self.last_active = now
+        self.active_request: RequestId | None = None
+        self.attached = 0
+
+    @property
+    def tenant(self) -> TenantId:
+        return self.key[0]
+
+    @property
+    def session_id(self) -> SessionId:
+        return self.key[1]
+
+    @property
+    def busy(self) -> bool:
+        return self.active_request is not None
+
+    def begin(self, request_id: RequestId) -> bool:
+        """Claim the session for one generation; false when one is already running."""
+        if self.active_request is not None:
+            return False
+        self.active_request = request_id
+        return True
+
+    def end(self, request_id: RequestId) -> None:
+        if self.active_request == request_id:
+            self.active_request = None
+
+    def commit(self, turns: Sequence[Turn], *, reset: bool, max_tokens: int) -> None:
+        """Append a finished exchange (after clearing the context when ``reset``).
+
+        The stored context is trimmed from the oldest turns to at most ``max_tokens``.
+        """
+        if reset:
+            self.turns.clear()
+        self.turns.extend(turns)
+        total = sum(t.tokens for t in self.turns)
+        drop = 0
+        while total > max_tokens and drop < len(self.turns) - 1:
+            total -= self.turns[drop].tokens
+            drop += 1
+        if drop:
+            del self.turns[:drop]

@@ -1,0 +1,172 @@
+"""Session stores: where sessions live between connections.
+
+:class:`SessionStore` is the interface the server uses; :class:`MemorySessionStore` keeps
+sessions in this process. A store for a cluster (Redis) implements the same methods.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Protocol
+
+from seedance.protocol.errors import Overloaded
+from seedance.protocol.messages import SessionId, TenantId
+from seedance.sessions.session import Session, SessionKey
+
+logger = logging.getLogger(__name__)
+
+
+def new_session_id() -> SessionId:
+    return SessionId("s-" + secrets.token_urlsafe(12))
+
+
+class SessionStore(Protocol):
+    """What the server needs from a session store."""
+
+    ttl_s: float
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def attach(self, tenant: TenantId, session_id: SessionId | None) -> tuple[Session, bool]:
+        """Return the session (created when unknown or absent) and whether it was created.
+
+        Raises :class:`Overloaded` when the store is full of sessions in use.
+        """
+        ...
+
+    async def detach(self, session: Session) -> None:
+        """A connection let go of ``session``; its TTL starts counting."""
+        ...
+
+    async def save(self, session: Session) -> None:
+        """Persist ``session`` after its context changed."""
+        ...
+
+    async def delete(self, session: Session) -> None: ...
+
+    def __len__(self) -> int: ...
+
+
+class MemorySessionStore:
+    """Sessions in a dict ordered by last use; a reaper task expires them after ``ttl_s``.
+
+    Sessions attached to a connection or running a generation never expire. When
+    ``max_sessions`` is reached, the least recently used idle session is evicted.
+    """
+
+    def __init__(
+        self,
+        *,
+        ttl_s: float,
+        max_sessions: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.ttl_s = ttl_s
+        self.max_sessions = max_sessions
+        self._clock = clock
+        self._sessions: OrderedDict[SessionKey, Session] = OrderedDict()
+        self._reaper: asyncio.Task[None] | None = None
+        self.expired_total = 0
+        self.evicted_total = 0
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    async def start(self) -> None:
+        if self._reaper is None:
+            self._reaper = asyncio.create_task(self._reap_forever(), name="session-reaper")
+
+    async def close(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            await asyncio.gather(self._reaper, return_exceptions=True)
+            self._reaper = None
+
+    async def attach(self, tenant: TenantId, session_id: SessionId | None) -> tuple[Session, bool]:
+        now = self._clock()
+        key: SessionKey = (tenant, session_id or new_session_id())
+        session = self._sessions.get(key)
+        created = False
+        if session is not None and self._expired(session, now):
+            self._remove(key)
+            self.expired_total += 1
+            session = None
+        if session is None:
+            if len(self._sessions) >= self.max_sessions:
+                self._evict_one()
+            session = Session(key, now)
+            self._sessions[key] = session
+            created = True
+        else:
+            self._sessions.move_to_end(key)
+        session.attached += 1
+        session.last_active = now
+        return session, created
+
+    async def detach(self, session: Session) -> None:
+        session.attached = max(0, session.attached - 1)
+        self.touch(session)
+
+    async def save(self, session: Session) -> None:
+        self.touch(session)
+
+    async def delete(self, session: Session) -> None:
+        self._remove(session.key)
+
+    def touch(self, session: Session) -> None:
+        session.last_active = self._clock()
+        if session.key in self._sessions:
+            self._sessions.move_to_end(session.key)
+
+    def get(self, tenant: TenantId, session_id: SessionId) -> Session | None:
+        return self._sessions.get((tenant, session_id))
+
+    def sweep(self) -> int:
+        """Expire idle sessions past their TTL; returns how many went."""
+        now = self._clock()
+        expired = []
+        for key, session in self._sessions.items():
+            if now - session.last_active < self.ttl_s:
+                break  # ordered by last use: the rest are younger
+            if self._expired(session, now):
+                expired.append(key)
+        for key in expired:
+            self._remove(key)
+        self.expired_total += len(expired)
+        return len(expired)
+
+    def _expired(self, session: Session, now: float) -> bool:
+        return (
+            session.attached == 0 and not session.busy and now - session.last_active >= self.ttl_s
+        )
+
+    def _evict_one(self) -> None:
+        for key, session in self._sessions.items():
+            if session.attached == 0 and not session.busy:
+                self._remove(key)
+                self.evicted_total += 1
+                logger.info("session %s evicted: %d sessions kept", key[1], self.max_sessions)
+                return
+        raise Overloaded(f"the server holds {self.max_sessions} sessions, all in use; retry later")
+
+    def _remove(self, key: SessionKey) -> None:
+        self._sessions.pop(key, None)
+
+    async def _reap_forever(self) -> None:
+        interval = min(max(self.ttl_s / 4, 0.05), 5.0)
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                count = self.sweep()
+            except Exception:  # pragma: no cover - a bug; keep the reaper alive
+                logger.exception("session reaper failed")
+                continue
+            if count:
+                logger.info("expired %d idle session(s)", count)

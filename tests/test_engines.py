@@ -1,0 +1,148 @@
+"""Engine pieces without a server: stop strings, the synthetic engine, the registry."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from seedance.config import ConfigError, ServerConfig
+from seedance.engines.base import GenerationRequest, SamplingParams, TokenDelta
+from seedance.engines.registry import available_engines, create_engine
+from seedance.engines.stops import StopMatcher
+from seedance.engines.synthetic import SyntheticEngine
+from seedance.protocol.messages import ChatMessage, RequestId
+
+
+def run_matcher(pieces: list[str], stops: tuple[str, ...]) -> tuple[str, int, bool, list[int]]:
+    matcher = StopMatcher(stops)
+    text, tokens, counts = "", 0, []
+    for piece in pieces:
+        out, n = matcher.push(piece)
+        assert (out == "") == (n == 0) or out == ""
+        text += out
+        tokens += n
+        counts.append(n)
+        if matcher.stopped:
+            return text, tokens, True, counts
+    out, n = matcher.flush()
+    return text + out, tokens + n, False, counts
+
+
+def test_stop_string_split_across_tokens() -> None:
+    text, tokens, stopped, _ = run_matcher(["Hel", "lo wo", "rld", "!"], ("o world",))
+    assert (text, stopped) == ("Hell", True)
+    assert tokens == 2  # "Hel" and the token that holds "lo wo"
+
+
+def test_no_stop_emits_everything_with_every_token_counted() -> None:
+    pieces = ["a", "b", "c", "w", "o", "x"]
+    text, tokens, stopped, counts = run_matcher(pieces, ("world",))
+    assert (text, tokens, stopped) == ("abcwox", 6, False)
+    assert counts[3:5] == [0, 0]  # "w", "wo" held while they could start "world"
+
+
+def test_stop_at_the_very_start_and_empty_stops() -> None:
+    assert run_matcher(["STOP", "x"], ("STOP",))[:3] == ("", 0, True)
+    assert run_matcher(["a", "b"], ())[:3] == ("ab", 2, False)
+
+
+def naive_stop(pieces: list[str], stops: tuple[str, ...]) -> str | None:
+    """After each token, look for any stop in all the text so far; cut at the first found."""
+    text = ""
+    for piece in pieces:
+        text += piece
+        found = [text.find(s) for s in stops if s in text]
+        if found:
+            return text[: min(found)]
+    return None
+
+
+def test_stop_matcher_against_a_naive_search() -> None:
+    rng = random.Random(5)
+    alphabet = "ab c"
+    for _ in range(3000):
+        pieces = [
+            "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 3)))
+            for _ in range(rng.randint(1, 12))
+        ]
+        stops = tuple(
+            "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4)))
+            for _ in range(rng.randint(1, 3))
+        )
+        expected = naive_stop(pieces, stops)
+        text, tokens, stopped, _ = run_matcher(pieces, stops)
+        if expected is None:
+            assert (text, tokens, stopped) == ("".join(pieces), len(pieces), False)
+        else:
+            assert (text, stopped) == (expected, True), (pieces, stops)
+
+
+def request(content: str, **params: object) -> GenerationRequest:
+    messages = (ChatMessage("user", content),)
+    return GenerationRequest(RequestId("r"), messages, SamplingParams(**params), prompt_tokens=5)  # type: ignore[arg-type]
+
+
+async def drain(engine: SyntheticEngine, req: GenerationRequest) -> list[TokenDelta]:
+    return [d async for d in engine.generate(req)]
+
+
+async def test_synthetic_is_deterministic_and_exact() -> None:
+    engine = SyntheticEngine()
+    a = await drain(engine, request("hello", max_tokens=50, seed=1))
+    b = await drain(engine, request("hello", max_tokens=50, seed=1))
+    c = await drain(engine, request("hello", max_tokens=50, seed=2))
+    text = "".join(d.text for d in a)
+    assert text == "".join(d.text for d in b) != "".join(d.text for d in c)
+    assert sum(d.tokens for d in a) == 50 and a[-1].finish_reason == "length"
+    assert engine.count_tokens(text) == 50  # its tokenizer agrees with its own output
+    assert engine.stats.requests_finished == 3 and engine.stats.active == 0
+
+
+async def test_synthetic_pacing() -> None:
+    engine = SyntheticEngine(ttft_ms=100, tokens_per_s=100)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    stream = engine.generate(request("x", max_tokens=11))
+    await stream.__anext__()
+    first = loop.time() - started
+    async for _ in stream:
+        pass
+    total = loop.time() - started
+    assert 0.09 <= first < 0.5
+    assert 0.19 <= total < 1.0
+
+
+async def test_synthetic_abort_on_close() -> None:
+    engine = SyntheticEngine(tokens_per_s=1000)
+    stream = engine.generate(request("x", max_tokens=1000))
+    await stream.__anext__()
+    await stream.aclose()
+    assert engine.stats.requests_aborted == 1 and engine.stats.active == 0
+    produced = engine.stats.tokens_generated
+    await asyncio.sleep(0.05)
+    assert engine.stats.tokens_generated == produced
+
+
+async def test_synthetic_respects_the_context_window() -> None:
+    engine = SyntheticEngine(context_length=20)
+    deltas = await drain(
+        engine,
+        GenerationRequest(
+            RequestId("r"),
+            (ChatMessage("user", "x"),),
+            SamplingParams(max_tokens=100),
+            prompt_tokens=15,
+        ),
+    )
+    assert sum(d.tokens for d in deltas) == 5
+
+
+def test_registry_finds_the_builtin_engine() -> None:
+    assert "synthetic" in available_engines()
+    engine = create_engine(ServerConfig(engine="synthetic", model="named", synthetic_ttft_ms=5))
+    assert isinstance(engine, SyntheticEngine)
+    assert engine.info.name == "named" and engine.ttft_s == 0.005
+    with pytest.raises(ConfigError, match=r"unknown engine 'nope'; installed engines: .*synthetic"):
+        create_engine(ServerConfig(engine="nope"))
