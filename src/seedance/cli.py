@@ -1,0 +1,234 @@
+"""The ``seedance`` command: ``serve``, ``chat`` and ``engines``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from seedance import __version__
+from seedance.config import ConfigError, ServerConfig, add_arguments, load_config
+from seedance.protocol.errors import SeedanceError
+
+if TYPE_CHECKING:
+    from seedance.client import ClientSession
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "chat":
+        return _chat(args)
+    if args.command == "engines":
+        return _engines()
+    parser.print_help()
+    return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="seedance", description="WebSocket-native LLM inference server and gateway."
+    )
+    parser.add_argument("--version", action="version", version=f"seedance {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    serve = commands.add_parser(
+        "serve", help="run the server", description="Serve /v2/infer, /healthz and /v1/models."
+    )
+    add_arguments(serve)
+
+    chat = commands.add_parser(
+        "chat",
+        help="chat with a server from the terminal",
+        description="Stream replies to the terminal; Ctrl-C cancels a "
+        "reply, Ctrl-D (end of input) exits.",
+    )
+    chat.add_argument(
+        "--url",
+        default=os.environ.get("SEEDANCE_URL", "ws://127.0.0.1:8000"),
+        help="server URL (env SEEDANCE_URL; default ws://127.0.0.1:8000)",
+    )
+    chat.add_argument("--session", default=None, help="session id to create or re-attach")
+    chat.add_argument("--model", default=None, help="served model name")
+    chat.add_argument(
+        "--api-key",
+        default=os.environ.get("SEEDANCE_API_KEY"),
+        help="credential (env SEEDANCE_API_KEY)",
+    )
+    chat.add_argument(
+        "--once", metavar="PROMPT", default=None, help="send one prompt, print the reply, exit"
+    )
+    chat.add_argument("--max-tokens", type=int, default=None)
+    chat.add_argument("--temperature", type=float, default=None)
+    chat.add_argument("--seed", type=int, default=None)
+    chat.add_argument(
+        "--verbose", "-v", action="store_true", help="print session, usage and timing to stderr"
+    )
+
+    commands.add_parser("engines", help="list installed engines")
+    return parser
+
+
+# --------------------------------------------------------------------------- serve
+
+
+def configure_logging(config: ServerConfig) -> None:
+    level = getattr(logging, config.log_level.upper())
+    logging.basicConfig(
+        level=level,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    # uvicorn's own per-connection lines repeat ours; keep its warnings and errors.
+    uvicorn_level = level if level <= logging.DEBUG else logging.WARNING
+    logging.getLogger("uvicorn.error").setLevel(uvicorn_level)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(vars(args), os.environ)
+        configure_logging(config)
+        from seedance.server.runner import build_server
+
+        server = build_server(config)
+    except ConfigError as exc:
+        print(f"seedance serve: error: {exc.message}", file=sys.stderr)
+        return 2
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the signal once it has shut down
+        return 130
+    return 0 if server.started else 1
+
+
+def _engines() -> int:
+    from seedance.engines.registry import available_engines
+
+    for name, entry in sorted(available_engines().items()):
+        print(f"{name}\t{entry.value}")
+    return 0
+
+
+# --------------------------------------------------------------------------- chat
+
+
+def _chat(args: argparse.Namespace) -> int:
+    try:
+        return asyncio.run(_chat_main(args))
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except SeedanceError as exc:
+        print(f"seedance chat: {exc.code}: {exc.message}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"seedance chat: cannot connect to {args.url}: {exc}", file=sys.stderr)
+        return 1
+
+
+async def _chat_main(args: argparse.Namespace) -> int:
+    from seedance.client import connect
+
+    async with connect(
+        args.url, session_id=args.session, model=args.model, api_key=args.api_key
+    ) as session:
+        if args.verbose or args.once is None:
+            state = (
+                "created"
+                if session.created
+                else (f"re-attached, {session.info.context_turns} turns of context")
+            )
+            print(f"session {session.session_id} ({state}), model {session.model}", file=sys.stderr)
+        if args.once is not None:
+            await _reply(session, args.once, args)
+            return 0
+        print(
+            "Type a message and press Enter. Ctrl-C cancels a reply; Ctrl-D exits.", file=sys.stderr
+        )
+        while True:
+            line = await _read_line("> " if sys.stdin.isatty() else "")
+            if line is None:
+                return 0
+            if line.strip():
+                await _reply(session, line, args)
+
+
+async def _reply(session: ClientSession, prompt: str, args: argparse.Namespace) -> None:
+    stream = session.generate(
+        prompt, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
+    )
+    loop = asyncio.get_running_loop()
+    cancel_tasks: list[asyncio.Task[None]] = []
+
+    def on_interrupt() -> None:  # Ctrl-C: cancel this reply, not the program
+        cancel_tasks.append(loop.create_task(stream.cancel()))
+
+    handled = _add_sigint_handler(loop, on_interrupt)
+    try:
+        async for chunk in stream:
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+    except SeedanceError as exc:
+        print(f"\n[{exc.code}] {exc.message}", file=sys.stderr)
+        if exc.code == "connection_closed":
+            raise
+        return
+    finally:
+        if handled:
+            loop.remove_signal_handler(signal.SIGINT)
+        await asyncio.gather(*cancel_tasks, return_exceptions=True)
+    done = stream.done
+    if done is not None and done.finish_reason == "cancelled":
+        sys.stdout.write(" [cancelled]")
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    if args.verbose and done is not None:
+        usage, timing = done.usage, done.timing
+        ttft = "-" if timing.ttft_ms is None else f"{timing.ttft_ms:.1f} ms"
+        print(
+            f"[{done.finish_reason}] prompt_tokens={usage.prompt_tokens} "
+            f"completion_tokens={usage.completion_tokens} queue={timing.queue_ms:.1f} ms "
+            f"ttft={ttft} total={timing.total_ms:.1f} ms request_id={done.request_id}",
+            file=sys.stderr,
+        )
+
+
+def _add_sigint_handler(loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -> bool:
+    try:
+        loop.add_signal_handler(signal.SIGINT, callback)
+    except (NotImplementedError, RuntimeError):  # not the main thread, or no signals here
+        return False
+    return True
+
+
+async def _read_line(prompt: str) -> str | None:
+    """Read a line from stdin without blocking the loop (heartbeats keep flowing)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[str | None] = loop.create_future()
+
+    def read() -> None:
+        try:
+            line: str | None = input(prompt)
+        except EOFError:
+            line = None
+        loop.call_soon_threadsafe(_resolve, future, line)
+
+    threading.Thread(target=read, name="stdin", daemon=True).start()
+    return await future
+
+
+def _resolve(future: asyncio.Future[str | None], value: str | None) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,392 @@
+"""Asyncio client for ``/v2/infer``, built on :mod:`seedance.protocol` and ``websockets``.
+
+::
+
+    async with connect("ws://127.0.0.1:8000", session_id="abc") as session:
+        async for chunk in session.generate("hello", max_tokens=32):
+            print(chunk.text, end="", flush=True)
+        rtt_s = await session.ping()
+
+Server errors are raised as the typed exceptions of :mod:`seedance.protocol.errors`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections import deque
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+from urllib.parse import urlencode, urlsplit, urlunsplit
+
+from websockets.asyncio.client import ClientConnection
+from websockets.asyncio.client import connect as ws_connect
+from websockets.exceptions import ConnectionClosed as WsConnectionClosed
+
+from seedance.protocol.codec import decode_server_text, encode_client_message
+from seedance.protocol.errors import (
+    ConnectionClosed,
+    InvalidRequest,
+    SeedanceError,
+    error_from_wire,
+)
+from seedance.protocol.messages import (
+    HEARTBEAT_PING,
+    HEARTBEAT_PONG,
+    SUBPROTOCOL,
+    Cancel,
+    ChatMessage,
+    DoneFrame,
+    EndSession,
+    ErrorFrame,
+    Generate,
+    Ping,
+    PongFrame,
+    ServerFrame,
+    SessionFrame,
+    StartFrame,
+    TokenFrame,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenChunk:
+    """Text of one token frame: tokens ``seq`` .. ``seq + n - 1`` of the reply."""
+
+    text: str
+    seq: int
+    n: int = 1
+
+
+def infer_url(url: str, **params: str | None) -> str:
+    """``ws://host:port`` (path optional) plus query parameters, pointing at ``/v2/infer``."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("ws", "wss"):
+        raise InvalidRequest(f"url must start with ws:// or wss://, got {url!r}")
+    path = parts.path if parts.path not in ("", "/") else "/v2/infer"
+    query = urlencode({k: v for k, v in params.items() if v is not None})
+    if parts.query:
+        query = f"{parts.query}&{query}" if query else parts.query
+    return urlunsplit((parts.scheme, parts.netloc, path, query, ""))
+
+
+class Stream:
+    """One request's reply: an async iterator of :class:`TokenChunk`.
+
+    After the iteration ends, :attr:`done` holds the ``done`` frame (usage, timing,
+    ``finish_reason``) and :attr:`text` the whole reply.
+    """
+
+    def __init__(self, session: ClientSession, message: Generate) -> None:
+        self._session = session
+        self._message = message
+        self.request_id: str = message.request_id or ""
+        self.start: StartFrame | None = None
+        self.done: DoneFrame | None = None
+        self._parts: list[str] = []
+        # Unbounded: the reader never waits on one stream (heartbeats keep flowing).
+        self._queue: asyncio.Queue[ServerFrame | BaseException] = asyncio.Queue()
+        self._sent = False
+
+    @property
+    def text(self) -> str:
+        if self.done is not None and self.done.text is not None:
+            return self.done.text
+        return "".join(self._parts)
+
+    def __aiter__(self) -> Stream:
+        return self
+
+    async def __anext__(self) -> TokenChunk:
+        if not self._sent:
+            self._sent = True
+            await self._session._send_generate(self)
+        while self.done is None:
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if isinstance(item, TokenFrame):
+                self._parts.append(item.token)
+                return TokenChunk(item.token, item.seq, item.n)
+            if isinstance(item, StartFrame):
+                self.start = item
+            elif isinstance(item, DoneFrame):
+                self.done = item
+        raise StopAsyncIteration
+
+    async def collect(self) -> DoneFrame:
+        """Read the reply to its end and return the ``done`` frame."""
+        async for _ in self:
+            pass
+        assert self.done is not None
+        return self.done
+
+    async def cancel(self) -> None:
+        await self._session.cancel(self.request_id)
+
+
+class ClientSession:
+    """One connection to a server session. Create it with :func:`connect`."""
+
+    def __init__(self, ws: ClientConnection, info: SessionFrame) -> None:
+        self._ws = ws
+        self.info = info
+        self._streams: dict[str, Stream] = {}
+        self._pongs: deque[tuple[asyncio.Future[float], float]] = deque()
+        self._json_pongs: dict[str, asyncio.Future[float]] = {}
+        self._error: SeedanceError | None = None  # an error frame about the connection
+        self._closed: ConnectionClosed | None = None
+        self._reader = asyncio.create_task(self._read_forever(), name="seedance-client-reader")
+
+    @property
+    def session_id(self) -> str:
+        return self.info.session_id
+
+    @property
+    def model(self) -> str:
+        return self.info.model
+
+    @property
+    def created(self) -> bool:
+        return self.info.created
+
+    @property
+    def closed(self) -> bool:
+        return self._closed is not None
+
+    @property
+    def close_code(self) -> int | None:
+        return self._closed.received_code if self._closed else None
+
+    # ------------------------------------------------------------------ requests
+
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[ChatMessage | dict[str, str]] | None = None,
+        stream: bool = True,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        stop: str | Sequence[str] | None = None,
+        seed: int | None = None,
+        request_id: str | None = None,
+        reset: bool = False,
+    ) -> Stream:
+        """Ask for a reply; iterate the result for its tokens."""
+        fields: dict[str, Any] = {
+            "prompt": prompt,
+            "stream": stream,
+            "seed": seed,
+            "request_id": request_id or "c-" + secrets.token_hex(6),
+            "reset": reset,
+        }
+        if messages is not None:
+            fields["messages"] = [
+                m if isinstance(m, ChatMessage) else ChatMessage(m["role"], m["content"])  # type: ignore[arg-type]
+                for m in messages
+            ]
+        for name, value in (
+            ("max_tokens", max_tokens),
+            ("temperature", temperature),
+            ("top_p", top_p),
+        ):
+            if value is not None:
+                fields[name] = value
+        if stop is not None:
+            fields["stop"] = stop if isinstance(stop, str) else list(stop)
+        return Stream(self, Generate(**fields))
+
+    async def complete(self, prompt: str | None = None, **kwargs: Any) -> DoneFrame:
+        """Ask for a whole reply (``stream: false``); the ``done`` frame carries ``text``."""
+        return await self.generate(prompt, stream=False, **kwargs).collect()
+
+    async def cancel(self, request_id: str | None = None) -> None:
+        await self._send(encode_client_message(Cancel(request_id=request_id)))
+
+    async def ping(self, timeout_s: float = 10.0) -> float:
+        """Round trip of a binary heartbeat, in seconds."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[float] = loop.create_future()
+        self._pongs.append((future, loop.time()))
+        await self._send(HEARTBEAT_PING)
+        return await asyncio.wait_for(future, timeout_s)
+
+    async def ping_json(self, timeout_s: float = 10.0) -> float:
+        """Round trip of a JSON ``ping``, in seconds."""
+        loop = asyncio.get_running_loop()
+        ping_id = secrets.token_hex(4)
+        future: asyncio.Future[float] = loop.create_future()
+        self._json_pongs[ping_id] = future
+        sent = loop.time()
+        await self._send(encode_client_message(Ping(id=ping_id)))
+        await asyncio.wait_for(future, timeout_s)
+        return loop.time() - sent
+
+    async def end(self) -> None:
+        """Delete the session on the server (``end_session``) and wait for the close."""
+        await self._send(encode_client_message(EndSession()))
+        await asyncio.gather(self._reader, return_exceptions=True)
+
+    async def close(self) -> None:
+        """Close the connection; the session lives on on the server until its TTL."""
+        await self._ws.close()
+        await asyncio.gather(self._reader, return_exceptions=True)
+
+    async def send_raw(self, data: str | bytes) -> None:
+        """Send a frame as is (for tools and tests of the protocol)."""
+        await self._send(data)
+
+    # ------------------------------------------------------------------ internals
+
+    async def _send_generate(self, stream: Stream) -> None:
+        self._streams[stream.request_id] = stream
+        try:
+            await self._send(encode_client_message(stream._message))
+        except BaseException:
+            self._streams.pop(stream.request_id, None)
+            raise
+
+    async def _send(self, data: str | bytes) -> None:
+        if self._closed is not None:
+            raise self._error or self._closed
+        try:
+            await self._ws.send(data)
+        except WsConnectionClosed:
+            await asyncio.gather(self._reader, return_exceptions=True)
+            raise self._error or self._closed or ConnectionClosed(1006) from None
+
+    async def _read_forever(self) -> None:
+        ws = self._ws
+        try:
+            async for data in ws:
+                if isinstance(data, bytes):
+                    await self._on_binary(data)
+                    continue
+                frame = decode_server_text(data)
+                if frame is not None:
+                    self._on_frame(frame)
+        except WsConnectionClosed:
+            pass
+        except SeedanceError as exc:  # the server broke the protocol
+            self._error = exc
+            await ws.close(1002, "protocol error")
+        finally:
+            self._closed = ConnectionClosed(ws.close_code or 1006, ws.close_reason or "")
+            failure: BaseException = self._error or self._closed
+            for stream in self._streams.values():
+                stream._queue.put_nowait(failure)
+            self._streams.clear()
+            for future, _ in self._pongs:
+                if not future.done():
+                    future.set_exception(self._closed)
+            for future in self._json_pongs.values():
+                if not future.done():
+                    future.set_exception(self._closed)
+
+    async def _on_binary(self, data: bytes) -> None:
+        if data == HEARTBEAT_PING:
+            await self._ws.send(HEARTBEAT_PONG)
+        elif data == HEARTBEAT_PONG and self._pongs:
+            future, sent = self._pongs.popleft()
+            if not future.done():
+                future.set_result(asyncio.get_running_loop().time() - sent)
+
+    def _on_frame(self, frame: ServerFrame) -> None:
+        if isinstance(frame, PongFrame):
+            future = self._json_pongs.pop(str(frame.id), None)
+            if future is not None and not future.done():
+                future.set_result(0.0)
+            return
+        if isinstance(frame, SessionFrame):
+            self.info = frame
+            return
+        request_id = frame.request_id
+        stream = self._streams.get(request_id) if request_id else None
+        if isinstance(frame, ErrorFrame):
+            body = frame.error
+            error = error_from_wire(
+                body.code, body.message, request_id=request_id, retry_after_s=body.retry_after
+            )
+            if stream is None:
+                self._error = error
+                if len(self._streams) == 1:  # an error about the frame we just sent
+                    stream = next(iter(self._streams.values()))
+            if stream is not None:
+                self._streams.pop(stream.request_id, None)
+                stream._queue.put_nowait(error)
+            return
+        self._error = None
+        if stream is not None:
+            if isinstance(frame, DoneFrame):
+                self._streams.pop(stream.request_id, None)
+            stream._queue.put_nowait(frame)
+
+
+class connect:
+    """Open a session: ``async with connect(url) as session`` or ``await connect(url)``.
+
+    ``url`` is ``ws://host:port`` (``/v2/infer`` is added) or a full ``/v2/infer`` URL.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        session_id: str | None = None,
+        model: str | None = None,
+        api_key: str | None = None,
+        open_timeout_s: float = 10.0,
+        max_frame_bytes: int | None = 64 * 1024 * 1024,
+    ) -> None:
+        self.url = infer_url(url, session_id=session_id, model=model)
+        self.api_key = api_key
+        self.open_timeout_s = open_timeout_s
+        self.max_frame_bytes = max_frame_bytes
+        self._session: ClientSession | None = None
+
+    async def _open(self) -> ClientSession:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+        ws = await ws_connect(
+            self.url,
+            subprotocols=[SUBPROTOCOL],  # type: ignore[list-item]
+            additional_headers=headers,
+            open_timeout=self.open_timeout_s,
+            ping_interval=None,  # the protocol's heartbeat keeps the connection alive
+            max_size=self.max_frame_bytes,
+            compression=None,
+        )
+        try:
+            first = await asyncio.wait_for(ws.recv(), self.open_timeout_s)
+            frame = decode_server_text(first) if isinstance(first, str) else None
+            if isinstance(frame, ErrorFrame):
+                raise error_from_wire(
+                    frame.error.code, frame.error.message, retry_after_s=frame.error.retry_after
+                )
+            if not isinstance(frame, SessionFrame):
+                raise InvalidRequest("the server did not open a session")
+        except WsConnectionClosed:
+            raise ConnectionClosed(ws.close_code or 1006, ws.close_reason or "") from None
+        except BaseException:
+            await ws.close()
+            raise
+        return ClientSession(ws, frame)
+
+    def __await__(self) -> Generator[Any, None, ClientSession]:
+        return self._open().__await__()
+
+    async def __aenter__(self) -> ClientSession:
+        self._session = await self._open()
+        return self._session
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._session is not None:
+            await self._session.close()

@@ -1,0 +1,5 @@
+"""The server: ASGI app, connection loop, admission, transport and runner."""
+
+from seedance.server.app import create_app
+
+__all__ = ["create_app"]

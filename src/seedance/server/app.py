@@ -1,0 +1,104 @@
+"""The ASGI application: ``/v2/infer`` (WebSocket), ``/healthz`` and ``/v1/models``.
+
+``create_app()`` returns a Starlette app that can be served by ``seedance serve`` or mounted in
+another ASGI application. When mounted elsewhere, call ``await app.state.seedance.drain(30)``
+before the host server closes connections, so that running generations can finish.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route, WebSocketRoute
+
+from seedance.config import ServerConfig
+from seedance.engines.base import Engine
+from seedance.engines.registry import create_engine
+from seedance.server.endpoint import InferEndpoint
+from seedance.server.state import ServerState
+from seedance.sessions.store import SessionStore
+
+_STARTED = int(time.time())
+
+
+def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(
+        msgspec.json.encode(body),
+        status_code=status,
+        media_type="application/json",
+        headers=headers,
+    )
+
+
+def create_app(
+    config: ServerConfig | None = None,
+    *,
+    engines: Sequence[Engine] | None = None,
+    sessions: SessionStore | None = None,
+) -> Starlette:
+    """Build the app. ``engines`` defaults to the one ``config.engine`` names."""
+    config = config or ServerConfig()
+    state = ServerState(config, engines or [create_engine(config)], sessions)
+
+    async def healthz(request: Request) -> Response:
+        if state.draining:
+            return json_response({"status": "draining"}, 503)
+        ok, detail = state.healthy()
+        if not ok:
+            return json_response({"status": "unhealthy", "detail": detail}, 503)
+        return json_response({"status": "ok"})
+
+    async def models(request: Request) -> Response:
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": _STARTED,
+                "owned_by": "seedance",
+                "context_length": model.engine.info.context_length,
+                "engine": model.engine.info.engine,
+            }
+            for name, model in state.models.items()
+        ]
+        return json_response({"object": "list", "data": data})
+
+    async def upgrade_required(request: Request) -> Response:
+        return json_response(
+            {
+                "error": {
+                    "message": "/v2/infer is a WebSocket endpoint: connect with ws:// or wss://",
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": "upgrade_required",
+                }
+            },
+            426,
+            {"Upgrade": "websocket"},
+        )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await state.start()
+        try:
+            yield
+        finally:
+            await state.close()
+
+    app = Starlette(
+        routes=[
+            WebSocketRoute("/v2/infer", InferEndpoint(state)),
+            Route("/v2/infer", upgrade_required),
+            Route("/healthz", healthz),
+            Route("/v1/models", models),
+        ],
+        lifespan=lifespan,
+    )
+    app.state.seedance = state
+    return app

@@ -1,0 +1,95 @@
+"""The ``/v2/infer`` WebSocket endpoint as a plain ASGI callable (no per-frame wrappers)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+from urllib.parse import parse_qs
+
+from seedance import SERVER_NAME
+from seedance.protocol.codec import encode_error, encode_frame, validate_session_id
+from seedance.protocol.errors import CLOSE_GOING_AWAY, Overloaded, SeedanceError
+from seedance.protocol.messages import SUBPROTOCOL, SessionFrame, SessionId, TenantId
+from seedance.server.connection import Connection
+from seedance.server.state import ServerState
+from seedance.server.transport import AsgiWebSocket
+
+logger = logging.getLogger(__name__)
+
+# Sessions are keyed by tenant; until tenants exist every client belongs to this one.
+DEFAULT_TENANT = TenantId("default")
+
+
+class InferEndpoint:
+    """ASGI app for ``/v2/infer``."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        ws = AsgiWebSocket(scope, receive, send)
+        event = await ws.receive()
+        if event["type"] != "websocket.connect":
+            return
+        state = self.state
+        subprotocol = SUBPROTOCOL if SUBPROTOCOL in scope.get("subprotocols", ()) else None
+        peer = _peer(scope)
+        if state.draining:
+            await ws.accept(subprotocol)
+            await ws.close(CLOSE_GOING_AWAY, "server shutting down")
+            return
+        try:
+            params = parse_qs(
+                scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True
+            )
+            if len(state.connections) >= state.config.max_connections:
+                raise Overloaded(
+                    f"the server holds {state.config.max_connections} connections; retry later"
+                )
+            model = state.resolve_model(_param(params, "model"))
+            raw_id = _param(params, "session_id")
+            session_id = SessionId(validate_session_id(raw_id)) if raw_id is not None else None
+            session, created = await state.sessions.attach(DEFAULT_TENANT, session_id)
+        except SeedanceError as exc:
+            logger.info("connect refused peer=%s: %s %s", peer, exc.code, exc.message)
+            await ws.accept(subprotocol)
+            await ws.send(encode_error(exc))
+            await ws.close(exc.connect_close_code, exc.code)
+            return
+        try:
+            await ws.accept(subprotocol)
+            config = state.config
+            await ws.send(
+                encode_frame(
+                    SessionFrame(
+                        session_id=session.session_id,
+                        model=model.name,
+                        created=created,
+                        context_turns=len(session.turns),
+                        expires_in=config.session_ttl_s,
+                        heartbeat_interval=config.heartbeat_interval_s,
+                        idle_timeout=config.idle_timeout_s,
+                        server=SERVER_NAME,
+                    )
+                )
+            )
+            connection = Connection(state, ws, session, model, peer)
+            state.connections.add(connection)
+            try:
+                await connection.run()
+            finally:
+                state.connections.discard(connection)
+        except OSError:
+            pass  # the client left during the handshake
+        finally:
+            await state.sessions.detach(session)
+
+
+def _param(params: dict[str, list[str]], name: str) -> str | None:
+    values = params.get(name)
+    return values[0] if values else None
+
+
+def _peer(scope: dict[str, Any]) -> str:
+    client = scope.get("client")
+    return f"{client[0]}:{client[1]}" if client else "-"

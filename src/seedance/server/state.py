@@ -1,0 +1,123 @@
+"""What one server holds: its models, sessions and connections, and how it drains."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from seedance.config import ConfigError, ServerConfig
+from seedance.engines.base import Engine
+from seedance.protocol.codec import FrameLimits
+from seedance.protocol.errors import ModelNotFound
+from seedance.server.admission import Admission
+from seedance.sessions.store import MemorySessionStore, SessionStore
+
+if TYPE_CHECKING:
+    from seedance.server.connection import Connection
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """A model name bound to its engine, admission queue and frame limits."""
+
+    name: str
+    engine: Engine
+    admission: Admission
+    limits: FrameLimits
+
+
+class ServerState:
+    def __init__(
+        self,
+        config: ServerConfig,
+        engines: Sequence[Engine],
+        sessions: SessionStore | None = None,
+    ) -> None:
+        if not engines:
+            raise ConfigError("no engine to serve")
+        self.config = config
+        self.models: dict[str, ServedModel] = {}
+        for engine in engines:
+            info = engine.info
+            if info.name in self.models:
+                raise ConfigError(f"two engines serve the model name {info.name!r}")
+            self.models[info.name] = ServedModel(
+                name=info.name,
+                engine=engine,
+                admission=Admission(
+                    max_running=config.max_running or engine.max_concurrency,
+                    max_waiting=config.max_waiting,
+                ),
+                limits=FrameLimits(
+                    max_frame_bytes=config.max_frame_bytes,
+                    max_tokens=info.max_output_tokens,
+                ),
+            )
+        self.default_model = engines[0].info.name
+        self.sessions: SessionStore = sessions or MemorySessionStore(
+            ttl_s=config.session_ttl_s, max_sessions=config.max_sessions
+        )
+        self.connections: set[Connection] = set()
+        self.draining = False
+        self._started = False
+
+    def resolve_model(self, name: str | None) -> ServedModel:
+        model = self.models.get(name or self.default_model)
+        if model is None:
+            served = ", ".join(sorted(self.models))
+            raise ModelNotFound(f"model {name!r} is not served here; served models: {served}")
+        return model
+
+    @property
+    def running_generations(self) -> int:
+        return sum(m.admission.running + m.admission.waiting for m in self.models.values())
+
+    def healthy(self) -> tuple[bool, str]:
+        for model in self.models.values():
+            health = model.engine.health()
+            if not health.ok:
+                return False, f"{model.name}: {health.detail or 'unhealthy'}"
+        return True, ""
+
+    async def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        for model in self.models.values():
+            await model.engine.start()
+        await self.sessions.start()
+
+    async def close(self) -> None:
+        if not self._started:
+            return
+        self._started = False
+        await self.drain(0)
+        await self.sessions.close()
+        for model in self.models.values():
+            await model.engine.close()
+
+    async def drain(self, timeout_s: float) -> None:
+        """Refuse new generations, let running ones finish for ``timeout_s``, then close
+        every connection with 1001 (what still runs is cancelled, its ``done`` says so)."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        if self.running_generations:
+            logger.info(
+                "draining: waiting up to %.0f s for %d generation(s)",
+                timeout_s,
+                self.running_generations,
+            )
+        while self.running_generations and loop.time() < deadline:  # noqa: ASYNC110 - polls
+            await asyncio.sleep(0.05)
+        if self.running_generations:
+            logger.warning("drain timeout: cancelling %d generation(s)", self.running_generations)
+        connections = list(self.connections)
+        await asyncio.gather(*(c.shutdown() for c in connections), return_exceptions=True)
+        while self.connections and loop.time() < deadline + 5.0:  # noqa: ASYNC110
+            await asyncio.sleep(0.02)

@@ -1,0 +1,147 @@
+"""Heartbeats, idle timeout, and the bounds on what the server holds for a client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from tests.conftest import RunningServer
+from tests.rawclient import RawClient
+from tests.wsutil import open_session, raw_connect, recv_json, wait_closed
+
+from seedance.engines.synthetic import SyntheticEngine
+
+
+async def test_binary_heartbeat_answered(server: RunningServer) -> None:
+    ws, _ = await open_session(server.url)
+    async with ws:
+        for _ in range(3):
+            await ws.send(b"\x01\x00")
+            assert await asyncio.wait_for(ws.recv(), 5) == b"\x02\x00"
+
+
+async def test_standard_websocket_ping_answered(server: RunningServer) -> None:
+    ws, _ = await open_session(server.url)
+    async with ws:
+        latency = await asyncio.wait_for(await ws.ping(), 5)
+        assert latency >= 0
+
+
+async def test_json_ping(server: RunningServer) -> None:
+    ws, _ = await open_session(server.url)
+    async with ws:
+        await ws.send(json.dumps({"type": "ping", "id": "x1"}))
+        assert await recv_json(ws) == {"type": "pong", "id": "x1"}
+        await ws.send(json.dumps({"type": "ping"}))
+        assert await recv_json(ws) == {"type": "pong"}
+
+
+async def test_server_pings_after_silence_and_pongs_keep_it_open(make_server) -> None:  # type: ignore[no-untyped-def]
+    server = make_server(heartbeat_interval_s=0.2, idle_timeout_s=0.6)
+    ws, hello = await open_session(server.url)
+    async with ws:
+        assert (hello["heartbeat_interval"], hello["idle_timeout"]) == (0.2, 0.6)
+        started = time.monotonic()
+        pings = 0
+        while time.monotonic() - started < 1.5:  # well past the idle timeout
+            data = await asyncio.wait_for(ws.recv(), 2)
+            assert data == b"\x01\x00"
+            pings += 1
+            await ws.send(b"\x02\x00")
+        assert pings >= 4
+        await ws.send(json.dumps({"type": "ping", "id": 1}))
+        assert await recv_json(ws) == {"type": "pong", "id": 1}
+        connection = next(iter(server.state.connections))
+        assert connection.last_rtt_s is not None and connection.last_rtt_s < 1
+
+
+async def test_standard_pings_count_as_inbound_traffic(make_server) -> None:  # type: ignore[no-untyped-def]
+    server = make_server(heartbeat_interval_s=0.2, idle_timeout_s=0.5)
+    ws, _ = await open_session(server.url)
+    async with ws:
+        started = time.monotonic()
+        while time.monotonic() - started < 1.5:  # three idle timeouts, control frames only
+            await asyncio.wait_for(await ws.ping(), 2)
+            await asyncio.sleep(0.1)
+        await ws.send(json.dumps({"type": "ping", "id": 2}))
+        assert await recv_json(ws) == {"type": "pong", "id": 2}
+
+
+async def test_idle_timeout_closes_4408(make_server) -> None:  # type: ignore[no-untyped-def]
+    server = make_server(heartbeat_interval_s=0.2, idle_timeout_s=0.5)
+    async with raw_connect(server.url) as ws:
+        started = time.monotonic()
+        code, seen = await wait_closed(ws)  # reads but never answers the heartbeat
+        elapsed = time.monotonic() - started
+    assert code == 4408
+    assert seen[0]["type"] == "session" and b"\x01\x00" in seen
+    assert 0.4 <= elapsed < 3
+
+
+async def wait_until(predicate, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.05)
+
+
+async def test_slow_reader_stays_bounded_then_is_cut_off(make_server) -> None:  # type: ignore[no-untyped-def]
+    # More tokens than the kernel's socket buffers can absorb (up to 4 MiB on Linux).
+    engine = SyntheticEngine(context_length=300_000, max_output_tokens=200_000)
+    server = make_server(engines=[engine], write_timeout_s=2.0)
+    client = RawClient(server.port, rcvbuf=4096)
+    try:
+        client.send_json({"prompt": "flood me", "max_tokens": 200_000})  # then never read
+        await wait_until(lambda: engine.stats.tokens_generated > 0)
+        # Backpressure reaches the engine: its counter stops moving, well before the end.
+        last, still_since = -1, time.monotonic()
+        while time.monotonic() - still_since < 0.5:
+            await asyncio.sleep(0.05)
+            count = engine.stats.tokens_generated
+            if count != last:
+                last, still_since = count, time.monotonic()
+        assert last < 200_000
+        connection = next(iter(server.state.connections))
+        assert connection.out.pending_bytes <= connection.out.high_water_bytes + 1024
+        await wait_until(lambda: not server.state.connections, timeout=5)  # write timeout
+        assert engine.stats.active == 0 and engine.stats.requests_aborted == 1
+    finally:
+        client.close()
+
+
+def flood(client: RawClient, send: object, seconds: float = 10.0) -> bool:
+    """Send until the server cuts the connection (true) or time runs out (false)."""
+    client.sock.settimeout(0.5)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            for _ in range(100):
+                send()  # type: ignore[operator]
+        except (BrokenPipeError, ConnectionResetError):
+            return True
+        except TimeoutError:
+            continue  # our send buffer is full: the server stopped reading; keep trying
+    return False
+
+
+async def test_ping_flood_without_reading_is_cut_off(make_server) -> None:  # type: ignore[no-untyped-def]
+    server = make_server(max_pending_bytes=256 * 1024)
+    client = RawClient(server.port, rcvbuf=4096)
+    try:
+        cut = await asyncio.to_thread(flood, client, lambda: client.send_ping(b"p" * 125))
+        assert cut, "the server kept answering pings nobody reads"
+        await wait_until(lambda: not server.state.connections)
+    finally:
+        client.close()
+
+
+async def test_heartbeat_flood_without_reading_is_cut_off(make_server) -> None:  # type: ignore[no-untyped-def]
+    server = make_server(max_pending_bytes=256 * 1024)
+    client = RawClient(server.port, rcvbuf=4096)
+    try:
+        cut = await asyncio.to_thread(flood, client, lambda: client.send_binary(b"\x01\x00"))
+        assert cut, "the server kept queueing heartbeat pongs nobody reads"
+        await wait_until(lambda: not server.state.connections)
+    finally:
+        client.close()
