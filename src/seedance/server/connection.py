@@ -12,9 +12,7 @@ import logging
 import secrets
 from typing import TYPE_CHECKING
 
-from seedance.engines.base import GenerationRequest, SamplingParams
 from seedance.protocol.codec import (
-    TokenFrameEncoder,
     check_frame_size,
     classify_binary,
     decode_client_text,
@@ -25,7 +23,6 @@ from seedance.protocol.errors import (
     CLOSE_GOING_AWAY,
     CLOSE_IDLE_TIMEOUT,
     CLOSE_NORMAL,
-    EngineError,
     InternalError,
     Overloaded,
     SeedanceError,
@@ -35,18 +32,13 @@ from seedance.protocol.messages import (
     HEARTBEAT_PING,
     HEARTBEAT_PONG,
     Cancel,
-    ChatMessage,
-    DoneFrame,
     EndSession,
-    FinishReason,
     Generate,
     Ping,
     PongFrame,
     RequestId,
-    StartFrame,
-    Timing,
-    Usage,
 )
+from seedance.server.generation import Generation, new_request_id
 from seedance.server.transport import AsgiWebSocket, Outbound
 from seedance.sessions.context import fit_context
 from seedance.sessions.session import Session, Turn
@@ -58,25 +50,6 @@ logger = logging.getLogger(__name__)
 
 # How long a close may wait for queued frames before the socket is dropped.
 CLOSE_FLUSH_TIMEOUT_S = 5.0
-
-
-def new_request_id() -> RequestId:
-    return RequestId("r-" + secrets.token_hex(6))
-
-
-def new_trace_id() -> str:
-    return secrets.token_hex(16)
-
-
-class _Generation:
-    """The request running on this connection."""
-
-    __slots__ = ("cancel_requested", "request_id", "task")
-
-    def __init__(self, request_id: RequestId) -> None:
-        self.request_id = request_id
-        self.task: asyncio.Task[None] | None = None
-        self.cancel_requested = False
 
 
 class Connection:
@@ -104,7 +77,7 @@ class Connection:
         self._ping_sent_at: float | None = None
         self.last_rtt_s: float | None = None
         self._timer: asyncio.TimerHandle | None = None
-        self._generation: _Generation | None = None
+        self._generation: Generation | None = None
         self._run_task: asyncio.Task[object] | None = None
         self._closing = False
         self.close_code: int | None = None
@@ -161,7 +134,7 @@ class Connection:
             self._timer.cancel()
         generation = self._generation
         if generation is not None and generation.task is not None:
-            generation.task.cancel()  # disconnect: abort the engine work, send nothing
+            generation.cancel(silent=True)  # disconnect: abort the engine work, send nothing
             await asyncio.gather(generation.task, return_exceptions=True)
         await self.out.stop()
         duration = self._loop.time() - self.opened_at
@@ -236,9 +209,10 @@ class Connection:
     # ------------------------------------------------------------------ generations
 
     def _start_generation(self, message: Generate) -> None:
+        received = self.last_inbound  # when the frame was read
         request_id = RequestId(message.request_id) if message.request_id else new_request_id()
         try:
-            self._admit(message, request_id)
+            self._admit(message, request_id, received)
         except SeedanceError as exc:
             exc.request_id = request_id
             raise
@@ -248,7 +222,7 @@ class Connection:
                 f"internal error on request {request_id}", request_id=request_id
             ) from exc
 
-    def _admit(self, message: Generate, request_id: RequestId) -> None:
+    def _admit(self, message: Generate, request_id: RequestId, received: float) -> None:
         """Check the request against the session and the context window, then start it."""
         if self.state.draining:
             raise Overloaded("the server is shutting down; retry on another server")
@@ -270,13 +244,17 @@ class Connection:
             max_tokens=message.max_tokens,
         )
         session.begin(request_id)
-        generation = _Generation(request_id)
-        self._generation = generation
-        self.requests += 1
-        generation.task = asyncio.create_task(
-            self._generate(generation, message, new_turns, context, prompt_tokens),
-            name=f"generate-{request_id}",
+        self._generation = Generation(
+            self, message, request_id, new_turns, context, prompt_tokens, received
         )
+        self.requests += 1
+        self._generation.start()
+
+    def generation_ended(self, generation: Generation) -> None:
+        """Called by a generation as it ends, whatever the outcome."""
+        self.session.end(generation.request_id)
+        if self._generation is generation:
+            self._generation = None
 
     def _history(self) -> list[Turn]:
         """The session's turns, recounted if they were counted for another model."""
@@ -287,208 +265,8 @@ class Connection:
         ]
 
     def _cancel_generation(self, *, silent: bool) -> None:
-        generation = self._generation
-        if generation is None or generation.task is None or generation.task.done():
-            return
-        generation.cancel_requested = not silent
-        generation.task.cancel()
-
-    async def _generate(
-        self,
-        generation: _Generation,
-        message: Generate,
-        new_turns: list[Turn],
-        context: list[Turn],
-        prompt_tokens: int,
-    ) -> None:
-        loop = self._loop
-        out = self.out
-        model = self.model
-        request_id = generation.request_id
-        trace_id = new_trace_id()
-        received = loop.time()
-        admitted_at: float | None = None
-        first_token_at: float | None = None
-        completion_tokens = 0
-        finish: FinishReason | None = None
-        error_code = ""
-        parts: list[str] = []
-        if self.config.log_prompts:
-            logger.debug("request %s prompt=%r", request_id, [t.message for t in new_turns])
-        try:
-            await model.admission.acquire()
-            admitted_at = loop.time()
-            out.put(
-                encode_frame(
-                    StartFrame(
-                        request_id=request_id,
-                        trace_id=trace_id,
-                        model=model.name,
-                        prompt_tokens=prompt_tokens,
-                    )
-                )
-            )
-            request = GenerationRequest(
-                request_id=request_id,
-                messages=tuple(t.message for t in context),
-                params=SamplingParams(
-                    max_tokens=message.max_tokens,
-                    temperature=message.temperature,
-                    top_p=message.top_p,
-                    stop=message.stop_strings(),
-                    seed=message.seed,
-                ),
-                prompt_tokens=prompt_tokens,
-            )
-            encoder = TokenFrameEncoder(request_id) if message.stream else None
-            stream = model.engine.generate(request)
-            try:
-                async for delta in stream:
-                    if delta.tokens:
-                        if first_token_at is None:
-                            first_token_at = loop.time()
-                        parts.append(delta.text)
-                        if encoder is not None:
-                            out.put(encoder.encode(delta.text, completion_tokens, delta.tokens))
-                            if out.congested:
-                                await out.wait_writable()
-                        completion_tokens += delta.tokens
-                    if delta.finish_reason is not None:
-                        finish = delta.finish_reason
-                        break
-            except (asyncio.CancelledError, SeedanceError):
-                raise
-            except Exception as exc:
-                logger.exception("engine failed on request %s", request_id)
-                raise EngineError(f"the model failed on request {request_id}; retry") from exc
-            finally:
-                await stream.aclose()
-            finish = finish or "stop"
-            reply = "".join(parts)
-            answer = ChatMessage("assistant", reply)
-            turns = [
-                *new_turns,
-                Turn(answer, model.engine.count_message_tokens(answer), model.name),
-            ]
-            self.session.commit(
-                turns, reset=message.reset, max_tokens=model.engine.info.context_length
-            )
-            await self.state.sessions.save(self.session)
-            out.put(
-                self._done(
-                    request_id,
-                    trace_id,
-                    finish,
-                    prompt_tokens,
-                    completion_tokens,
-                    received,
-                    admitted_at,
-                    first_token_at,
-                    None if message.stream else reply,
-                )
-            )
-        except asyncio.CancelledError:
-            if not generation.cancel_requested:
-                finish = None
-                error_code = "aborted"
-                raise
-            finish = "cancelled"
-            out.put(
-                self._done(
-                    request_id,
-                    trace_id,
-                    finish,
-                    prompt_tokens,
-                    completion_tokens,
-                    received,
-                    admitted_at,
-                    first_token_at,
-                    None if message.stream else "".join(parts),
-                )
-            )
-        except SeedanceError as exc:
-            error_code = exc.code
-            out.put(encode_error(exc, request_id))
-        except Exception:
-            error_code = "internal_error"
-            logger.exception("request %s failed", request_id)
-            out.put(
-                encode_error(InternalError(f"internal error on request {request_id}"), request_id)
-            )
-        finally:
-            if admitted_at is not None:
-                model.admission.release()
-            self.session.end(request_id)
-            if self._generation is generation:
-                self._generation = None
-            self._log_request(
-                request_id,
-                finish,
-                error_code,
-                prompt_tokens,
-                completion_tokens,
-                received,
-                admitted_at,
-                first_token_at,
-            )
-            if self.config.log_prompts and parts:
-                logger.debug("request %s completion=%r", request_id, "".join(parts))
-
-    def _done(
-        self,
-        request_id: str,
-        trace_id: str,
-        finish: FinishReason,
-        prompt_tokens: int,
-        completion_tokens: int,
-        received: float,
-        admitted_at: float | None,
-        first_token_at: float | None,
-        text: str | None,
-    ) -> str:
-        now = self._loop.time()
-        return encode_frame(
-            DoneFrame(
-                done=True,
-                request_id=request_id,
-                trace_id=trace_id,
-                finish_reason=finish,
-                usage=Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens),
-                timing=Timing(
-                    queue_ms=_ms((admitted_at or now) - received),
-                    ttft_ms=None if first_token_at is None else _ms(first_token_at - received),
-                    total_ms=_ms(now - received),
-                ),
-                text=text,
-            )
-        )
-
-    def _log_request(
-        self,
-        request_id: str,
-        finish: FinishReason | None,
-        error_code: str,
-        prompt_tokens: int,
-        completion_tokens: int,
-        received: float,
-        admitted_at: float | None,
-        first_token_at: float | None,
-    ) -> None:
-        now = self._loop.time()
-        logger.info(
-            "request %s conn=%s session=%s model=%s outcome=%s prompt_tokens=%d "
-            "completion_tokens=%d queue_ms=%.1f ttft_ms=%s total_ms=%.1f",
-            request_id,
-            self.id,
-            self.session.session_id,
-            self.model.name,
-            finish or error_code,
-            prompt_tokens,
-            completion_tokens,
-            _ms((admitted_at or now) - received),
-            "-" if first_token_at is None else f"{_ms(first_token_at - received):.1f}",
-            _ms(now - received),
-        )
+        if self._generation is not None:
+            self._generation.cancel(silent=silent)
 
     # ------------------------------------------------------------------ heartbeats and timeouts
 
@@ -526,7 +304,3 @@ class Connection:
             self._ping_sent_at = now
             self.out.put(HEARTBEAT_PING)
         self._arm_timer()
-
-
-def _ms(seconds: float) -> float:
-    return round(seconds * 1000.0, 3)

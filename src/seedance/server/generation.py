@@ -1,0 +1,230 @@
+"""One request on a connection, from admission to its ``done`` (or ``error``) frame.
+
+A :class:`Generation` runs in its own task. Cancelling the task aborts it: the engine's iterator
+is closed, which stops the engine. When the cancel came from the client (``cancel``, shutdown),
+the ``done`` frame says ``cancelled``; on a disconnect nothing is sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from typing import TYPE_CHECKING
+
+from seedance.engines.base import GenerationRequest, SamplingParams
+from seedance.protocol.codec import TokenFrameEncoder, encode_error, encode_frame
+from seedance.protocol.errors import EngineError, InternalError, SeedanceError
+from seedance.protocol.messages import (
+    ChatMessage,
+    DoneFrame,
+    FinishReason,
+    Generate,
+    RequestId,
+    StartFrame,
+    Timing,
+    Usage,
+)
+from seedance.sessions.session import Turn
+
+if TYPE_CHECKING:
+    from seedance.server.connection import Connection
+
+logger = logging.getLogger(__name__)
+
+
+def new_request_id() -> RequestId:
+    return RequestId("r-" + secrets.token_hex(6))
+
+
+def new_trace_id() -> str:
+    return secrets.token_hex(16)
+
+
+class Generation:
+    """The state of one request; :meth:`run` is its task."""
+
+    def __init__(
+        self,
+        connection: Connection,
+        message: Generate,
+        request_id: RequestId,
+        new_turns: list[Turn],
+        context: list[Turn],
+        prompt_tokens: int,
+        received: float,
+    ) -> None:
+        self.connection = connection
+        self.message = message
+        self.request_id = request_id
+        self.trace_id = new_trace_id()
+        self.new_turns = new_turns
+        self.context = context
+        self.prompt_tokens = prompt_tokens
+        self.received = received
+        self.admitted_at: float | None = None
+        self.first_token_at: float | None = None
+        self.completion_tokens = 0
+        self.parts: list[str] = []
+        self.cancel_requested = False
+        self.task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self.task = asyncio.create_task(self.run(), name=f"generate-{self.request_id}")
+
+    def cancel(self, *, silent: bool) -> None:
+        """Abort; unless ``silent``, the client gets a ``done`` saying ``cancelled``."""
+        if self.task is not None and not self.task.done():
+            self.cancel_requested = not silent
+            self.task.cancel()
+
+    async def run(self) -> None:
+        connection = self.connection
+        out = connection.out
+        model = connection.model
+        outcome = ""
+        if connection.config.log_prompts:
+            logger.debug(
+                "request %s prompt=%r", self.request_id, [t.message for t in self.new_turns]
+            )
+        try:
+            await model.admission.acquire()
+            self.admitted_at = asyncio.get_running_loop().time()
+            out.put(
+                encode_frame(
+                    StartFrame(
+                        request_id=self.request_id,
+                        trace_id=self.trace_id,
+                        model=model.name,
+                        prompt_tokens=self.prompt_tokens,
+                    )
+                )
+            )
+            finish = await self._stream()
+            reply = "".join(self.parts)
+            answer = ChatMessage("assistant", reply)
+            turns = [
+                *self.new_turns,
+                Turn(answer, model.engine.count_message_tokens(answer), model.name),
+            ]
+            connection.session.commit(
+                turns, reset=self.message.reset, max_tokens=model.engine.info.context_length
+            )
+            await connection.state.sessions.save(connection.session)
+            out.put(self._done(finish))
+            outcome = finish
+        except asyncio.CancelledError:
+            if not self.cancel_requested:
+                outcome = "aborted"
+                raise
+            outcome = "cancelled"
+            out.put(self._done("cancelled"))
+        except SeedanceError as exc:
+            outcome = exc.code
+            out.put(encode_error(exc, self.request_id))
+        except Exception:
+            outcome = "internal_error"
+            logger.exception("request %s failed", self.request_id)
+            error = InternalError(f"internal error on request {self.request_id}")
+            out.put(encode_error(error, self.request_id))
+        finally:
+            if self.admitted_at is not None:
+                model.admission.release()
+            connection.generation_ended(self)
+            self._log(outcome)
+
+    async def _stream(self) -> FinishReason:
+        """Run the engine and send its tokens; returns the finish reason."""
+        connection = self.connection
+        out = connection.out
+        message = self.message
+        loop = asyncio.get_running_loop()
+        request = GenerationRequest(
+            request_id=self.request_id,
+            messages=tuple(t.message for t in self.context),
+            params=SamplingParams(
+                max_tokens=message.max_tokens,
+                temperature=message.temperature,
+                top_p=message.top_p,
+                stop=message.stop_strings(),
+                seed=message.seed,
+            ),
+            prompt_tokens=self.prompt_tokens,
+        )
+        encoder = TokenFrameEncoder(self.request_id) if message.stream else None
+        stream = connection.model.engine.generate(request)
+        try:
+            async for delta in stream:
+                if delta.tokens:
+                    if self.first_token_at is None:
+                        self.first_token_at = loop.time()
+                    self.parts.append(delta.text)
+                    if encoder is not None:
+                        out.put(encoder.encode(delta.text, self.completion_tokens, delta.tokens))
+                        if out.congested:
+                            await out.wait_writable()
+                    self.completion_tokens += delta.tokens
+                if delta.finish_reason is not None:
+                    return delta.finish_reason
+            return "stop"
+        except (asyncio.CancelledError, SeedanceError):
+            raise
+        except Exception as exc:
+            logger.exception("engine failed on request %s", self.request_id)
+            raise EngineError(f"the model failed on request {self.request_id}; retry") from exc
+        finally:
+            await stream.aclose()
+
+    def _done(self, finish: FinishReason) -> str:
+        now = asyncio.get_running_loop().time()
+        text = None if self.message.stream else "".join(self.parts)
+        return encode_frame(
+            DoneFrame(
+                done=True,
+                request_id=self.request_id,
+                trace_id=self.trace_id,
+                finish_reason=finish,
+                usage=Usage(
+                    self.prompt_tokens,
+                    self.completion_tokens,
+                    self.prompt_tokens + self.completion_tokens,
+                ),
+                timing=Timing(
+                    queue_ms=_ms((self.admitted_at or now) - self.received),
+                    ttft_ms=None
+                    if self.first_token_at is None
+                    else _ms(self.first_token_at - self.received),
+                    total_ms=_ms(now - self.received),
+                ),
+                text=text,
+            )
+        )
+
+    def _log(self, outcome: str) -> None:
+        connection = self.connection
+        now = asyncio.get_running_loop().time()
+        ttft = (
+            "-"
+            if self.first_token_at is None
+            else f"{_ms(self.first_token_at - self.received):.1f}"
+        )
+        logger.info(
+            "request %s conn=%s session=%s model=%s outcome=%s prompt_tokens=%d "
+            "completion_tokens=%d queue_ms=%.1f ttft_ms=%s total_ms=%.1f",
+            self.request_id,
+            connection.id,
+            connection.session.session_id,
+            connection.model.name,
+            outcome,
+            self.prompt_tokens,
+            self.completion_tokens,
+            _ms((self.admitted_at or now) - self.received),
+            ttft,
+            _ms(now - self.received),
+        )
+        if connection.config.log_prompts and self.parts:
+            logger.debug("request %s completion=%r", self.request_id, "".join(self.parts))
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000.0, 3)
