@@ -6,11 +6,12 @@ import asyncio
 import json
 import time
 
+from websockets.frames import Frame, Opcode
+
+from seedance.engines.synthetic import SyntheticEngine
 from tests.conftest import RunningServer
 from tests.rawclient import RawClient
 from tests.wsutil import open_session, raw_connect, recv_json, wait_closed
-
-from seedance.engines.synthetic import SyntheticEngine
 
 
 async def test_binary_heartbeat_answered(server: RunningServer) -> None:
@@ -110,27 +111,34 @@ async def test_slow_reader_stays_bounded_then_is_cut_off(make_server) -> None:  
         client.close()
 
 
-def flood(client: RawClient, send: object, seconds: float = 10.0) -> bool:
-    """Send until the server cuts the connection (true) or time runs out (false)."""
+def flood(client: RawClient, frame: bytes, seconds: float = 30.0) -> float | None:
+    """Send ``frame`` (already encoded) over and over, never reading, until the server cuts the
+    connection; returns how long that took (``None``: not cut)."""
     client.sock.settimeout(0.5)
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
+    burst = frame * 256
+    started = time.monotonic()
+    while time.monotonic() - started < seconds:
         try:
-            for _ in range(100):
-                send()  # type: ignore[operator]
+            client.sock.sendall(burst)
         except (BrokenPipeError, ConnectionResetError):
-            return True
+            return time.monotonic() - started
         except TimeoutError:
-            continue  # our send buffer is full: the server stopped reading; keep trying
-    return False
+            continue  # our send buffer is full: the server is not reading now; keep trying
+    return None
+
+
+def encoded(opcode: Opcode, payload: bytes) -> bytes:
+    """One client frame as bytes (masked, as clients must)."""
+    return Frame(opcode, payload).serialize(mask=True)
 
 
 async def test_ping_flood_without_reading_is_cut_off(make_server) -> None:  # type: ignore[no-untyped-def]
     server = make_server(max_pending_bytes=256 * 1024)
     client = RawClient(server.port, rcvbuf=4096)
     try:
-        cut = await asyncio.to_thread(flood, client, lambda: client.send_ping(b"p" * 125))
-        assert cut, "the server kept answering pings nobody reads"
+        ping = encoded(Opcode.PING, b"p" * 125)
+        took = await asyncio.to_thread(flood, client, ping)
+        assert took is not None, "the server kept answering pings nobody reads"
         await wait_until(lambda: not server.state.connections)
     finally:
         client.close()
@@ -140,8 +148,9 @@ async def test_heartbeat_flood_without_reading_is_cut_off(make_server) -> None: 
     server = make_server(max_pending_bytes=256 * 1024)
     client = RawClient(server.port, rcvbuf=4096)
     try:
-        cut = await asyncio.to_thread(flood, client, lambda: client.send_binary(b"\x01\x00"))
-        assert cut, "the server kept queueing heartbeat pongs nobody reads"
+        heartbeat = encoded(Opcode.BINARY, b"\x01\x00")
+        took = await asyncio.to_thread(flood, client, heartbeat)
+        assert took is not None, "the server kept queueing heartbeat pongs nobody reads"
         await wait_until(lambda: not server.state.connections)
     finally:
         client.close()

@@ -60,6 +60,7 @@ class SeedanceServer(uvicorn.Server):
         return addresses
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        logger.info("shutting down: %d connection(s) open", len(self.state.connections))
         for server in self.servers:
             server.close()  # 1. stop accepting
         drain = asyncio.create_task(self.state.drain(self.state.config.drain_timeout_s))
@@ -70,6 +71,7 @@ class SeedanceServer(uvicorn.Server):
             await asyncio.wait({drain}, timeout=0.1)
         await asyncio.gather(drain, return_exceptions=True)
         await super().shutdown(sockets)
+        logger.info("stopped")
 
 
 def build_server(config: ServerConfig, app: Starlette | None = None) -> SeedanceServer:
