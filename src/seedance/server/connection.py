@@ -132,10 +132,7 @@ class Connection:
     async def _finish(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
-        generation = self._generation
-        if generation is not None and generation.task is not None:
-            generation.cancel(silent=True)  # disconnect: abort the engine work, send nothing
-            await asyncio.gather(generation.task, return_exceptions=True)
+        await self._stop_generation(silent=True)  # disconnect: abort the engine, send nothing
         await self.out.stop()
         duration = self._loop.time() - self.opened_at
         logger.info(
@@ -158,15 +155,12 @@ class Connection:
 
     async def shutdown(self) -> None:
         """Server shutdown: cancel what still runs (its ``done`` says so), then close 1001."""
-        generation = self._generation
-        if generation is not None and generation.task is not None:
-            self._cancel_generation(silent=False)
-            await asyncio.gather(generation.task, return_exceptions=True)
+        await self._stop_generation(silent=False)
         self.close(CLOSE_GOING_AWAY, "server shutting down")
 
     def _abort(self, why: str) -> None:
-        if self.out.closed and self._run_task is not None and self._run_task.done():
-            return
+        if self._run_task is not None and self._run_task.done():
+            return  # already over
         logger.warning("conn %s dropped: %s", self.id, why)
         if self.close_code is None:
             self.close_code = 1006
@@ -267,6 +261,13 @@ class Connection:
     def _cancel_generation(self, *, silent: bool) -> None:
         if self._generation is not None:
             self._generation.cancel(silent=silent)
+
+    async def _stop_generation(self, *, silent: bool) -> None:
+        """Cancel the running generation and wait until it has ended."""
+        generation = self._generation
+        if generation is not None and generation.task is not None:
+            generation.cancel(silent=silent)
+            await asyncio.gather(generation.task, return_exceptions=True)
 
     # ------------------------------------------------------------------ heartbeats and timeouts
 

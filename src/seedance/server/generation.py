@@ -117,6 +117,9 @@ class Generation:
             if not self.cancel_requested:
                 outcome = "aborted"
                 raise
+            task = asyncio.current_task()
+            if task is not None and hasattr(task, "uncancel"):  # Python >= 3.11
+                task.uncancel()  # the cancel was ours and is handled here
             outcome = "cancelled"
             out.put(self._done("cancelled"))
         except SeedanceError as exc:
