@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from tests.conftest import RunningServer, slow_engine
 
 from seedance.client import (
     ConnectionClosed,
@@ -16,6 +15,7 @@ from seedance.client import (
     connect_sync,
     infer_url,
 )
+from tests.conftest import RunningServer, slow_engine
 
 
 def test_infer_url() -> None:
@@ -52,9 +52,12 @@ async def test_typed_errors(make_server) -> None:  # type: ignore[no-untyped-def
     async with connect(server.url) as session:
         first = session.generate("long", max_tokens=50)
         await first.__anext__()
+        second = session.generate("second")
         with pytest.raises(SessionBusy) as busy:
-            await session.generate("second").collect()
+            await second.collect()
         assert busy.value.retryable and busy.value.code == "session_busy"
+        with pytest.raises(SessionBusy):  # a failed stream keeps failing, it never hangs
+            await second.collect()
         with pytest.raises(InvalidRequest, match="max_tokens must be between"):
             await session.generate("x", max_tokens=10**6).collect()
         await first.cancel()

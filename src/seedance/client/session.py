@@ -89,6 +89,7 @@ class Stream:
         # Unbounded: the reader never waits on one stream (heartbeats keep flowing).
         self._queue: asyncio.Queue[ServerFrame | BaseException] = asyncio.Queue()
         self._sent = False
+        self._failure: BaseException | None = None
 
     @property
     def text(self) -> str:
@@ -100,12 +101,15 @@ class Stream:
         return self
 
     async def __anext__(self) -> TokenChunk:
+        if self._failure is not None:
+            raise self._failure
         if not self._sent:
             self._sent = True
             await self._session._send_generate(self)
         while self.done is None:
             item = await self._queue.get()
             if isinstance(item, BaseException):
+                self._failure = item
                 raise item
             if isinstance(item, TokenFrame):
                 self._parts.append(item.token)
