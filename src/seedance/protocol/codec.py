@@ -160,16 +160,25 @@ def _validate_generate(msg: Generate, limits: FrameLimits, request_id: str | Non
         _check_id("request_id", msg.request_id)
 
 
-def _check_id(field: str, value: str) -> None:
+def _id_rule_broken(value: str) -> str | None:
+    """The rule an id breaks (``None``: a valid id)."""
     if not 1 <= len(value) <= MAX_ID_CHARS:
-        raise InvalidRequest(f"{field} must be 1-{MAX_ID_CHARS} characters")
+        return f"must be 1-{MAX_ID_CHARS} characters"
     if _CONTROL_RE.search(value):
-        raise InvalidRequest(f"{field} must not contain control characters")
+        return "must not contain control characters"
+    return None
+
+
+def _check_id(field: str, value: str) -> None:
+    rule = _id_rule_broken(value)
+    if rule is not None:
+        raise InvalidRequest(f"{field} {rule}")
 
 
 def _peek_request_id(obj: dict[str, Any]) -> str | None:
+    """The frame's ``request_id`` when it is a valid one, for echoing in an error."""
     value = obj.get("request_id")
-    if isinstance(value, str) and 1 <= len(value) <= MAX_ID_CHARS and not _CONTROL_RE.search(value):
+    if isinstance(value, str) and _id_rule_broken(value) is None:
         return value
     return None
 

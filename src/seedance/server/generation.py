@@ -178,8 +178,18 @@ class Generation:
         finally:
             await stream.aclose()
 
-    def _done(self, finish: FinishReason) -> str:
+    def _timing(self) -> Timing:
+        """Milliseconds from the moment the frame was read: queued, first token, total."""
         now = asyncio.get_running_loop().time()
+        return Timing(
+            queue_ms=_ms((self.admitted_at or now) - self.received),
+            ttft_ms=None
+            if self.first_token_at is None
+            else _ms(self.first_token_at - self.received),
+            total_ms=_ms(now - self.received),
+        )
+
+    def _done(self, finish: FinishReason) -> str:
         text = None if self.message.stream else "".join(self.parts)
         return encode_frame(
             DoneFrame(
@@ -192,25 +202,14 @@ class Generation:
                     self.completion_tokens,
                     self.prompt_tokens + self.completion_tokens,
                 ),
-                timing=Timing(
-                    queue_ms=_ms((self.admitted_at or now) - self.received),
-                    ttft_ms=None
-                    if self.first_token_at is None
-                    else _ms(self.first_token_at - self.received),
-                    total_ms=_ms(now - self.received),
-                ),
+                timing=self._timing(),
                 text=text,
             )
         )
 
     def _log(self, outcome: str) -> None:
         connection = self.connection
-        now = asyncio.get_running_loop().time()
-        ttft = (
-            "-"
-            if self.first_token_at is None
-            else f"{_ms(self.first_token_at - self.received):.1f}"
-        )
+        timing = self._timing()
         logger.info(
             "request %s conn=%s session=%s model=%s outcome=%s prompt_tokens=%d "
             "completion_tokens=%d queue_ms=%.1f ttft_ms=%s total_ms=%.1f",
@@ -221,9 +220,9 @@ class Generation:
             outcome,
             self.prompt_tokens,
             self.completion_tokens,
-            _ms((self.admitted_at or now) - self.received),
-            ttft,
-            _ms(now - self.received),
+            timing.queue_ms,
+            "-" if timing.ttft_ms is None else f"{timing.ttft_ms:.1f}",
+            timing.total_ms,
         )
         if connection.config.log_prompts and self.parts:
             logger.debug("request %s completion=%r", self.request_id, "".join(self.parts))
