@@ -90,7 +90,8 @@ async def wait_until(predicate, timeout: float = 10.0) -> None:  # type: ignore[
 async def test_slow_reader_stays_bounded_then_is_cut_off(make_server) -> None:  # type: ignore[no-untyped-def]
     # More tokens than the kernel's socket buffers can absorb (up to 4 MiB on Linux).
     engine = SyntheticEngine(context_length=300_000, max_output_tokens=200_000)
-    server = make_server(engines=[engine], write_timeout_s=2.0)
+    # One frame per token, so that 200,000 tokens are more bytes than the kernel holds.
+    server = make_server(engines=[engine], write_timeout_s=2.0, merge_window_ms=0)
     client = RawClient(server.port, rcvbuf=4096)
     try:
         client.send_json({"prompt": "flood me", "max_tokens": 200_000})  # then never read

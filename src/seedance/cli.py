@@ -1,4 +1,4 @@
-"""The ``seedance`` command: ``serve``, ``chat`` and ``engines``."""
+"""The ``seedance`` command: ``serve``, ``chat``, ``bench`` and ``engines``."""
 
 from __future__ import annotations
 
@@ -27,6 +27,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _serve(args)
     if args.command == "chat":
         return _chat(args)
+    if args.command == "bench":
+        from seedance.bench.cli import run
+
+        return run(args)
     if args.command == "engines":
         return _engines()
     parser.print_help()
@@ -72,6 +76,16 @@ def _parser() -> argparse.ArgumentParser:
     chat.add_argument(
         "--verbose", "-v", action="store_true", help="print session, usage and timing to stderr"
     )
+
+    bench = commands.add_parser(
+        "bench",
+        help="measure a Seedance or OpenAI-compatible server under load",
+        description="Load a server and report TTFT, ITL, TPOT, E2EL and throughput "
+        "(vLLM's definitions). Needs the 'bench' extra.",
+    )
+    from seedance.bench.cli import add_arguments as add_bench_arguments
+
+    add_bench_arguments(bench)
 
     commands.add_parser("engines", help="list installed engines")
     return parser

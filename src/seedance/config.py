@@ -51,6 +51,7 @@ class ServerConfig:
     max_connections: int = 100_000
     max_pending_bytes: int = 1024 * 1024
     write_timeout_s: float = 30.0
+    merge_window_ms: float = 5.0
     drain_timeout_s: float = 30.0
     synthetic_ttft_ms: float = 0.0
     synthetic_tokens_per_s: float = 0.0
@@ -194,6 +195,14 @@ OPTIONS: tuple[Option, ...] = (
         "cut off a client whose socket accepts nothing for this many seconds",
         _positive,
         "positive",
+    ),
+    Option(
+        "merge_window_ms",
+        "--merge-window-ms",
+        float,
+        "token frames of a stream faster than one per window merge into one frame (0: off)",
+        _non_negative,
+        "0 or more",
     ),
     Option(
         "drain_timeout_s",

@@ -69,7 +69,10 @@ class Connection:
         self.peer = peer
         self.id = "c-" + secrets.token_hex(4)
         self.out = Outbound(
-            ws, max_pending_bytes=self.config.max_pending_bytes, on_overflow=self._on_overflow
+            ws,
+            max_pending_bytes=self.config.max_pending_bytes,
+            on_overflow=self._on_overflow,
+            merger=state.merger,
         )
         self._loop = asyncio.get_running_loop()
         self.opened_at = self._loop.time()

@@ -13,7 +13,7 @@ import secrets
 from typing import TYPE_CHECKING
 
 from seedance.engines.base import GenerationRequest, SamplingParams
-from seedance.protocol.codec import TokenFrameEncoder, encode_error, encode_frame
+from seedance.protocol.codec import encode_error, encode_frame
 from seedance.protocol.errors import EngineError, InternalError, SeedanceError
 from seedance.protocol.messages import (
     ChatMessage,
@@ -25,6 +25,7 @@ from seedance.protocol.messages import (
     Timing,
     Usage,
 )
+from seedance.server.transport import TokenStream
 from seedance.sessions.session import Turn
 
 if TYPE_CHECKING:
@@ -154,7 +155,7 @@ class Generation:
             ),
             prompt_tokens=self.prompt_tokens,
         )
-        encoder = TokenFrameEncoder(self.request_id) if message.stream else None
+        tokens = TokenStream(self.request_id) if message.stream else None
         stream = connection.model.engine.generate(request)
         try:
             async for delta in stream:
@@ -162,8 +163,8 @@ class Generation:
                     if self.first_token_at is None:
                         self.first_token_at = loop.time()
                     self.parts.append(delta.text)
-                    if encoder is not None:
-                        out.put(encoder.encode(delta.text, self.completion_tokens, delta.tokens))
+                    if tokens is not None:
+                        out.put_token(tokens, delta.text, delta.tokens)
                         if out.congested:
                             await out.wait_writable()
                     self.completion_tokens += delta.tokens

@@ -13,6 +13,7 @@ from seedance.engines.base import Engine
 from seedance.protocol.codec import FrameLimits
 from seedance.protocol.errors import ModelNotFound
 from seedance.server.admission import Admission
+from seedance.server.transport import FrameMerger
 from seedance.sessions.store import MemorySessionStore, SessionStore
 
 if TYPE_CHECKING:
@@ -63,6 +64,10 @@ class ServerState:
             ttl_s=config.session_ttl_s, max_sessions=config.max_sessions
         )
         self.connections: set[Connection] = set()
+        # Merges the token frames of fast streams (None: one frame per token).
+        self.merger = (
+            FrameMerger(config.merge_window_ms / 1000.0) if config.merge_window_ms > 0 else None
+        )
         self.draining = False
         self._started = False
 

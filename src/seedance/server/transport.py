@@ -18,15 +18,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import struct
 from collections import deque
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.exceptions import PayloadTooBig
 from websockets.frames import Frame, Opcode
+from websockets.protocol import State
 
-from seedance.protocol.codec import encode_error
+from seedance.eventloop import set_nodelay
+from seedance.protocol.codec import TokenFrameEncoder, encode_error
 from seedance.protocol.errors import PayloadTooLarge
 
 logger = logging.getLogger(__name__)
@@ -42,7 +45,7 @@ OutFrame = str | bytes
 class AsgiWebSocket:
     """The ASGI side of one WebSocket: receive events, send frames, close, abort."""
 
-    __slots__ = ("_abort", "_last_control", "_receive", "_send", "scope")
+    __slots__ = ("_abort", "_last_control", "_receive", "_send", "scope", "writer")
 
     def __init__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         self.scope = scope
@@ -51,6 +54,7 @@ class AsgiWebSocket:
         extension = (scope.get("extensions") or {}).get(TRANSPORT_EXTENSION) or {}
         self._abort: Callable[[], None] | None = extension.get("abort")
         self._last_control: Callable[[], float] | None = extension.get("last_control_frame_at")
+        self.writer: FrameWriter | None = extension.get("writer")
 
     async def receive(self) -> dict[str, Any]:
         event: dict[str, Any] = await self._receive()
@@ -80,8 +84,99 @@ class AsgiWebSocket:
         return True
 
 
+class FrameWriter(Protocol):
+    """The server's direct write path (the ``seedance.transport`` extension's ``writer``).
+
+    Frames handed to it are framed and written to the socket in one ``write``, without an
+    ASGI message per frame. Its transport pauses as soon as anything stays buffered, so
+    :attr:`writable` is set exactly when the socket has taken everything written so far.
+    """
+
+    writable: asyncio.Event
+
+    def write_frames(self, frames: Sequence[bytes | str]) -> bool:
+        """Write the frames; false when the connection is no longer open."""
+        ...
+
+
+class TokenStream:
+    """The ``token`` frames of one request. While a frame waits for the socket (or for the
+    merge window), later tokens join it: ``seq`` stays the first token's, ``n`` grows."""
+
+    __slots__ = ("_encoder", "_texts", "count", "last_sent", "seq", "size", "waiting")
+
+    def __init__(self, request_id: str) -> None:
+        self._encoder = TokenFrameEncoder(request_id)
+        self._texts: list[str] = []
+        self.size = 0  # bytes the frame being built is counted as in the queue
+        self.count = 0  # tokens in the frame being built (0: none)
+        self.seq = 0  # seq of the next frame
+        self.last_sent = -1.0  # loop time of the last frame written (-1: none yet)
+        self.waiting = False  # in the queue or held for the window
+
+    def add(self, text: str, tokens: int) -> int:
+        """Add a token to the frame being built; returns the bytes it adds."""
+        self._texts.append(text)
+        self.count += tokens
+        size = len(text) + (FRAME_OVERHEAD_BYTES if len(self._texts) == 1 else 0)
+        self.size += size
+        return size
+
+    def take(self, now: float) -> tuple[str, int]:
+        """The frame, and the bytes it was counted as; the stream is then empty."""
+        texts = self._texts
+        frame = self._encoder.encode(
+            texts[0] if len(texts) == 1 else "".join(texts), self.seq, self.count
+        )
+        size = self.size
+        self.seq += self.count
+        self.count = 0
+        self.size = 0
+        self._texts = []
+        self.last_sent = now
+        self.waiting = False
+        return frame, size
+
+
+class FrameMerger:
+    """One timer for all streams held by the merge window: each tick releases them all, so a
+    token is held at most one window."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._held: list[Outbound] = []
+        self._timer: asyncio.TimerHandle | None = None
+        self.frames_merged = 0  # tokens that joined a frame instead of making their own
+
+    def hold(self, out: Outbound) -> None:
+        self._held.append(out)
+        if self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self.window_s, self._tick)
+
+    def _tick(self) -> None:
+        self._timer = None
+        held, self._held = self._held, []
+        for out in held:
+            out.release_held()
+
+
+_QueueItem = OutFrame | TokenStream
+
+
 class Outbound:
-    """The frames waiting for one client's socket, written in order by one task."""
+    """The frames waiting for one client's socket, written in order.
+
+    A frame is written at once when nothing is queued and the socket has taken everything
+    before it (the direct path: no task switch, one ``write``). Otherwise it waits in the
+    queue, and one writer task sends the whole queue in one ``write`` as soon as the socket
+    drains. Token frames merge (unless ``merger`` is None: one frame per token):
+
+    - the first token of a request, and a token after a pause longer than the merge window,
+      go out at once when the socket is idle;
+    - tokens arriving while the previous write is still draining join the queued frame;
+    - tokens of a stream that wrote a frame less than the window ago are held for the rest of
+      the window (at most one window) and go out as one frame.
+    """
 
     def __init__(
         self,
@@ -89,14 +184,19 @@ class Outbound:
         *,
         max_pending_bytes: int,
         on_overflow: Callable[[], None],
+        merger: FrameMerger | None = None,
         high_water_bytes: int = 64 * 1024,
     ) -> None:
         self._ws = ws
-        self._queue: deque[OutFrame] = deque()
+        self._direct = ws.writer
+        self._loop = asyncio.get_running_loop()
+        self._queue: deque[_QueueItem] = deque()
+        self._held: list[TokenStream] = []
         self._wakeup = asyncio.Event()
         self._writable = asyncio.Event()
         self._writable.set()
         self._on_overflow = on_overflow
+        self._merger = merger
         self.max_pending_bytes = max_pending_bytes
         self.high_water_bytes = high_water_bytes
         self.pending_bytes = 0
@@ -108,17 +208,75 @@ class Outbound:
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="outbound")
 
+    @property
+    def _open(self) -> bool:
+        return not self.closed and self._close is None
+
     def put(self, frame: OutFrame) -> None:
-        """Queue a frame without waiting. Past ``max_pending_bytes`` the client is cut off."""
-        if self.closed or self._close is not None:
+        """Send a frame, in order, without waiting. Past ``max_pending_bytes`` queued the
+        client is cut off."""
+        if not self._open:
             return
-        self._queue.append(frame)
-        self.pending_bytes += len(frame) + FRAME_OVERHEAD_BYTES
+        if self._held:
+            self.release_held()
+        if not self._queue and self._direct is not None and self._direct.writable.is_set():
+            self._direct.write_frames((frame,))  # false: closing, and the frame is moot
+            return
+        self._enqueue(frame, len(frame) + FRAME_OVERHEAD_BYTES)
+
+    def put_token(self, stream: TokenStream, text: str, tokens: int) -> None:
+        """Send a request's token, merged with its neighbours where that costs no delay."""
+        if not self._open:
+            return
+        merger = self._merger
+        if merger is None:  # merging off: one frame per token
+            stream.add(text, tokens)
+            self.put(stream.take(self._loop.time())[0])
+            return
+        if stream.waiting:  # a frame of this stream is waiting: join it
+            self._account(stream.add(text, tokens))
+            merger.frames_merged += 1
+            return
+        size = stream.add(text, tokens)
+        now = self._loop.time()
+        if stream.last_sent >= 0 and now - stream.last_sent < merger.window_s:
+            stream.waiting = True  # hot stream: hold for the rest of the window
+            self._account(size)
+            if not self._held:
+                merger.hold(self)
+            self._held.append(stream)
+            return
+        self._send_stream(stream)
+
+    def _send_stream(self, stream: TokenStream) -> None:
+        """Write the stream's frame now, or queue it (its bytes are not counted yet)."""
+        if not self._queue and self._direct is not None and self._direct.writable.is_set():
+            self._direct.write_frames((stream.take(self._loop.time())[0],))
+            return
+        stream.waiting = True
+        self._enqueue(stream, stream.size)
+
+    def release_held(self) -> None:
+        """Send the frames the merge window holds (in the order they were held)."""
+        held, self._held = self._held, []
+        if not self._open:
+            return
+        for stream in held:
+            if stream.count:
+                self.pending_bytes -= stream.size  # counted again if it is queued
+                self._send_stream(stream)
+
+    def _account(self, size: int) -> None:
+        self.pending_bytes += size
         if self.pending_bytes > self.high_water_bytes:
             self._writable.clear()
             if self.pending_bytes > self.max_pending_bytes:
                 self.closed = True
                 self._on_overflow()
+
+    def _enqueue(self, item: _QueueItem, size: int) -> None:
+        self._queue.append(item)
+        self._account(size)
         self._wakeup.set()
 
     async def wait_writable(self) -> None:
@@ -132,21 +290,45 @@ class Outbound:
 
     def close(self, code: int, reason: str = "") -> None:
         """Send what is queued, then the close frame."""
-        if self._close is None and not self.closed:
+        if self._open:
+            if self._held:
+                self.release_held()
             self._close = (code, reason)
             self._wakeup.set()
 
     async def stop(self) -> None:
         """Stop writing (the connection is gone)."""
         self.closed = True
+        self._held.clear()
         self._writable.set()
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
 
+    def _take_all(self) -> tuple[list[OutFrame], int]:
+        now = self._loop.time()
+        frames: list[OutFrame] = []
+        size = 0
+        queue = self._queue
+        while queue:
+            item = queue.popleft()
+            if isinstance(item, TokenStream):
+                text, counted = item.take(now)
+                frames.append(text)
+                size += counted
+            else:
+                frames.append(item)
+                size += len(item) + FRAME_OVERHEAD_BYTES
+        return frames, size
+
+    def _written(self, size: int) -> None:
+        self.pending_bytes -= size
+        if self.pending_bytes <= self.high_water_bytes // 2:
+            self._writable.set()
+
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        queue, ws = self._queue, self._ws
+        loop = self._loop
+        queue, ws, direct = self._queue, self._ws, self._direct
         try:
             while not self.closed:
                 if not queue:
@@ -158,13 +340,20 @@ class Outbound:
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
-                frame = queue.popleft()
                 self.stalled_since = loop.time()
-                await ws.send(frame)
+                if direct is not None:
+                    # Wait for the socket to drain; tokens arriving meanwhile merge.
+                    if not direct.writable.is_set():
+                        await direct.writable.wait()
+                    frames, size = self._take_all()
+                    if not direct.write_frames(frames):
+                        return  # the connection is closing
+                else:
+                    frames, size = self._take_all()
+                    for frame in frames:
+                        await ws.send(frame)
                 self.stalled_since = None
-                self.pending_bytes -= len(frame) + FRAME_OVERHEAD_BYTES
-                if self.pending_bytes <= self.high_water_bytes // 2:
-                    self._writable.set()
+                self._written(size)
         except Exception as exc:  # the client went away mid-write
             logger.debug("outbound writer stopped: %r", exc)
         finally:
@@ -192,7 +381,37 @@ class SeedanceWebSocketProtocol(WebSocketsSansIOProtocol):
             scope["extensions"][TRANSPORT_EXTENSION] = {
                 "abort": self._abort,
                 "last_control_frame_at": lambda: self.last_control_frame_at,
+                "writer": self,
             }
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        set_nodelay(transport)
+        # Pause as soon as anything stays buffered: ``writable`` then means "drained", and
+        # frames that arrive meanwhile are merged instead of piling up in the buffer.
+        transport.set_write_buffer_limits(high=0)
+
+    def write_frames(self, frames: Sequence[bytes | str]) -> bool:
+        """:class:`FrameWriter`: frame and write data frames in one ``write``."""
+        if (
+            self.close_sent
+            or self.disconnected
+            or not self.handshake_complete
+            or self.conn.state is not State.OPEN
+            or self.transport.is_closing()
+        ):
+            return False
+        parts: list[bytes] = []
+        for frame in frames:
+            if isinstance(frame, str):
+                data = frame.encode()
+                parts.append(_frame_header(0x81, len(data)))
+            else:
+                data = frame
+                parts.append(_frame_header(0x82, len(data)))
+            parts.append(data)
+        self.transport.write(b"".join(parts))
+        return True
 
     def handle_pong(self, event: Frame) -> None:
         self.last_control_frame_at = self.loop.time()
@@ -220,6 +439,20 @@ class SeedanceWebSocketProtocol(WebSocketsSansIOProtocol):
     def _abort(self) -> None:
         if not self.transport.is_closing():
             self.transport.abort()
+
+
+def _frame_header(first_byte: int, length: int) -> bytes:
+    """The header of an unmasked, final, uncompressed server frame (RFC 6455 section 5.2)."""
+    if length < 126:
+        return _HEADER_SHORT.pack(first_byte, length)
+    if length < 65536:
+        return _HEADER_MEDIUM.pack(first_byte, 126, length)
+    return _HEADER_LONG.pack(first_byte, 127, length)
+
+
+_HEADER_SHORT = struct.Struct("!BB")
+_HEADER_MEDIUM = struct.Struct("!BBH")
+_HEADER_LONG = struct.Struct("!BBQ")
 
 
 def websocket_protocol(max_pending_bytes: int) -> type[SeedanceWebSocketProtocol]:

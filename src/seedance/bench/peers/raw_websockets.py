@@ -1,0 +1,126 @@
+"""A minimal token server written directly on the ``websockets`` library.
+
+It speaks just enough of protocol v2 for ``seedance bench``: a ``generate`` text frame gets
+``start``, one ``token`` frame per token and ``done``; a binary heartbeat ping gets a pong. It has
+no sessions, no admission control, no limits and no merging: what a team writes by hand in an
+afternoon, and the bar Seedance's token path is measured against.
+
+    python -m seedance.bench.peers.raw_websockets --port 9001 [--tokens-per-s R] [--ttft-ms T]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+from typing import Any
+
+import msgspec
+from websockets.asyncio.server import ServerConnection, serve
+
+from seedance.engines.base import GenerationRequest, SamplingParams
+from seedance.engines.synthetic import SyntheticEngine
+from seedance.eventloop import install_uvloop
+from seedance.protocol.messages import HEARTBEAT_PING, HEARTBEAT_PONG, ChatMessage, RequestId
+
+
+class _Generate(msgspec.Struct):
+    type: str
+    prompt: str = ""
+    max_tokens: int = 16
+    request_id: str | None = None
+    seed: int | None = None
+
+
+_decode = msgspec.json.Decoder(_Generate).decode
+_encode = msgspec.json.Encoder().encode
+
+
+async def _serve_connection(ws: ServerConnection, engine: SyntheticEngine) -> None:
+    number = 0
+    async for message in ws:
+        if isinstance(message, bytes):
+            if message == HEARTBEAT_PING:
+                await ws.send(HEARTBEAT_PONG, text=False)
+            continue
+        request = _decode(message)
+        if request.type != "generate":
+            continue
+        number += 1
+        request_id = request.request_id or f"r{number}"
+        await ws.send(_encode({"type": "start", "request_id": request_id}), text=True)
+        completion = 0
+        finish = "stop"
+        stream = engine.generate(
+            GenerationRequest(
+                request_id=RequestId(request_id),
+                messages=(ChatMessage("user", request.prompt),),
+                params=SamplingParams(max_tokens=request.max_tokens, seed=request.seed),
+                prompt_tokens=engine.count_tokens(request.prompt),
+            )
+        )
+        async for delta in stream:
+            if delta.tokens:
+                await ws.send(
+                    _encode(
+                        {
+                            "type": "token",
+                            "token": delta.text,
+                            "seq": completion,
+                            "request_id": request_id,
+                        }
+                    ),
+                    text=True,
+                )
+                completion += delta.tokens
+            if delta.finish_reason is not None:
+                finish = delta.finish_reason
+        await ws.send(
+            _encode(
+                {
+                    "type": "done",
+                    "done": True,
+                    "request_id": request_id,
+                    "finish_reason": finish,
+                    "usage": {"completion_tokens": completion},
+                }
+            ),
+            text=True,
+        )
+
+
+async def run(host: str, port: int, engine: SyntheticEngine) -> None:
+    async def handler(ws: ServerConnection) -> None:
+        await _serve_connection(ws, engine)
+
+    async with serve(
+        handler,
+        host,
+        port,
+        subprotocols=None,
+        ping_interval=None,
+        compression=None,
+        max_size=1 << 20,
+        backlog=4096,
+    ) as server:
+        ports = [s.getsockname()[1] for s in server.sockets]
+        print(json.dumps({"listening": f"ws://{host}:{ports[0]}/"}), flush=True)
+        await asyncio.Future()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=9001)
+    parser.add_argument("--ttft-ms", type=float, default=0.0)
+    parser.add_argument("--tokens-per-s", type=float, default=0.0)
+    args: Any = parser.parse_args(argv)
+    install_uvloop()
+    engine = SyntheticEngine(ttft_ms=args.ttft_ms, tokens_per_s=args.tokens_per_s)
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(run(args.host, args.port, engine))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,375 @@
+"""The servers ``seedance bench`` drives: a Seedance WebSocket endpoint, or any
+OpenAI-compatible server over HTTP + SSE.
+
+A target opens :class:`Conn` objects, one per simulated user; a connection runs one request at a
+time and fills in its :class:`~seedance.bench.metrics.Sample`. The clients are built for a low
+cost per token (picows for WebSocket, aiohttp for HTTP), so the load generator is not what is
+being measured.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import time
+from typing import Any
+
+import msgspec
+
+from seedance.bench.metrics import Sample
+from seedance.protocol.messages import HEARTBEAT_PING, HEARTBEAT_PONG, SUBPROTOCOL
+
+try:
+    import aiohttp
+    from picows import WSFrame, WSListener, WSMsgType, WSTransport, ws_connect
+except ImportError as exc:  # pragma: no cover - depends on the installation
+    raise ImportError(
+        f"seedance bench needs the 'bench' extra ({exc.name} is missing): "
+        "pip install 'seedance[bench]'"
+    ) from exc
+
+
+class BenchError(Exception):
+    """A request failed; ``code`` is the server's error code or a transport failure."""
+
+    def __init__(self, code: str, message: str = "") -> None:
+        super().__init__(message or code)
+        self.code = code
+
+
+class Conn(abc.ABC):
+    """One simulated user's connection."""
+
+    @abc.abstractmethod
+    async def request(self, sample: Sample, prompt: str, max_tokens: int, clock: Clock) -> None:
+        """Run one request, filling ``sample``; raises :class:`BenchError` on failure."""
+
+    async def heartbeat(self) -> float:
+        """One heartbeat round trip in seconds (WebSocket targets only)."""
+        raise BenchError("unsupported", "this target has no heartbeat")
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+
+class Target(abc.ABC):
+    name: str
+
+    async def prepare(self) -> None:  # noqa: B027 - optional hook
+        """Anything to do once before the first connection."""
+
+    @abc.abstractmethod
+    async def connect(self) -> Conn: ...
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release what :meth:`prepare` took."""
+
+
+class Clock:
+    """Seconds since the start of the run."""
+
+    __slots__ = ("origin",)
+
+    def __init__(self) -> None:
+        self.origin = time.perf_counter()
+
+    def now(self) -> float:
+        return time.perf_counter() - self.origin
+
+
+# --------------------------------------------------------------------------- WebSocket
+
+
+class _Frame(msgspec.Struct):
+    """The fields of a server frame the load generator looks at (others are skipped)."""
+
+    type: str
+    n: int = 1
+    finish_reason: str | None = None
+    code: str | None = None
+    message: str | None = None
+    prompt_tokens: int | None = None
+
+
+_decode_frame = msgspec.json.Decoder(_Frame).decode
+_TOKEN_PREFIX = b'{"type":"token"'
+
+
+class _Listener(WSListener):
+    """Routes the frames of one connection to the request running on it."""
+
+    def __init__(self) -> None:
+        self.sample: Sample | None = None
+        self.clock: Clock | None = None
+        self.done: asyncio.Future[None] | None = None
+        self.pong: asyncio.Future[float] | None = None
+        self.closed: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self.transport: WSTransport | None = None
+
+    def on_ws_connected(self, transport: WSTransport) -> None:
+        self.transport = transport
+
+    def on_ws_frame(self, transport: WSTransport, frame: WSFrame) -> None:
+        kind = frame.msg_type
+        if kind == WSMsgType.TEXT:
+            self._on_text(frame.get_payload_as_bytes())
+        elif kind == WSMsgType.BINARY:
+            payload = frame.get_payload_as_bytes()
+            if payload == HEARTBEAT_PING:
+                transport.send(WSMsgType.BINARY, HEARTBEAT_PONG)
+            elif payload == HEARTBEAT_PONG and self.pong is not None and not self.pong.done():
+                self.pong.set_result(time.perf_counter())
+        elif kind == WSMsgType.CLOSE:
+            code = int(frame.get_close_code().value)
+            self._fail(BenchError(f"closed_{code}", f"the server closed with {code}"))
+            if not self.closed.done():
+                self.closed.set_result(code)
+
+    def _on_text(self, payload: bytes) -> None:
+        sample, clock = self.sample, self.clock
+        if sample is None or clock is None:
+            return
+        now = clock.now()
+        if payload.startswith(_TOKEN_PREFIX):
+            n = _decode_frame(payload).n if b'"n":' in payload else 1
+            sample.add_chunk(now, n)
+            return
+        frame = _decode_frame(payload)
+        if frame.type == "start":
+            sample.prompt_tokens = frame.prompt_tokens
+        elif frame.type == "done":
+            sample.end = now
+            sample.finish_reason = frame.finish_reason
+            self._finish(None)
+        elif frame.type == "error":
+            sample.end = now
+            self._fail(BenchError(frame.code or "error", frame.message or ""))
+
+    def _finish(self, error: BaseException | None) -> None:
+        done = self.done
+        if done is not None and not done.done():
+            if error is None:
+                done.set_result(None)
+            else:
+                done.set_exception(error)
+
+    def _fail(self, error: BaseException) -> None:
+        self._finish(error)
+        if self.pong is not None and not self.pong.done():
+            self.pong.set_exception(error)
+
+    def on_ws_disconnected(self, transport: WSTransport) -> None:
+        self._fail(BenchError("disconnected", "the connection dropped"))
+        if not self.closed.done():
+            self.closed.set_result(1006)
+
+
+class WebSocketConn(Conn):
+    def __init__(self, transport: WSTransport, listener: _Listener) -> None:
+        self.transport = transport
+        self.listener = listener
+        self.number = 0
+
+    async def request(self, sample: Sample, prompt: str, max_tokens: int, clock: Clock) -> None:
+        listener = self.listener
+        if listener.closed.done():
+            raise BenchError("disconnected", "the connection is closed")
+        self.number += 1
+        loop = asyncio.get_running_loop()
+        listener.sample, listener.clock = sample, clock
+        listener.done = loop.create_future()
+        message = _encode(
+            {
+                "type": "generate",
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "request_id": f"b{self.number}",
+                "reset": True,
+            }
+        )
+        if not sample.sent:
+            sample.sent = clock.now()
+        self.transport.send(WSMsgType.TEXT, message)
+        try:
+            await listener.done
+        finally:
+            listener.sample = listener.clock = listener.done = None
+
+    async def heartbeat(self) -> float:
+        listener = self.listener
+        if listener.closed.done():
+            raise BenchError("disconnected", "the connection is closed")
+        listener.pong = asyncio.get_running_loop().create_future()
+        sent = time.perf_counter()
+        self.transport.send(WSMsgType.BINARY, HEARTBEAT_PING)
+        try:
+            return await listener.pong - sent
+        finally:
+            listener.pong = None
+
+    async def close(self) -> None:
+        if not self.listener.closed.done():
+            self.transport.send_close()
+            self.transport.disconnect()
+        await self.transport.wait_disconnected()
+
+
+_encode = msgspec.json.Encoder().encode
+
+
+class WebSocketTarget(Target):
+    """A Seedance ``/v2/infer`` URL (or any server speaking the same frames)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.name = url
+
+    async def connect(self) -> Conn:
+        try:
+            transport, listener = await ws_connect(
+                _Listener,
+                self.url,
+                extra_headers={"Sec-WebSocket-Protocol": SUBPROTOCOL},
+                websocket_handshake_timeout=30,
+                max_frame_size=16 * 1024 * 1024,
+            )
+        except (OSError, asyncio.TimeoutError) as exc:
+            raise BenchError("connect_failed", f"cannot connect to {self.url}: {exc}") from exc
+        except Exception as exc:  # picows handshake errors
+            raise BenchError("handshake_failed", f"{self.url}: {exc}") from exc
+        assert isinstance(listener, _Listener)
+        return WebSocketConn(transport, listener)
+
+
+# --------------------------------------------------------------------------- OpenAI HTTP + SSE
+
+
+class _Delta(msgspec.Struct):
+    content: str | None = None
+
+
+class _Choice(msgspec.Struct):
+    delta: _Delta | None = None
+    text: str | None = None
+    finish_reason: str | None = None
+
+
+class _UsageOut(msgspec.Struct):
+    completion_tokens: int = 0
+    prompt_tokens: int | None = None
+
+
+class _Chunk(msgspec.Struct):
+    choices: list[_Choice] = []
+    usage: _UsageOut | None = None
+
+
+_decode_chunk = msgspec.json.Decoder(_Chunk).decode
+
+
+class OpenAIConn(Conn):
+    def __init__(self, target: OpenAITarget, session: aiohttp.ClientSession) -> None:
+        self.target = target
+        self.session = session
+
+    async def request(self, sample: Sample, prompt: str, max_tokens: int, clock: Clock) -> None:
+        target = self.target
+        body = {
+            "model": target.model,
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if not sample.sent:
+            sample.sent = clock.now()
+        usage: _UsageOut | None = None
+        try:
+            async with self.session.post(
+                f"{target.base_url}/chat/completions", data=_encode(body), headers=target.headers
+            ) as response:
+                if response.status != 200:
+                    raise BenchError(await _http_error_code(response), f"HTTP {response.status}")
+                async for line in response.content:
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        break
+                    chunk = _decode_chunk(data)
+                    if chunk.usage is not None:
+                        usage = chunk.usage
+                    for choice in chunk.choices:
+                        text = choice.delta.content if choice.delta is not None else choice.text
+                        if text:
+                            sample.add_chunk(clock.now(), 1)
+                        if choice.finish_reason is not None:
+                            sample.finish_reason = choice.finish_reason
+        except aiohttp.ClientError as exc:
+            raise BenchError("http_failed", str(exc)) from exc
+        sample.end = clock.now()
+        if usage is not None:
+            sample.prompt_tokens = usage.prompt_tokens
+            if usage.completion_tokens and sample.chunk_tokens:
+                # Servers may pack several tokens into one event: trust the usage count.
+                sample.chunk_tokens[-1] += usage.completion_tokens - sample.tokens
+                sample.tokens = usage.completion_tokens
+
+    async def close(self) -> None:
+        if self.session is not self.target.shared:
+            await self.session.close()
+
+
+async def _http_error_code(response: aiohttp.ClientResponse) -> str:
+    try:
+        body = await response.json(content_type=None)
+        error = body.get("error") or {}
+        return str(error.get("code") or error.get("type") or f"http_{response.status}")
+    except Exception:
+        return f"http_{response.status}"
+
+
+class OpenAITarget(Target):
+    """An OpenAI-compatible ``/v1`` base URL; ``model`` defaults to the first one it lists."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        model: str | None = None,
+        api_key: str | None = None,
+        new_connection: bool = False,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.name = self.base_url
+        self.model = model
+        self.headers = {"Content-Type": "application/json"}
+        if api_key:
+            self.headers["Authorization"] = f"Bearer {api_key}"
+        self.new_connection = new_connection
+        self.shared: aiohttp.ClientSession | None = None
+
+    async def prepare(self) -> None:
+        connector = aiohttp.TCPConnector(limit=0, force_close=self.new_connection)
+        self.shared = aiohttp.ClientSession(
+            connector=connector, timeout=aiohttp.ClientTimeout(total=None, sock_connect=30)
+        )
+        if self.model is None:
+            try:
+                async with self.shared.get(
+                    f"{self.base_url}/models", headers=self.headers
+                ) as response:
+                    body: dict[str, Any] = await response.json(content_type=None)
+                self.model = str(body["data"][0]["id"])
+            except Exception as exc:
+                raise BenchError(
+                    "no_model", f"cannot list models at {self.base_url}/models: {exc}; pass --model"
+                ) from exc
+
+    async def connect(self) -> Conn:
+        assert self.shared is not None, "prepare() first"
+        return OpenAIConn(self, self.shared)
+
+    async def close(self) -> None:
+        if self.shared is not None:
+            await self.shared.close()
