@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
-.PHONY: serve test lint clean
+.PHONY: serve test bench lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,11 @@ serve: $(VENV)/.installed-base
 
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Comparison suites against a raw websockets server; rewrites docs/benchmarks.md (~10 min).
+# BENCH_ARGS=--quick for a short run.
+bench: $(VENV)/.installed-bench
+	$(BIN)/python -m seedance.bench.suites $(BENCH_ARGS)
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check src tests

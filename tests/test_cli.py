@@ -9,9 +9,8 @@ import threading
 import time
 from pathlib import Path
 
-from tests.conftest import SEEDANCE, RunningServer, slow_engine
-
 from seedance.client import connect_sync
+from tests.conftest import SEEDANCE, RunningServer, slow_engine
 
 
 def run(

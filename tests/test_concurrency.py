@@ -6,9 +6,9 @@ import asyncio
 import resource
 
 import pytest
-from tests.conftest import RunningServer
 
 from seedance.client import connect
+from tests.conftest import RunningServer
 
 STREAMS = 500
 TOKENS = 20

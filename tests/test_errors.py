@@ -7,6 +7,9 @@ import json
 from collections.abc import AsyncGenerator
 from typing import Any
 
+from seedance.engines.base import GenerationRequest, TokenDelta
+from seedance.engines.synthetic import SyntheticEngine
+from seedance.protocol.messages import ChatMessage
 from tests.conftest import RunningServer, slow_engine
 from tests.wsutil import (
     assert_seq_contiguous,
@@ -17,10 +20,6 @@ from tests.wsutil import (
     recv_json,
     wait_closed,
 )
-
-from seedance.engines.base import GenerationRequest, TokenDelta
-from seedance.engines.synthetic import SyntheticEngine
-from seedance.protocol.messages import ChatMessage
 
 
 async def still_open(ws: Any) -> None:

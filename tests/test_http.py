@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import httpx
-from tests.conftest import RunningServer
 
 from seedance.engines.base import EngineHealth
 from seedance.engines.synthetic import SyntheticEngine
+from tests.conftest import RunningServer
 
 
 def test_healthz(server: RunningServer) -> None:

@@ -7,6 +7,7 @@ import json
 import signal
 
 import pytest
+
 from tests.conftest import ServerProcess
 from tests.wsutil import assert_seq_contiguous, open_session, raw_connect, recv_json, wait_closed
 

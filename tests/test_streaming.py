@@ -9,11 +9,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from tests.conftest import RunningServer
-from tests.wsutil import assert_seq_contiguous, collect, generate, open_session, tokens_text
 
 from seedance import SERVER_NAME
 from seedance.engines.synthetic import SyntheticEngine
+from tests.conftest import RunningServer
+from tests.wsutil import assert_seq_contiguous, collect, generate, open_session, tokens_text
 
 REFERENCE_CLIENT = """
 const socket = new WebSocket('ws://127.0.0.1:8000/v2/infer?session_id=abc123&model=smollm2-135m');

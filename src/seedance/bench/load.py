@@ -80,7 +80,7 @@ def make_prompt(rng: random.Random, tokens: int) -> str:
 
 
 class Progress:
-    """A live line on a terminal; a line every few seconds elsewhere."""
+    """A live line on a terminal; elsewhere a line every few seconds, and one at the end."""
 
     def __init__(self, total: int | None, duration_s: float | None, out: TextIO | None) -> None:
         self.total = total
@@ -119,7 +119,7 @@ class Progress:
             return
         if self._tty:
             self.out.write("\r\x1b[2K" + self.line(elapsed) + ("\n" if final else ""))
-        elif not final:
+        else:
             self.out.write(self.line(elapsed) + "\n")
         self.out.flush()
 

@@ -148,6 +148,7 @@ class Summary:
     requests_per_s: float
     output_tokens: int
     output_tokens_per_s: float
+    delivered_tokens_per_s: float
     chunks: int
     ttft: Distribution
     itl: Distribution
@@ -167,6 +168,7 @@ class Summary:
             "requests_per_s": round(self.requests_per_s, 2),
             "output_tokens": self.output_tokens,
             "output_tokens_per_s": round(self.output_tokens_per_s, 1),
+            "delivered_tokens_per_s": round(self.delivered_tokens_per_s, 1),
             "chunks": self.chunks,
             "ttft": self.ttft.to_json(),
             "itl": self.itl.to_json(),
@@ -187,6 +189,11 @@ def summarize(samples: Iterable[Sample]) -> Summary:
     else:
         duration = 0.0
     tokens = sum(s.tokens for s in done)
+    # Every token received, finished request or not, over the time from the first request
+    # sent to the last token received: what the server delivered.
+    arrivals = [s.chunk_at[-1] for s in measured if s.chunk_at]
+    span = max(arrivals) - min(s.sent for s in measured) if arrivals else 0.0
+    delivered = sum(s.tokens for s in measured) / span if span > 0 else 0.0
     itls: list[float] = []
     for s in done:
         itls.extend(s.itls())
@@ -198,6 +205,7 @@ def summarize(samples: Iterable[Sample]) -> Summary:
         requests_per_s=len(done) / duration if duration else 0.0,
         output_tokens=tokens,
         output_tokens_per_s=tokens / duration if duration else 0.0,
+        delivered_tokens_per_s=delivered,
         chunks=sum(len(s.chunk_at) for s in done),
         ttft=Distribution.of_seconds([t for s in done if (t := s.ttft) is not None]),
         itl=Distribution.of_seconds(itls),

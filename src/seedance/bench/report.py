@@ -36,7 +36,8 @@ def summary_table(target: str, spec: LoadSpec, result: LoadResult, summary: Summ
             else ""
         ),
         f"throughput  {summary.requests_per_s:,.1f} req/s · "
-        f"{summary.output_tokens_per_s:,.0f} output tokens/s · "
+        f"{summary.output_tokens_per_s:,.0f} output tokens/s "
+        f"({summary.delivered_tokens_per_s:,.0f} delivered, unfinished replies included) · "
         f"{summary.tokens_per_chunk:.2f} tokens per chunk",
         f"client      {result.client_cpu_s:.2f} s CPU over {result.wall_s:.2f} s "
         f"({100 * result.client_cpu_s / max(result.wall_s, 1e-9):.0f}% of one core)",

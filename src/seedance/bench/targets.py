@@ -80,14 +80,18 @@ class Clock:
 # --------------------------------------------------------------------------- WebSocket
 
 
+class _ErrorBody(msgspec.Struct):
+    code: str = "error"
+    message: str = ""
+
+
 class _Frame(msgspec.Struct):
     """The fields of a server frame the load generator looks at (others are skipped)."""
 
     type: str
     n: int = 1
     finish_reason: str | None = None
-    code: str | None = None
-    message: str | None = None
+    error: _ErrorBody | None = None
     prompt_tokens: int | None = None
 
 
@@ -143,7 +147,8 @@ class _Listener(WSListener):
             self._finish(None)
         elif frame.type == "error":
             sample.end = now
-            self._fail(BenchError(frame.code or "error", frame.message or ""))
+            error = frame.error or _ErrorBody()
+            self._fail(BenchError(error.code, error.message))
 
     def _finish(self, error: BaseException | None) -> None:
         done = self.done

@@ -32,6 +32,7 @@ from seedance.protocol.messages import (
     HEARTBEAT_PING,
     HEARTBEAT_PONG,
     Cancel,
+    ClientMessage,
     EndSession,
     Generate,
     Ping,
@@ -85,6 +86,7 @@ class Connection:
         self._closing = False
         self.close_code: int | None = None
         self.requests = 0
+        self._deferred = 0  # messages left to the receive loop, to keep their order
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -110,27 +112,68 @@ class Connection:
 
     async def _receive_loop(self) -> None:
         receive = self.ws.receive
-        while True:
-            event = await receive()
-            if event["type"] == "websocket.disconnect":
-                if self.close_code is None:
-                    self.close_code = int(event.get("code", 1005))
+        # Messages come to _on_message as they are parsed where the server offers it; the
+        # ASGI queue then brings the disconnect, and messages that must be awaited in order.
+        self.ws.set_receiver(self._on_message)
+        try:
+            while True:
+                event = await receive()
+                if event["type"] == "websocket.disconnect":
+                    if self.close_code is None:
+                        self.close_code = int(event.get("code", 1005))
+                    return
+                self.last_inbound = self._loop.time()
+                text = event.get("text")
+                data = text if text is not None else event.get("bytes") or b""
+                await self._dispatch(data)
+                if self._deferred:
+                    self._deferred -= 1
+        finally:
+            self.ws.set_receiver(None)
+
+    def _on_message(self, data: bytes, is_text: bool) -> bool:
+        """The direct path: handle a message as it is parsed; false defers it to the receive
+        loop (an ``end_session``, which awaits the store, and whatever follows it)."""
+        if self._deferred:
+            self._deferred += 1
+            return False
+        self.last_inbound = self._loop.time()
+        try:
+            if not is_text:
+                self._on_binary(data)
+                return True
+            message = decode_client_text(data, self.model.limits)
+            if isinstance(message, EndSession):
+                self._deferred = 1
+                return False
+            self._on_sync_message(message)
+        except Exception as exc:
+            self._on_error(exc)
+        return True
+
+    async def _dispatch(self, data: str | bytes) -> None:
+        """The queued path: one message from the ASGI queue."""
+        try:
+            if isinstance(data, bytes):
+                self._on_binary(data)
                 return
-            self.last_inbound = self._loop.time()
-            text = event.get("text")
-            try:
-                if text is not None:
-                    await self._on_text(text)
-                else:
-                    self._on_binary(event.get("bytes") or b"")
-            except SeedanceError as exc:
-                self.out.put(encode_error(exc))
-                if exc.close_code is not None:
-                    self.close(exc.close_code, exc.code)
-            except Exception:
-                reference = self.id + "-" + secrets.token_hex(3)
-                logger.exception("conn %s: failed on a frame (ref %s)", self.id, reference)
-                self.out.put(encode_error(InternalError(f"internal error (ref {reference})")))
+            message = decode_client_text(data, self.model.limits)
+            if isinstance(message, EndSession):
+                await self._end_session()
+            else:
+                self._on_sync_message(message)
+        except Exception as exc:
+            self._on_error(exc)
+
+    def _on_error(self, exc: Exception) -> None:
+        if isinstance(exc, SeedanceError):
+            self.out.put(encode_error(exc))
+            if exc.close_code is not None:
+                self.close(exc.close_code, exc.code)
+            return
+        reference = self.id + "-" + secrets.token_hex(3)
+        logger.error("conn %s: failed on a frame (ref %s)", self.id, reference, exc_info=exc)
+        self.out.put(encode_error(InternalError(f"internal error (ref {reference})")))
 
     async def _finish(self) -> None:
         if self._timer is not None:
@@ -176,8 +219,7 @@ class Connection:
 
     # ------------------------------------------------------------------ inbound frames
 
-    async def _on_text(self, text: str) -> None:
-        message = decode_client_text(text, self.model.limits)
+    def _on_sync_message(self, message: ClientMessage) -> None:
         if isinstance(message, Generate):
             self._start_generation(message)
         elif isinstance(message, Ping):
@@ -186,8 +228,6 @@ class Connection:
             generation = self._generation
             if generation is not None and message.request_id in (None, generation.request_id):
                 self._cancel_generation(silent=False)
-        elif isinstance(message, EndSession):
-            await self._end_session()
 
     def _on_binary(self, data: bytes) -> None:
         check_frame_size(data, self.config.max_frame_bytes)

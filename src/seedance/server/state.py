@@ -96,11 +96,15 @@ class ServerState:
         for model in self.models.values():
             await model.engine.start()
         await self.sessions.start()
+        if self.merger is not None:
+            self.merger.start()
 
     async def close(self) -> None:
         if not self._started:
             return
         self._started = False
+        if self.merger is not None:
+            self.merger.stop()
         await self.drain(0)
         await self.sessions.close()
         for model in self.models.values():

@@ -40,12 +40,14 @@ TRANSPORT_EXTENSION = "seedance.transport"
 FRAME_OVERHEAD_BYTES = 64
 
 OutFrame = str | bytes
+# Called with each complete message (payload, is_text); returns false to decline it.
+Receiver = Callable[[bytes, bool], bool]
 
 
 class AsgiWebSocket:
     """The ASGI side of one WebSocket: receive events, send frames, close, abort."""
 
-    __slots__ = ("_abort", "_last_control", "_receive", "_send", "scope", "writer")
+    __slots__ = ("_abort", "_last_control", "_receive", "_send", "_set_receiver", "scope", "writer")
 
     def __init__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         self.scope = scope
@@ -55,6 +57,7 @@ class AsgiWebSocket:
         self._abort: Callable[[], None] | None = extension.get("abort")
         self._last_control: Callable[[], float] | None = extension.get("last_control_frame_at")
         self.writer: FrameWriter | None = extension.get("writer")
+        self._set_receiver: Callable[[Receiver | None], None] | None = extension.get("set_receiver")
 
     async def receive(self) -> dict[str, Any]:
         event: dict[str, Any] = await self._receive()
@@ -71,6 +74,15 @@ class AsgiWebSocket:
 
     async def close(self, code: int, reason: str = "") -> None:
         await self._send({"type": "websocket.close", "code": code, "reason": reason})
+
+    def set_receiver(self, receiver: Receiver | None) -> bool:
+        """Have messages handed to ``receiver`` as they are parsed (no ASGI queue, no task
+        switch); false when the server does not offer it. A message the receiver declines
+        (returns false) arrives through :meth:`receive` as usual."""
+        if self._set_receiver is None:
+            return False
+        self._set_receiver(receiver)
+        return True
 
     def last_control_frame_at(self) -> float:
         """Loop time of the last ping or pong control frame received (0: none, or unknown)."""
@@ -139,19 +151,55 @@ class TokenStream:
 
 
 class FrameMerger:
-    """One timer for all streams held by the merge window: each tick releases them all, so a
-    token is held at most one window."""
+    """The merge window of a server, and one timer for every stream it holds: each tick
+    releases them all, so a token is held at most one window.
+
+    The window stretches while the event loop runs late (the server is CPU-bound): a loop
+    that lags by ``L`` holds hot streams for ``window + 4 L`` (at most 20 windows), so a
+    saturated server spends its time on tokens rather than on frames. An idle loop does not
+    lag, and the window is then the configured one.
+    """
+
+    PROBE_INTERVAL_S = 0.05
+    LAG_FACTOR = 4.0
+    MAX_STRETCH = 20.0
 
     def __init__(self, window_s: float) -> None:
         self.window_s = window_s
+        self.current_s = window_s  # the window in force now
+        self.lag_s = 0.0  # smoothed lateness of the loop's timers
         self._held: list[Outbound] = []
         self._timer: asyncio.TimerHandle | None = None
+        self._probe: asyncio.TimerHandle | None = None
+        self._probe_due = 0.0
         self.frames_merged = 0  # tokens that joined a frame instead of making their own
+
+    def start(self) -> None:
+        """Start watching the loop's lag (once, on the loop that serves)."""
+        if self._probe is None:
+            self._schedule_probe(asyncio.get_running_loop())
+
+    def stop(self) -> None:
+        if self._probe is not None:
+            self._probe.cancel()
+            self._probe = None
+
+    def _schedule_probe(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._probe_due = loop.time() + self.PROBE_INTERVAL_S
+        self._probe = loop.call_at(self._probe_due, self._on_probe, loop)
+
+    def _on_probe(self, loop: asyncio.AbstractEventLoop) -> None:
+        lag = max(0.0, loop.time() - self._probe_due)
+        self.lag_s += (lag - self.lag_s) * 0.3
+        self.current_s = min(
+            self.window_s + self.LAG_FACTOR * self.lag_s, self.window_s * self.MAX_STRETCH
+        )
+        self._schedule_probe(loop)
 
     def hold(self, out: Outbound) -> None:
         self._held.append(out)
         if self._timer is None:
-            self._timer = asyncio.get_running_loop().call_later(self.window_s, self._tick)
+            self._timer = asyncio.get_running_loop().call_later(self.current_s, self._tick)
 
     def _tick(self) -> None:
         self._timer = None
@@ -239,7 +287,7 @@ class Outbound:
             return
         size = stream.add(text, tokens)
         now = self._loop.time()
-        if stream.last_sent >= 0 and now - stream.last_sent < merger.window_s:
+        if stream.last_sent >= 0 and now - stream.last_sent < merger.current_s:
             stream.waiting = True  # hot stream: hold for the rest of the window
             self._account(size)
             if not self._held:
@@ -373,6 +421,7 @@ class SeedanceWebSocketProtocol(WebSocketsSansIOProtocol):
 
     max_pending_bytes = 1024 * 1024
     last_control_frame_at = 0.0
+    receiver: Receiver | None = None
 
     def handle_connect(self, event: Any) -> None:
         super().handle_connect(event)
@@ -382,7 +431,22 @@ class SeedanceWebSocketProtocol(WebSocketsSansIOProtocol):
                 "abort": self._abort,
                 "last_control_frame_at": lambda: self.last_control_frame_at,
                 "writer": self,
+                "set_receiver": self._set_receiver,
             }
+
+    def _set_receiver(self, receiver: Receiver | None) -> None:
+        self.receiver = receiver
+
+    def send_receive_event_to_app(self) -> None:
+        """Hand a complete message to the app's receiver when it has one (the direct path)."""
+        receiver = self.receiver
+        if receiver is not None and not self.close_sent:
+            frames = self.frames
+            data = frames[0] if len(frames) == 1 else b"".join(frames)
+            if receiver(data, self.curr_msg_data_type == "text"):
+                self.frames = []
+                return
+        super().send_receive_event_to_app()
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)

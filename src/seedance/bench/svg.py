@@ -1,0 +1,86 @@
+"""Grouped bar charts as small standalone SVG files (no plotting library needed)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from html import escape
+
+_COLOURS = ("#2b6cb0", "#dd6b20", "#38a169", "#805ad5", "#718096")
+
+
+def bar_chart(
+    title: str,
+    groups: Sequence[str],
+    series: Sequence[tuple[str, Sequence[float]]],
+    *,
+    unit: str = "",
+    width: int = 720,
+    height: int = 360,
+) -> str:
+    """Bars of each series side by side for every group, with values written on the bars."""
+    left, right, top, bottom = 70, 20, 50, 60
+    plot_w, plot_h = width - left - right, height - top - bottom
+    peak = max((v for _, values in series for v in values), default=1.0) or 1.0
+    group_w = plot_w / max(len(groups), 1)
+    bar_w = group_w * 0.8 / max(len(series), 1)
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="12">',
+        f'<rect width="{width}" height="{height}" fill="white"/>',
+        f'<text x="{width / 2}" y="22" text-anchor="middle" font-size="15">{escape(title)}</text>',
+        f'<line x1="{left}" y1="{top + plot_h}" x2="{left + plot_w}" y2="{top + plot_h}" '
+        'stroke="#333"/>',
+    ]
+    for tick in range(5):
+        value = peak * tick / 4
+        y = top + plot_h - plot_h * tick / 4
+        out.append(
+            f'<line x1="{left}" y1="{y:.1f}" x2="{left + plot_w}" y2="{y:.1f}" stroke="#eee"/>'
+        )
+        out.append(f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{_short(value)}</text>')
+    for g, group in enumerate(groups):
+        x0 = left + g * group_w + group_w * 0.1
+        for s, (_, values) in enumerate(series):
+            value = values[g] if g < len(values) else 0.0
+            h = plot_h * value / peak
+            x = x0 + s * bar_w
+            y = top + plot_h - h
+            colour = _COLOURS[s % len(_COLOURS)]
+            out.append(
+                f'<rect x="{x:.1f}" y="{y:.1f}" width="{bar_w * 0.92:.1f}" height="{h:.1f}" '
+                f'fill="{colour}"/>'
+            )
+            out.append(
+                f'<text x="{x + bar_w * 0.46:.1f}" y="{y - 4:.1f}" text-anchor="middle" '
+                f'font-size="10">{_short(value)}</text>'
+            )
+        out.append(
+            f'<text x="{x0 + group_w * 0.4:.1f}" y="{top + plot_h + 18}" '
+            f'text-anchor="middle">{escape(group)}</text>'
+        )
+    legend_x = left
+    for s, (name, _) in enumerate(series):
+        colour = _COLOURS[s % len(_COLOURS)]
+        y = height - 18
+        out.append(f'<rect x="{legend_x}" y="{y - 10}" width="12" height="12" fill="{colour}"/>')
+        out.append(f'<text x="{legend_x + 16}" y="{y}">{escape(name)}</text>')
+        legend_x += 24 + 7 * len(name)
+    if unit:
+        out.append(
+            f'<text x="14" y="{top + plot_h / 2}" transform="rotate(-90 14 {top + plot_h / 2})" '
+            f'text-anchor="middle">{escape(unit)}</text>'
+        )
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
+def _short(value: float) -> str:
+    if value >= 1_000_000:
+        return f"{value / 1_000_000:.1f}M"
+    if value >= 10_000:
+        return f"{value / 1000:.0f}k"
+    if value >= 1000:
+        return f"{value / 1000:.1f}k"
+    if value >= 10:
+        return f"{value:.0f}"
+    return f"{value:.2g}"

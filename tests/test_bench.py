@@ -1,0 +1,220 @@
+"""``seedance bench`` as a user runs it: a subprocess against real servers, over real sockets."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvicorn
+
+from seedance.bench.metrics import Distribution, Sample, percentile, summarize
+from seedance.bench.peers.openai_sse import create_app as openai_app
+from seedance.engines.synthetic import SyntheticEngine
+from tests.conftest import SEEDANCE, RunningServer, slow_engine
+
+
+def bench(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [SEEDANCE, "bench", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def bench_json(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], Any]:
+    out = tmp_path / "result.json"
+    result = bench(*args, "--json", str(out))
+    assert out.exists(), result.stdout + result.stderr
+    return result, json.loads(out.read_text())
+
+
+def test_closed_loop_against_seedance(make_server, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    server = make_server(engines=[slow_engine(tokens_per_s=2000)])
+    result, data = bench_json(
+        tmp_path, server.infer_url, "-c", "4", "-n", "20", "--max-tokens", "8", "-q"
+    )
+    assert result.returncode == 0, result.stderr
+    for name in ("TTFT", "ITL", "TPOT", "E2EL", "req/s", "output tokens/s"):
+        assert name in result.stdout
+    summary = data["summary"]
+    assert summary["requests"] == summary["completed"] == 20 and summary["errors"] == {}
+    assert summary["output_tokens"] == 20 * 8
+    assert data["client"]["connections_opened"] == 4  # one per user, reused
+    samples = data["samples"]
+    assert len(samples) == 24 and sum(s["warmup"] for s in samples) == 4
+    for sample in samples:
+        # Every token's arrival time is there, in order, and the first is the TTFT.
+        assert len(sample["token_ms"]) == sample["tokens"] == 8
+        assert sample["token_ms"] == sorted(sample["token_ms"])
+        assert sample["token_ms"][0] == pytest.approx(sample["ttft_ms"], abs=0.01)
+        assert sample["finish_reason"] == "length"
+    # The server saw exactly the requests the tool reports.
+    assert server.engine.stats.requests_finished == 24
+
+
+def test_new_connection_and_open_loop(server: RunningServer, tmp_path: Path) -> None:
+    result, data = bench_json(
+        tmp_path, server.infer_url, "-c", "3", "-n", "9", "--new-connection", "--max-tokens", "4"
+    )
+    assert result.returncode == 0, result.stderr
+    assert data["client"]["connections_opened"] == 12  # warm-up included
+    assert data["summary"]["completed"] == 9
+
+    result, data = bench_json(
+        tmp_path,
+        server.infer_url,
+        "--rate",
+        "200",
+        "--burstiness",
+        "0.5",
+        "-n",
+        "30",
+        "--warmup",
+        "0",
+        "--max-tokens",
+        "4",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "open loop, 200 req/s (burstiness 0.5)" in result.stdout
+    assert data["summary"]["completed"] == 30
+    sent = sorted(s["sent"] for s in data["samples"])
+    assert 0.03 < sent[-1] - sent[0] < 2.0  # arrivals spread at about 200/s, not all at once
+
+
+def test_duration_and_progress(server: RunningServer) -> None:
+    result = bench(server.infer_url, "-c", "2", "-d", "1", "--max-tokens", "4")
+    assert result.returncode == 0, result.stderr
+    assert "requests " in result.stderr and "req/s" in result.stderr  # progress line
+    assert "ok of" in result.stdout
+
+
+def test_errors_are_counted_by_code(server: RunningServer, tmp_path: Path) -> None:
+    result, data = bench_json(
+        tmp_path, server.infer_url, "-c", "2", "-n", "4", "--max-tokens", "999999"
+    )
+    assert result.returncode == 1
+    assert data["summary"]["errors"] == {"invalid_request": 4}
+    assert "errors: invalid_request 4" in result.stdout
+
+
+def test_unreachable_and_bad_arguments() -> None:
+    result = bench("ws://127.0.0.1:1/v2/infer", "-c", "1", "-n", "1")
+    assert result.returncode == 2 and "cannot connect" in result.stderr
+    result = bench("ws://127.0.0.1:1/v2/infer", "-n", "1")
+    assert result.returncode == 2 and "--concurrency" in result.stderr
+    result = bench("http://127.0.0.1:1/v1", "-c", "1", "-n", "1")
+    assert result.returncode == 2 and "--openai" in result.stderr
+    result = bench("-c", "1", "-n", "1")
+    assert result.returncode == 2 and "give a WebSocket URL or --openai" in result.stderr
+
+
+def test_idle_connections_with_heartbeats(server: RunningServer, tmp_path: Path) -> None:
+    out = tmp_path / "idle.json"
+    result = bench(
+        server.infer_url,
+        "--idle-connections",
+        "50",
+        "-d",
+        "1",
+        "--ping-interval",
+        "0.2",
+        "--json",
+        str(out),
+    )
+    assert result.returncode == 0, result.stderr
+    assert "held 50 connections" in result.stdout
+    data = json.loads(out.read_text())
+    assert data["failures"] == 0 and data["heartbeat"]["count"] >= 100
+    assert all(r < 1000 for r in data["rtt_ms"])
+
+
+def test_raw_websockets_peer(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "seedance.bench.peers.raw_websockets", "--port", "0"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        url = json.loads(proc.stdout.readline())["listening"]
+        result, data = bench_json(tmp_path, url, "-c", "2", "-n", "6", "--max-tokens", "5")
+        assert result.returncode == 0, result.stderr
+        assert data["summary"]["output_tokens"] == 30
+        assert data["summary"]["chunks"] == 30  # one frame per token
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.fixture
+def openai_server() -> Iterator[str]:
+    engine = SyntheticEngine(name="synth-openai", tokens_per_s=5000)
+    config = uvicorn.Config(openai_app(engine), host="127.0.0.1", port=0, log_level="warning")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    yield f"http://127.0.0.1:{port}/v1"
+    server.should_exit = True
+    thread.join(10)
+
+
+def test_openai_target(openai_server: str, tmp_path: Path) -> None:
+    result, data = bench_json(
+        tmp_path, "--openai", openai_server, "-c", "3", "-n", "12", "--max-tokens", "6"
+    )
+    assert result.returncode == 0, result.stderr
+    assert data["target"] == openai_server
+    summary = data["summary"]
+    assert summary["completed"] == 12 and summary["output_tokens"] == 12 * 6
+    assert summary["ttft"]["p50_ms"] > 0 and summary["tpot"]["count"] == 12
+    for sample in data["samples"]:
+        assert sample["finish_reason"] == "length" and sample["prompt_tokens"] == 32
+
+    # An unknown model is an error by the server's code, not a crash.
+    result, data = bench_json(
+        tmp_path, "--openai", openai_server, "--model", "nope", "-c", "1", "-n", "2"
+    )
+    assert result.returncode == 1 and data["summary"]["errors"] == {"model_not_found": 2}
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+def test_percentiles_interpolate_like_numpy() -> None:
+    values = [float(v) for v in range(1, 11)]
+    assert percentile(values, 50) == 5.5
+    assert percentile(values, 90) == pytest.approx(9.1)
+    assert percentile(values, 99) == pytest.approx(9.91)
+    assert math.isnan(percentile([], 50))
+    dist = Distribution.of_seconds([0.001, 0.002, 0.003])
+    assert (dist.count, dist.mean, dist.p50, dist.max) == (3, pytest.approx(2.0), 2.0, 3.0)
+
+
+def test_sample_definitions_follow_vllm() -> None:
+    sample = Sample(index=0, user=0, warmup=False, sent=1.0)
+    sample.add_chunk(1.010, 1)  # first token after 10 ms
+    sample.add_chunk(1.020, 3)  # a merged frame of three tokens
+    sample.add_chunk(1.040, 1)
+    sample.end = 1.041
+    sample.finish_reason = "length"
+    assert sample.ttft == pytest.approx(0.010)
+    assert sample.e2el == pytest.approx(0.041)
+    assert sample.tpot == pytest.approx((0.041 - 0.010) / 4)  # (E2EL - TTFT) / (tokens - 1)
+    assert sample.itls() == pytest.approx([0.010, 0.020])  # gaps between chunks
+    assert sample.token_arrivals() == [1.010, 1.020, 1.020, 1.020, 1.040]
+    warm = Sample(index=1, user=0, warmup=True, sent=0.0, end=0.5)
+    failed = Sample(index=2, user=0, warmup=False, sent=1.0, error="overloaded")
+    summary = summarize([sample, warm, failed])
+    assert (summary.requests, summary.completed, summary.errors) == (2, 1, {"overloaded": 1})
+    assert summary.output_tokens == 5 and summary.chunks == 3
