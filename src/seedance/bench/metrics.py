@@ -37,6 +37,9 @@ class Sample:
     prompt_tokens: int | None = None
     finish_reason: str | None = None
     error: str | None = None
+    # What a Seedance server reports in ``done.timing`` (from the moment it read the frame).
+    server_ttft_ms: float | None = None
+    server_queue_ms: float | None = None
     chunk_at: list[float] = field(default_factory=list)
     chunk_tokens: list[int] = field(default_factory=list)
 
@@ -89,6 +92,8 @@ class Sample:
             "finish_reason": self.finish_reason,
             "error": self.error,
             "chunks": len(self.chunk_at),
+            "server_ttft_ms": self.server_ttft_ms,
+            "server_queue_ms": self.server_queue_ms,
             # Arrival of each token, ms after the request was sent.
             "token_ms": [round((t - self.sent) * 1000.0, 3) for t in self.token_arrivals()],
         }

@@ -85,10 +85,16 @@ class _ErrorBody(msgspec.Struct):
     message: str = ""
 
 
+class _Timing(msgspec.Struct):
+    queue_ms: float | None = None
+    ttft_ms: float | None = None
+
+
 class _Frame(msgspec.Struct):
     """The fields of a server frame the load generator looks at (others are skipped)."""
 
     type: str
+    timing: _Timing | None = None
     n: int = 1
     finish_reason: str | None = None
     error: _ErrorBody | None = None
@@ -144,6 +150,9 @@ class _Listener(WSListener):
         elif frame.type == "done":
             sample.end = now
             sample.finish_reason = frame.finish_reason
+            if frame.timing is not None:
+                sample.server_ttft_ms = frame.timing.ttft_ms
+                sample.server_queue_ms = frame.timing.queue_ms
             self._finish(None)
         elif frame.type == "error":
             sample.end = now

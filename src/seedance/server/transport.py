@@ -100,8 +100,8 @@ class FrameWriter(Protocol):
     """The server's direct write path (the ``seedance.transport`` extension's ``writer``).
 
     Frames handed to it are framed and written to the socket in one ``write``, without an
-    ASGI message per frame. Its transport pauses as soon as anything stays buffered, so
-    :attr:`writable` is set exactly when the socket has taken everything written so far.
+    ASGI message per frame. :attr:`writable` is cleared while the transport's buffer is over
+    its high-water mark (the client is not keeping up) and set again when it drains.
     """
 
     writable: asyncio.Event
@@ -451,9 +451,6 @@ class SeedanceWebSocketProtocol(WebSocketsSansIOProtocol):
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
         set_nodelay(transport)
-        # Pause as soon as anything stays buffered: ``writable`` then means "drained", and
-        # frames that arrive meanwhile are merged instead of piling up in the buffer.
-        transport.set_write_buffer_limits(high=0)
 
     def write_frames(self, frames: Sequence[bytes | str]) -> bool:
         """:class:`FrameWriter`: frame and write data frames in one ``write``."""
