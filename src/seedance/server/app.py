@@ -37,12 +37,34 @@ def json_response(body: Any, status: int = 200, headers: dict[str, str] | None =
     )
 
 
+INFER_PATH = "/v2/infer"
+
+
+class SeedanceApp(Starlette):
+    """Starlette, with the WebSocket endpoint served without the middleware stack and router
+    (one coroutine frame per layer per connection, and per message on the ASGI path)."""
+
+    infer: InferEndpoint | None = None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "websocket" and self.infer is not None:
+            path: str = scope["path"]
+            root: str = scope.get("root_path", "")
+            if root and path.startswith(root):
+                path = path[len(root) :]
+            if path == INFER_PATH:
+                scope["app"] = self
+                await self.infer(scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
+
+
 def create_app(
     config: ServerConfig | None = None,
     *,
     engines: Sequence[Engine] | None = None,
     sessions: SessionStore | None = None,
-) -> Starlette:
+) -> SeedanceApp:
     """Build the app. ``engines`` defaults to the one ``config.engine`` names."""
     config = config or ServerConfig()
     state = ServerState(config, engines or [create_engine(config)], sessions)
@@ -91,14 +113,16 @@ def create_app(
         finally:
             await state.close()
 
-    app = Starlette(
+    infer = InferEndpoint(state)
+    app = SeedanceApp(
         routes=[
-            WebSocketRoute("/v2/infer", InferEndpoint(state)),
-            Route("/v2/infer", upgrade_required),
+            WebSocketRoute(INFER_PATH, infer),
+            Route(INFER_PATH, upgrade_required),
             Route("/healthz", healthz),
             Route("/v1/models", models),
         ],
         lifespan=lifespan,
     )
+    app.infer = infer
     app.state.seedance = state
     return app

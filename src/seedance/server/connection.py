@@ -93,7 +93,6 @@ class Connection:
     async def run(self) -> None:
         """Serve until the client or the server closes the connection."""
         self._run_task = asyncio.current_task()
-        self.out.start()
         self._arm_timer()
         logger.info(
             "conn %s open peer=%s session=%s model=%s",

@@ -238,11 +238,11 @@ class Outbound:
         self._ws = ws
         self._direct = ws.writer
         self._loop = asyncio.get_running_loop()
-        self._queue: deque[_QueueItem] = deque()
+        # Created when first needed: an idle connection holds neither (memory per connection).
+        self._queue: deque[_QueueItem] | None = None
         self._held: list[TokenStream] = []
-        self._wakeup = asyncio.Event()
-        self._writable = asyncio.Event()
-        self._writable.set()
+        self._congested = False
+        self._drained: asyncio.Future[None] | None = None
         self._on_overflow = on_overflow
         self._merger = merger
         self.max_pending_bytes = max_pending_bytes
@@ -253,8 +253,10 @@ class Outbound:
         self._close: tuple[int, str] | None = None
         self._task: asyncio.Task[None] | None = None
 
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="outbound")
+    def _wake_writer(self) -> None:
+        """The writer task runs only while something waits for the socket."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="outbound")
 
     @property
     def _open(self) -> bool:
@@ -317,24 +319,35 @@ class Outbound:
     def _account(self, size: int) -> None:
         self.pending_bytes += size
         if self.pending_bytes > self.high_water_bytes:
-            self._writable.clear()
+            self._congested = True
             if self.pending_bytes > self.max_pending_bytes:
                 self.closed = True
                 self._on_overflow()
 
     def _enqueue(self, item: _QueueItem, size: int) -> None:
+        if self._queue is None:
+            self._queue = deque()
         self._queue.append(item)
         self._account(size)
-        self._wakeup.set()
+        self._wake_writer()
 
     async def wait_writable(self) -> None:
         """Wait until the queue is below the high-water mark (backpressure for streams)."""
-        if not self._writable.is_set():
-            await self._writable.wait()
+        if self._congested:
+            if self._drained is None:
+                self._drained = self._loop.create_future()
+            await asyncio.shield(self._drained)
+
+    def _set_writable(self) -> None:
+        self._congested = False
+        if self._drained is not None:
+            if not self._drained.done():
+                self._drained.set_result(None)
+            self._drained = None
 
     @property
     def congested(self) -> bool:
-        return not self._writable.is_set()
+        return self._congested
 
     def close(self, code: int, reason: str = "") -> None:
         """Send what is queued, then the close frame."""
@@ -342,13 +355,13 @@ class Outbound:
             if self._held:
                 self.release_held()
             self._close = (code, reason)
-            self._wakeup.set()
+            self._wake_writer()
 
     async def stop(self) -> None:
         """Stop writing (the connection is gone)."""
         self.closed = True
         self._held.clear()
-        self._writable.set()
+        self._set_writable()
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -358,7 +371,7 @@ class Outbound:
         frames: list[OutFrame] = []
         size = 0
         queue = self._queue
-        while queue:
+        while queue:  # None or empty: nothing
             item = queue.popleft()
             if isinstance(item, TokenStream):
                 text, counted = item.take(now)
@@ -372,22 +385,20 @@ class Outbound:
     def _written(self, size: int) -> None:
         self.pending_bytes -= size
         if self.pending_bytes <= self.high_water_bytes // 2:
-            self._writable.set()
+            self._set_writable()
 
     async def _run(self) -> None:
+        """Write what is queued (and the close, when asked), then end."""
         loop = self._loop
-        queue, ws, direct = self._queue, self._ws, self._direct
+        ws, direct = self._ws, self._direct
         try:
             while not self.closed:
-                if not queue:
+                if not self._queue:
                     if self._close is not None:
                         code, reason = self._close
                         self.closed = True
                         await ws.close(code, reason)
-                        return
-                    self._wakeup.clear()
-                    await self._wakeup.wait()
-                    continue
+                    return
                 self.stalled_since = loop.time()
                 if direct is not None:
                     # Wait for the socket to drain; tokens arriving meanwhile merge.
@@ -395,7 +406,8 @@ class Outbound:
                         await direct.writable.wait()
                     frames, size = self._take_all()
                     if not direct.write_frames(frames):
-                        return  # the connection is closing
+                        self.closed = True  # the connection is closing
+                        return
                 else:
                     frames, size = self._take_all()
                     for frame in frames:
@@ -404,9 +416,43 @@ class Outbound:
                 self._written(size)
         except Exception as exc:  # the client went away mid-write
             logger.debug("outbound writer stopped: %r", exc)
-        finally:
             self.closed = True
-            self._writable.set()
+        finally:
+            self._task = None
+            if self.closed:
+                self._set_writable()
+
+
+class _EventQueue:
+    """The ASGI receive queue of one connection: what uvicorn's protocol uses of
+    :class:`asyncio.Queue` (unbounded, one reader) at a fraction of its memory."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: deque[Any] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put_nowait(self, item: Any) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def get(self) -> Any:
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.popleft()
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def qsize(self) -> int:
+        return len(self._items)
 
 
 class SeedanceWebSocketProtocol(WebSocketsSansIOProtocol):
@@ -448,9 +494,19 @@ class SeedanceWebSocketProtocol(WebSocketsSansIOProtocol):
                 return
         super().send_receive_event_to_app()
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.queue = _EventQueue()  # type: ignore[assignment]
+
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
         set_nodelay(transport)
+
+    async def send(self, message: Any) -> None:
+        await super().send(message)
+        if message["type"] == "websocket.accept" and self.handshake_complete:
+            # The handshake's request and response are not needed again: free their headers.
+            self.request = self.response = None  # type: ignore[assignment]
 
     def write_frames(self, frames: Sequence[bytes | str]) -> bool:
         """:class:`FrameWriter`: frame and write data frames in one ``write``."""
