@@ -218,3 +218,33 @@ def test_sample_definitions_follow_vllm() -> None:
     summary = summarize([sample, warm, failed])
     assert (summary.requests, summary.completed, summary.errors) == (2, 1, {"overloaded": 1})
     assert summary.output_tokens == 5 and summary.chunks == 3
+
+
+def test_make_bench_suite_writes_its_report(tmp_path: Path) -> None:
+    # The shortest real run of one suite: servers started, contenders in turn, report written.
+    out = tmp_path / "benchmarks.md"
+    result = subprocess.run(
+        [
+            *(sys.executable, "-m", "seedance.bench.suites", "--quick", "--rounds", "1"),
+            *("--suites", "4", "--out", str(out)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stderr
+    report = out.read_text()
+    assert "## 4. The design document's table" in report and "| 500 clients |" in report
+    assert "## Machine and versions" in report and "websockets " in report
+    assert "[4 design table] 4/4" in result.stderr  # progress counter
+
+
+def test_bar_chart_is_valid_svg() -> None:
+    import xml.etree.ElementTree as ET
+
+    from seedance.bench.svg import bar_chart
+
+    svg = bar_chart("t <&>", ["a", "b"], [("x", [1.0, 2000.0]), ("y", [30.0, 0.0])], unit="tok/s")
+    root = ET.fromstring(svg)
+    assert root.tag.endswith("svg")
+    assert len([e for e in root.iter() if e.tag.endswith("rect")]) == 1 + 4 + 2  # bg, bars, legend

@@ -52,6 +52,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="open a new connection for every request (default: one per user, reused)",
     )
+    load.add_argument(
+        "--ramp-up",
+        type=float,
+        default=0.0,
+        help="closed loop: start the users spread over this many seconds (default 0)",
+    )
     load.add_argument("--seed", type=int, default=0, help="seed of prompts and arrival gaps")
     idle = parser.add_argument_group("idle connections (instead of requests)")
     idle.add_argument(
@@ -145,6 +151,7 @@ async def _main(args: argparse.Namespace) -> int:
         prompt_tokens=args.prompt_tokens,
         max_tokens=args.max_tokens,
         new_connection=args.new_connection,
+        ramp_up_s=args.ramp_up,
         seed=args.seed,
     )
     result = await run_load(target, spec, progress_out=progress)

@@ -1,7 +1,7 @@
 """The load generator: closed loop (N users back to back) or open loop (a request rate).
 
 - closed loop, ``concurrency=N``: N users, each with its own connection, send their next
-  request as soon as the previous reply ends;
+  request as soon as the previous reply ends (``ramp_up_s`` spreads their first requests);
 - open loop, ``rate=R``: requests arrive at gamma-distributed gaps with mean ``1/R`` and shape
   ``burstiness`` (1 = Poisson, lower = burstier), whatever the server's pace; an arrival takes
   an idle connection or opens one; ``concurrency`` then caps the requests in flight.
@@ -44,6 +44,7 @@ class LoadSpec:
     prompt_tokens: int = 32
     max_tokens: int = 64
     new_connection: bool = False
+    ramp_up_s: float = 0.0
     seed: int = 0
 
     def check(self) -> None:
@@ -61,6 +62,8 @@ class LoadSpec:
             raise ValueError("--requests must be at least 1")
         if self.duration_s is not None and self.duration_s <= 0:
             raise ValueError("--duration must be above 0")
+        if self.ramp_up_s < 0:
+            raise ValueError("--ramp-up must be 0 or more")
         if self.warmup < 0 or self.prompt_tokens < 1 or self.max_tokens < 1:
             raise ValueError("--warmup must be >= 0, --prompt-tokens and --max-tokens >= 1")
 
@@ -252,6 +255,9 @@ class _Run:
 
     async def _closed_user(self, user: int, conn: Conn | None) -> None:
         try:
+            if self.spec.ramp_up_s and self.spec.concurrency:
+                # Users start spread over the ramp-up, so their requests are not in lockstep.
+                await asyncio.sleep(self.spec.ramp_up_s * user / self.spec.concurrency)
             while (sample := self._next_sample(user)) is not None:
                 if conn is None:
                     fresh = await self._fresh(sample)

@@ -155,6 +155,7 @@ class Summary:
     output_tokens_per_s: float
     delivered_tokens_per_s: float
     chunks: int
+    first_chunk_alone: int  # completed requests whose first frame carried exactly one token
     ttft: Distribution
     itl: Distribution
     tpot: Distribution
@@ -175,6 +176,7 @@ class Summary:
             "output_tokens_per_s": round(self.output_tokens_per_s, 1),
             "delivered_tokens_per_s": round(self.delivered_tokens_per_s, 1),
             "chunks": self.chunks,
+            "first_chunk_alone": self.first_chunk_alone,
             "ttft": self.ttft.to_json(),
             "itl": self.itl.to_json(),
             "tpot": self.tpot.to_json(),
@@ -212,6 +214,7 @@ def summarize(samples: Iterable[Sample]) -> Summary:
         output_tokens_per_s=tokens / duration if duration else 0.0,
         delivered_tokens_per_s=delivered,
         chunks=sum(len(s.chunk_at) for s in done),
+        first_chunk_alone=sum(1 for s in done if s.chunk_tokens and s.chunk_tokens[0] == 1),
         ttft=Distribution.of_seconds([t for s in done if (t := s.ttft) is not None]),
         itl=Distribution.of_seconds(itls),
         tpot=Distribution.of_seconds([t for s in done if (t := s.tpot) is not None]),

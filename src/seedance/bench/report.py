@@ -75,6 +75,7 @@ def result_json(
             "prompt_tokens": spec.prompt_tokens,
             "max_tokens": spec.max_tokens,
             "new_connection": spec.new_connection,
+            "ramp_up_s": spec.ramp_up_s,
             "seed": spec.seed,
         },
         "client": {

@@ -104,10 +104,9 @@ class Generation:
             finish = await self._stream()
             reply = "".join(self.parts)
             answer = ChatMessage("assistant", reply)
-            turns = [
-                *self.new_turns,
-                Turn(answer, model.engine.count_message_tokens(answer), model.name),
-            ]
+            # The reply's tokens are known: no need to tokenize it again.
+            reply_tokens = self.completion_tokens + model.engine.message_overhead_tokens
+            turns = [*self.new_turns, Turn(answer, reply_tokens, model.name)]
             connection.session.commit(
                 turns, reset=self.message.reset, max_tokens=model.engine.info.context_length
             )
