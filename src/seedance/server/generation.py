@@ -91,7 +91,7 @@ class Generation:
         try:
             await model.admission.acquire()
             self.admitted_at = asyncio.get_running_loop().time()
-            out.put(
+            out.put_soon(  # shares a write with the first token when that comes at once
                 encode_frame(
                     StartFrame(
                         request_id=self.request_id,

@@ -241,6 +241,7 @@ class Outbound:
         # Created when first needed: an idle connection holds neither (memory per connection).
         self._queue: deque[_QueueItem] | None = None
         self._held: list[TokenStream] = []
+        self._soon: OutFrame | None = None  # see put_soon()
         self._congested = False
         self._drained: asyncio.Future[None] | None = None
         self._on_overflow = on_overflow
@@ -270,9 +271,41 @@ class Outbound:
         if self._held:
             self.release_held()
         if not self._queue and self._direct is not None and self._direct.writable.is_set():
-            self._direct.write_frames((frame,))  # false: closing, and the frame is moot
+            self._write_now(frame)
             return
         self._enqueue(frame, len(frame) + FRAME_OVERHEAD_BYTES)
+
+    def put_soon(self, frame: OutFrame) -> None:
+        """Send a frame with the next one written, or two loop turns from now at the latest: a
+        request's ``start`` and a first token that follows at once share one ``write``."""
+        if not self._open:
+            return
+        if self._soon is not None:
+            self._flush_soon()
+        self._soon = frame
+        self._loop.call_soon(self._soon_tick, True)
+
+    def _soon_tick(self, again: bool) -> None:
+        if self._soon is None:
+            return
+        if again:  # one more turn: an engine that yields at once is then in time
+            self._loop.call_soon(self._soon_tick, False)
+            return
+        self._flush_soon()
+
+    def _flush_soon(self) -> None:
+        frame, self._soon = self._soon, None
+        if frame is not None:
+            self.put(frame)
+
+    def _write_now(self, frame: OutFrame) -> None:
+        assert self._direct is not None
+        soon = self._soon
+        if soon is None:
+            self._direct.write_frames((frame,))  # false: closing, and the frame is moot
+        else:
+            self._soon = None
+            self._direct.write_frames((soon, frame))
 
     def put_token(self, stream: TokenStream, text: str, tokens: int) -> None:
         """Send a request's token, merged with its neighbours where that costs no delay."""
@@ -301,7 +334,7 @@ class Outbound:
     def _send_stream(self, stream: TokenStream) -> None:
         """Write the stream's frame now, or queue it (its bytes are not counted yet)."""
         if not self._queue and self._direct is not None and self._direct.writable.is_set():
-            self._direct.write_frames((stream.take(self._loop.time())[0],))
+            self._write_now(stream.take(self._loop.time())[0])
             return
         stream.waiting = True
         self._enqueue(stream, stream.size)
@@ -327,6 +360,10 @@ class Outbound:
     def _enqueue(self, item: _QueueItem, size: int) -> None:
         if self._queue is None:
             self._queue = deque()
+        if self._soon is not None:
+            soon, self._soon = self._soon, None
+            self._queue.append(soon)
+            self._account(len(soon) + FRAME_OVERHEAD_BYTES)
         self._queue.append(item)
         self._account(size)
         self._wake_writer()
@@ -354,6 +391,7 @@ class Outbound:
         if self._open:
             if self._held:
                 self.release_held()
+            self._flush_soon()
             self._close = (code, reason)
             self._wake_writer()
 
@@ -361,6 +399,7 @@ class Outbound:
         """Stop writing (the connection is gone)."""
         self.closed = True
         self._held.clear()
+        self._soon = None
         self._set_writable()
         if self._task is not None:
             self._task.cancel()
