@@ -134,9 +134,10 @@ def test_idle_connections_with_heartbeats(server: RunningServer, tmp_path: Path)
     assert all(r < 1000 for r in data["rtt_ms"])
 
 
-def test_raw_websockets_peer(tmp_path: Path) -> None:
+@pytest.mark.parametrize("peer", ["raw_websockets", "raw_picows"])
+def test_raw_peers(peer: str, tmp_path: Path) -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "seedance.bench.peers.raw_websockets", "--port", "0"],
+        [sys.executable, "-m", f"seedance.bench.peers.{peer}", "--port", "0"],
         stdout=subprocess.PIPE,
         text=True,
     )

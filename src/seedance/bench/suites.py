@@ -82,6 +82,11 @@ def raw(*extra: str) -> Contender:
     return Contender("raw", "raw websockets", [*argv, *extra], "/")
 
 
+def raw_picows(*extra: str) -> Contender:
+    argv = [sys.executable, "-m", "seedance.bench.peers.raw_picows", "--port", "{port}"]
+    return Contender("picows", "raw picows", [*argv, *extra], "/")
+
+
 class Server:
     """One contender's server process, pinned to the server core."""
 
@@ -222,6 +227,7 @@ class Report:
         self.sections: list[str] = []
         self.goals: list[tuple[str, str, bool]] = []
         self.client_costs: list[tuple[float, float, float]] = []  # frames, CPU s, core share
+        self.stack: dict[tuple[str, str], float] = {}  # suite 2: (load, contender) -> tokens/s
 
     def log(self, text: str) -> None:
         print(text, file=sys.stderr, flush=True)
@@ -327,6 +333,7 @@ class Report:
             seedance("Seedance, merging on (5 ms)", "merge"),
             seedance("Seedance, merging off", "nomerge", "--merge-window-ms", "0"),
             raw(),
+            raw_picows(),
         ]
         loads = [
             (
@@ -371,6 +378,11 @@ class Report:
                 goal_ok,
             )
         )
+        self.stack = {
+            (load, c.key): cells[(load, c.key)].median("summary", "delivered_tokens_per_s")
+            for load, _ in loads
+            for c in contenders
+        }
         self.images.mkdir(parents=True, exist_ok=True)
         (self.images / "fan-out.svg").write_text(
             bar_chart(
@@ -569,6 +581,30 @@ class Report:
             )
         )
 
+    def _stack_section(self) -> list[str]:
+        if not self.stack:
+            return []
+        return [
+            "## The server stack",
+            "",
+            "One frame per token costs what the WebSocket stack costs; suite 2 measured each stack's "
+            "ceiling on the same engine (delivered tokens/s, and the ratio to the raw `websockets` server):",
+            "",
+            "| load | raw websockets | raw picows | Seedance, merging off | Seedance, merging on |",
+            "|---|---|---|---|---|",
+            *_stack_rows(self.stack),
+            "",
+            "Seedance stays on uvicorn and the `websockets` library's parser, as an ASGI app that users "
+            "can mount, with its own write and read paths for `/v2/infer` (frames written straight to "
+            "the transport, messages taken as they are parsed). On that path one frame per token already "
+            "beats a server written directly on `websockets`; picows (Cython) frames faster still, but "
+            "merging does more than a faster framer could: a merged frame costs one write for many "
+            "tokens, whatever the library. Moving to picows would mean a second, non-ASGI transport "
+            "beside the one the OpenAI HTTP API (next on the plan) needs on the same port; it stays an "
+            "option for the day per-frame cost is the limit again.",
+            "",
+        ]
+
     # ---- the file
     def write(self, started: float) -> None:
         frames = sum(f for f, _, _ in self.client_costs)
@@ -596,6 +632,7 @@ class Report:
             *(f"| {name} | {verdict(ok)} |" for name, _, ok in self.goals),
             "",
             *(section + "\n" for section in self.sections),
+            *self._stack_section(),
             "## The load generator",
             "",
             f"Over every run above, `seedance bench` spent **{fmt(per_frame_us)} µs of CPU per frame "
@@ -606,6 +643,18 @@ class Report:
             "",
         ]
         self.out.write_text("\n".join(lines))
+
+
+def _stack_rows(stack: dict[tuple[str, str], float]) -> list[str]:
+    rows = []
+    for load in sorted({load for load, _ in stack}, key=lambda x: int(x.split()[0])):
+        ws, pw = stack.get((load, "raw"), 0.0), stack.get((load, "picows"), 0.0)
+        off, on = stack.get((load, "nomerge"), 0.0), stack.get((load, "merge"), 0.0)
+        rows.append(
+            f"| {load} | {fmt(ws)} | {fmt(pw)} ({ratio(pw, ws)}) | {fmt(off)} ({ratio(off, ws)}) "
+            f"| {fmt(on)} ({ratio(on, ws)}) |"
+        )
+    return rows
 
 
 def _commands(contenders: Sequence[Contender], loads: Sequence[tuple[str, list[str]]]) -> str:

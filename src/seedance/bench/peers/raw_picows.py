@@ -1,0 +1,126 @@
+"""The same minimal token server as :mod:`.raw_websockets`, on picows (a WebSocket library
+written in Cython): what the fastest Python WebSocket stack gives without any of Seedance.
+Used by ``make bench`` to decide Seedance's server stack.
+
+    python -m seedance.bench.peers.raw_picows --port 9003 [--tokens-per-s R] [--ttft-ms T]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+from typing import Any
+
+import msgspec
+from picows import WSFrame, WSListener, WSMsgType, WSTransport, WSUpgradeRequest, ws_create_server
+
+from seedance.engines.base import GenerationRequest, SamplingParams
+from seedance.engines.synthetic import SyntheticEngine
+from seedance.eventloop import install_uvloop
+from seedance.protocol.messages import (
+    HEARTBEAT_PING,
+    HEARTBEAT_PONG,
+    ChatMessage,
+    RequestId,
+)
+
+
+class _Generate(msgspec.Struct):
+    type: str
+    prompt: str = ""
+    max_tokens: int = 16
+    request_id: str | None = None
+    seed: int | None = None
+
+
+_decode = msgspec.json.Decoder(_Generate).decode
+_encode = msgspec.json.Encoder().encode
+
+
+class _Handler(WSListener):
+    def __init__(self, engine: SyntheticEngine) -> None:
+        self.engine = engine
+        self.number = 0
+        self.task: asyncio.Task[None] | None = None
+
+    def on_ws_frame(self, transport: WSTransport, frame: WSFrame) -> None:
+        if frame.msg_type == WSMsgType.BINARY:
+            if frame.get_payload_as_bytes() == HEARTBEAT_PING:
+                transport.send(WSMsgType.BINARY, HEARTBEAT_PONG)
+        elif frame.msg_type == WSMsgType.TEXT:
+            request = _decode(frame.get_payload_as_bytes())
+            if request.type == "generate":
+                self.number += 1
+                self.task = asyncio.create_task(self._generate(transport, request))
+        elif frame.msg_type == WSMsgType.CLOSE:
+            transport.send_close(frame.get_close_code())
+            transport.disconnect()
+
+    def on_ws_disconnected(self, transport: WSTransport) -> None:
+        if self.task is not None:
+            self.task.cancel()
+
+    async def _generate(self, transport: WSTransport, request: _Generate) -> None:
+        request_id = request.request_id or f"r{self.number}"
+        send = transport.send
+        send(WSMsgType.TEXT, _encode({"type": "start", "request_id": request_id}))
+        completion = 0
+        finish = "stop"
+        engine = self.engine
+        async for delta in engine.generate(
+            GenerationRequest(
+                request_id=RequestId(request_id),
+                messages=(ChatMessage("user", request.prompt),),
+                params=SamplingParams(max_tokens=request.max_tokens, seed=request.seed),
+                prompt_tokens=engine.count_tokens(request.prompt),
+            )
+        ):
+            if delta.tokens:
+                frame = {
+                    "type": "token",
+                    "token": delta.text,
+                    "seq": completion,
+                    "request_id": request_id,
+                }
+                send(WSMsgType.TEXT, _encode(frame))
+                completion += delta.tokens
+            if delta.finish_reason is not None:
+                finish = delta.finish_reason
+        done = {
+            "type": "done",
+            "done": True,
+            "request_id": request_id,
+            "finish_reason": finish,
+            "usage": {"completion_tokens": completion},
+        }
+        send(WSMsgType.TEXT, _encode(done))
+
+
+async def run(host: str, port: int, engine: SyntheticEngine) -> None:
+    def factory(_: WSUpgradeRequest) -> WSListener:
+        return _Handler(engine)
+
+    server = await ws_create_server(factory, host, port, backlog=4096)
+    bound = server.sockets[0].getsockname()[1]
+    print(json.dumps({"listening": f"ws://{host}:{bound}/"}), flush=True)
+    async with server:
+        await server.serve_forever()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=9003)
+    parser.add_argument("--ttft-ms", type=float, default=0.0)
+    parser.add_argument("--tokens-per-s", type=float, default=0.0)
+    args: Any = parser.parse_args(argv)
+    install_uvloop()
+    engine = SyntheticEngine(ttft_ms=args.ttft_ms, tokens_per_s=args.tokens_per_s)
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(run(args.host, args.port, engine))
+
+
+if __name__ == "__main__":
+    main()
