@@ -65,9 +65,12 @@ class Contender:
         return [a.replace("{port}", str(port)) for a in self.argv]
 
     def display(self) -> str:
-        return shlex.join(
-            ["seedance" if a.endswith("/seedance") else a for a in self.command("PORT")]
-        )
+        """The command as a user types it (``seedance``, ``python``; no virtualenv path)."""
+        shown = {
+            sys.executable: "python",
+            str(Path(sys.executable).with_name("seedance")): "seedance",
+        }
+        return shlex.join([shown.get(a, a) for a in self.command("PORT")])
 
 
 def seedance(label: str, key: str, *extra: str) -> Contender:
