@@ -214,14 +214,16 @@ _QueueItem = OutFrame | TokenStream
 class Outbound:
     """The frames waiting for one client's socket, written in order.
 
-    A frame is written at once when nothing is queued and the socket has taken everything
-    before it (the direct path: no task switch, one ``write``). Otherwise it waits in the
-    queue, and one writer task sends the whole queue in one ``write`` as soon as the socket
-    drains. Token frames merge (unless ``merger`` is None: one frame per token):
+    A frame is written at once when nothing is queued and the transport is not paused (the
+    direct path: no task switch, one ``write``). Otherwise it waits in the queue, and a writer
+    task sends the whole queue in one ``write`` as soon as the transport drains; on the direct
+    path that task exists only while frames wait. Under an ASGI server without the direct path,
+    one writer task per connection sends the queue frame by frame. Token frames merge (unless
+    ``merger`` is None: one frame per token):
 
     - the first token of a request, and a token after a pause longer than the merge window,
       go out at once when the socket is idle;
-    - tokens arriving while the previous write is still draining join the queued frame;
+    - tokens arriving while earlier frames wait for the socket join the queued frame;
     - tokens of a stream that wrote a frame less than the window ago are held for the rest of
       the window (at most one window) and go out as one frame.
     """
@@ -253,11 +255,13 @@ class Outbound:
         self.closed = False
         self._close: tuple[int, str] | None = None
         self._task: asyncio.Task[None] | None = None
+        self._more: asyncio.Future[None] | None = None  # the idle ASGI writer waits on it
 
     def _wake_writer(self) -> None:
-        """The writer task runs only while something waits for the socket."""
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="outbound")
+        elif self._more is not None and not self._more.done():
+            self._more.set_result(None)
 
     @property
     def _open(self) -> bool:
@@ -437,7 +441,13 @@ class Outbound:
                         code, reason = self._close
                         self.closed = True
                         await ws.close(code, reason)
-                    return
+                        return
+                    if direct is not None:
+                        return  # the direct path needs no idle writer
+                    self._more = loop.create_future()
+                    await self._more
+                    self._more = None
+                    continue
                 self.stalled_since = loop.time()
                 if direct is not None:
                     # Wait for the socket to drain; tokens arriving meanwhile merge.
