@@ -27,7 +27,7 @@ serve: $(VENV)/.installed-base
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# Comparison suites against a raw websockets server; rewrites docs/benchmarks.md (~10 min).
+# Comparison suites against raw websockets and picows servers; rewrites docs/benchmarks.md (~13 min).
 # BENCH_ARGS=--quick for a short run.
 bench: $(VENV)/.installed-bench
 	$(BIN)/python -m seedance.bench.suites $(BENCH_ARGS)

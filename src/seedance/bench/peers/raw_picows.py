@@ -13,30 +13,21 @@ import contextlib
 import json
 from typing import Any
 
-import msgspec
 from picows import WSFrame, WSListener, WSMsgType, WSTransport, WSUpgradeRequest, ws_create_server
 
-from seedance.engines.base import GenerationRequest, SamplingParams
+from seedance.bench.peers._common import (
+    GenerateFrame,
+    decode_generate,
+    done_frame,
+    encode,
+    engine_request,
+)
 from seedance.engines.synthetic import SyntheticEngine
 from seedance.eventloop import install_uvloop
 from seedance.protocol.messages import (
     HEARTBEAT_PING,
     HEARTBEAT_PONG,
-    ChatMessage,
-    RequestId,
 )
-
-
-class _Generate(msgspec.Struct):
-    type: str
-    prompt: str = ""
-    max_tokens: int = 16
-    request_id: str | None = None
-    seed: int | None = None
-
-
-_decode = msgspec.json.Decoder(_Generate).decode
-_encode = msgspec.json.Encoder().encode
 
 
 class _Handler(WSListener):
@@ -50,7 +41,7 @@ class _Handler(WSListener):
             if frame.get_payload_as_bytes() == HEARTBEAT_PING:
                 transport.send(WSMsgType.BINARY, HEARTBEAT_PONG)
         elif frame.msg_type == WSMsgType.TEXT:
-            request = _decode(frame.get_payload_as_bytes())
+            request = decode_generate(frame.get_payload_as_bytes())
             if request.type == "generate":
                 self.number += 1
                 self.task = asyncio.create_task(self._generate(transport, request))
@@ -62,21 +53,14 @@ class _Handler(WSListener):
         if self.task is not None:
             self.task.cancel()
 
-    async def _generate(self, transport: WSTransport, request: _Generate) -> None:
+    async def _generate(self, transport: WSTransport, request: GenerateFrame) -> None:
         request_id = request.request_id or f"r{self.number}"
         send = transport.send
-        send(WSMsgType.TEXT, _encode({"type": "start", "request_id": request_id}))
+        send(WSMsgType.TEXT, encode({"type": "start", "request_id": request_id}))
         completion = 0
         finish = "stop"
         engine = self.engine
-        async for delta in engine.generate(
-            GenerationRequest(
-                request_id=RequestId(request_id),
-                messages=(ChatMessage("user", request.prompt),),
-                params=SamplingParams(max_tokens=request.max_tokens, seed=request.seed),
-                prompt_tokens=engine.count_tokens(request.prompt),
-            )
-        ):
+        async for delta in engine.generate(engine_request(engine, request, request_id)):
             if delta.tokens:
                 frame = {
                     "type": "token",
@@ -84,18 +68,11 @@ class _Handler(WSListener):
                     "seq": completion,
                     "request_id": request_id,
                 }
-                send(WSMsgType.TEXT, _encode(frame))
+                send(WSMsgType.TEXT, encode(frame))
                 completion += delta.tokens
             if delta.finish_reason is not None:
                 finish = delta.finish_reason
-        done = {
-            "type": "done",
-            "done": True,
-            "request_id": request_id,
-            "finish_reason": finish,
-            "usage": {"completion_tokens": completion},
-        }
-        send(WSMsgType.TEXT, _encode(done))
+        send(WSMsgType.TEXT, done_frame(request_id, finish, completion))
 
 
 async def run(host: str, port: int, engine: SyntheticEngine) -> None:

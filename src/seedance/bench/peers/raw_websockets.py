@@ -16,25 +16,17 @@ import contextlib
 import json
 from typing import Any
 
-import msgspec
 from websockets.asyncio.server import ServerConnection, serve
 
-from seedance.engines.base import GenerationRequest, SamplingParams
+from seedance.bench.peers._common import (
+    decode_generate,
+    done_frame,
+    encode,
+    engine_request,
+)
 from seedance.engines.synthetic import SyntheticEngine
 from seedance.eventloop import install_uvloop
-from seedance.protocol.messages import HEARTBEAT_PING, HEARTBEAT_PONG, ChatMessage, RequestId
-
-
-class _Generate(msgspec.Struct):
-    type: str
-    prompt: str = ""
-    max_tokens: int = 16
-    request_id: str | None = None
-    seed: int | None = None
-
-
-_decode = msgspec.json.Decoder(_Generate).decode
-_encode = msgspec.json.Encoder().encode
+from seedance.protocol.messages import HEARTBEAT_PING, HEARTBEAT_PONG
 
 
 async def _serve_connection(ws: ServerConnection, engine: SyntheticEngine) -> None:
@@ -44,26 +36,19 @@ async def _serve_connection(ws: ServerConnection, engine: SyntheticEngine) -> No
             if message == HEARTBEAT_PING:
                 await ws.send(HEARTBEAT_PONG, text=False)
             continue
-        request = _decode(message)
+        request = decode_generate(message)
         if request.type != "generate":
             continue
         number += 1
         request_id = request.request_id or f"r{number}"
-        await ws.send(_encode({"type": "start", "request_id": request_id}), text=True)
+        await ws.send(encode({"type": "start", "request_id": request_id}), text=True)
         completion = 0
         finish = "stop"
-        stream = engine.generate(
-            GenerationRequest(
-                request_id=RequestId(request_id),
-                messages=(ChatMessage("user", request.prompt),),
-                params=SamplingParams(max_tokens=request.max_tokens, seed=request.seed),
-                prompt_tokens=engine.count_tokens(request.prompt),
-            )
-        )
+        stream = engine.generate(engine_request(engine, request, request_id))
         async for delta in stream:
             if delta.tokens:
                 await ws.send(
-                    _encode(
+                    encode(
                         {
                             "type": "token",
                             "token": delta.text,
@@ -76,18 +61,7 @@ async def _serve_connection(ws: ServerConnection, engine: SyntheticEngine) -> No
                 completion += delta.tokens
             if delta.finish_reason is not None:
                 finish = delta.finish_reason
-        await ws.send(
-            _encode(
-                {
-                    "type": "done",
-                    "done": True,
-                    "request_id": request_id,
-                    "finish_reason": finish,
-                    "usage": {"completion_tokens": completion},
-                }
-            ),
-            text=True,
-        )
+        await ws.send(done_frame(request_id, finish, completion), text=True)
 
 
 async def run(host: str, port: int, engine: SyntheticEngine) -> None:
