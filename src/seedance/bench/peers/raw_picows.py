@@ -7,11 +7,8 @@ Used by ``make bench`` to decide Seedance's server stack.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import contextlib
 import json
-from typing import Any
 
 from picows import WSFrame, WSListener, WSMsgType, WSTransport, WSUpgradeRequest, ws_create_server
 
@@ -21,9 +18,9 @@ from seedance.bench.peers._common import (
     done_frame,
     encode,
     engine_request,
+    peer_main,
 )
 from seedance.engines.synthetic import SyntheticEngine
-from seedance.eventloop import install_uvloop
 from seedance.protocol.messages import (
     HEARTBEAT_PING,
     HEARTBEAT_PONG,
@@ -87,16 +84,7 @@ async def run(host: str, port: int, engine: SyntheticEngine) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=9003)
-    parser.add_argument("--ttft-ms", type=float, default=0.0)
-    parser.add_argument("--tokens-per-s", type=float, default=0.0)
-    args: Any = parser.parse_args(argv)
-    install_uvloop()
-    engine = SyntheticEngine(ttft_ms=args.ttft_ms, tokens_per_s=args.tokens_per_s)
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(run(args.host, args.port, engine))
+    peer_main(__doc__, 9003, run, argv)
 
 
 if __name__ == "__main__":
