@@ -209,6 +209,8 @@ class Generation:
 
     def _log(self, outcome: str) -> None:
         connection = self.connection
+        if not logger.isEnabledFor(logging.INFO):  # the line's figures cost more than the check
+            return
         timing = self._timing()
         logger.info(
             "request %s conn=%s session=%s model=%s outcome=%s prompt_tokens=%d "
