@@ -429,7 +429,6 @@ class Report:
         contenders = [seedance("Seedance", "seedance"), raw()]
         sizes = (10, big)
         results: dict[tuple[int, str], list[dict[str, Any]]] = {}
-        baselines: dict[str, int] = {}
         total = self.rounds * len(sizes) * len(contenders)
         done = 0
         for _ in range(self.rounds):
@@ -455,7 +454,6 @@ class Report:
                         ]
                         result = run_bench(server.url, args, watch=server)
                         result["base_rss"] = base
-                        baselines[c.key] = base
                         results.setdefault((n, c.key), []).append(result)
                     finally:
                         server.stop()

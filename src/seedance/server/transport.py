@@ -172,7 +172,6 @@ class FrameMerger:
         self._timer: asyncio.TimerHandle | None = None
         self._probe: asyncio.TimerHandle | None = None
         self._probe_due = 0.0
-        self.frames_merged = 0  # tokens that joined a frame instead of making their own
 
     def start(self) -> None:
         """Start watching the loop's lag (once, on the loop that serves)."""
@@ -322,7 +321,6 @@ class Outbound:
             return
         if stream.waiting:  # a frame of this stream is waiting: join it
             self._account(stream.add(text, tokens))
-            merger.frames_merged += 1
             return
         size = stream.add(text, tokens)
         now = self._loop.time()
@@ -499,9 +497,6 @@ class _EventQueue:
 
     def empty(self) -> bool:
         return not self._items
-
-    def qsize(self) -> int:
-        return len(self._items)
 
 
 class SeedanceWebSocketProtocol(WebSocketsSansIOProtocol):
