@@ -20,9 +20,9 @@ $(VENV)/.installed-base: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e .
 	@touch $@
 
+# The embedded default model (SmolLM2-135M-Instruct on llama.cpp); SERVE_ARGS for more flags.
 serve: $(VENV)/.installed-base
-	$(BIN)/seedance serve --host $(HOST) --port $(PORT) --engine synthetic \
-		--synthetic-ttft-ms 40 --synthetic-tokens-per-s 40
+	$(BIN)/seedance serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -64,6 +64,7 @@ def make_server() -> Iterator[Callable[..., RunningServer]]:
     servers: list[RunningServer] = []
 
     def factory(engines: Sequence[Engine] | None = None, **fields: Any) -> RunningServer:
+        fields.setdefault("engine", "synthetic")  # the default engine loads a real model
         server = RunningServer(ServerConfig(**fields), engines).start()
         servers.append(server)
         return server
@@ -92,7 +93,8 @@ class ServerProcess:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env={**os.environ, **(env or {})},
+            # The synthetic engine unless a test names another (the default loads a model).
+            env={**os.environ, "SEEDANCE_ENGINE": "synthetic", **(env or {})},
         )
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)

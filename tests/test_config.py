@@ -12,7 +12,7 @@ from seedance.config import OPTIONS, ConfigError, ServerConfig, load_config
 def test_defaults() -> None:
     config = load_config({}, {})
     assert config == ServerConfig()
-    assert (config.host, config.port, config.engine) == ("127.0.0.1", 8000, "synthetic")
+    assert (config.host, config.port, config.engine) == ("127.0.0.1", 8000, "llamacpp")
     assert (config.heartbeat_interval_s, config.idle_timeout_s) == (25.0, 30.0)
     assert (config.session_ttl_s, config.max_waiting, config.max_frame_bytes) == (
         1800.0,

@@ -146,3 +146,16 @@ def test_registry_finds_the_builtin_engine() -> None:
     assert engine.info.name == "named" and engine.ttft_s == 0.005
     with pytest.raises(ConfigError, match=r"unknown engine 'nope'; installed engines: .*synthetic"):
         create_engine(ServerConfig(engine="nope"))
+
+
+def test_stop_matcher_counts_pieces_that_stand_for_several_tokens() -> None:
+    matcher = StopMatcher(("END",))
+    assert matcher.push("caf", 1) == ("caf", 1)
+    assert matcher.push("é E", 3) == ("", 0)  # ends with "E", which may start "END": held
+    assert matcher.push("N", 1) == ("", 0)
+    assert matcher.push("D!", 2) == ("é ", 3)  # the text before the stop, and its tokens
+    assert matcher.stopped
+    assert StopMatcher(()).push("日本", 4) == ("日本", 4)
+    other = StopMatcher(("END",))
+    assert other.push("a E", 2) == ("", 0)
+    assert other.flush() == ("a E", 2)

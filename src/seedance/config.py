@@ -37,8 +37,12 @@ class ConfigError(SeedanceError):
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
-    engine: str = "synthetic"
+    engine: str = "llamacpp"
     model: str | None = None
+    model_path: str | None = None
+    parallel: int = 8
+    n_ctx: int = 0
+    threads: int = 0
     log_level: str = "info"
     log_prompts: bool = False
     max_frame_bytes: int = 1024 * 1024
@@ -107,6 +111,37 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option("engine", "--engine", str, "inference engine (installed: see `seedance engines`)"),
     Option("model", "--model", str, "name the model is served under (default: the engine's)"),
+    Option(
+        "model_path",
+        "--model-path",
+        str,
+        "model file (llamacpp: a GGUF file; default: the embedded SmolLM2-135M-Instruct)",
+    ),
+    Option(
+        "parallel",
+        "--parallel",
+        int,
+        "llamacpp: sequences decoded together in one batch",
+        lambda v: 1 <= v <= 256,
+        "between 1 and 256",
+    ),
+    Option(
+        "n_ctx",
+        "--n-ctx",
+        int,
+        "llamacpp: context cells in all, shared evenly by the parallel sequences "
+        "(0: 4096 per sequence, at most the model's trained context)",
+        _non_negative,
+        "0 or more",
+    ),
+    Option(
+        "threads",
+        "--threads",
+        int,
+        "llamacpp: CPU threads for llama.cpp (0: the cores this process may use)",
+        _non_negative,
+        "0 or more",
+    ),
     Option(
         "log_level",
         "--log-level",

@@ -100,6 +100,14 @@ class Engine(abc.ABC):
         """Tokens of the whole prompt built from ``messages``."""
         return self.reply_overhead_tokens + sum(self.count_message_tokens(m) for m in messages)
 
+    def prompt_tokens(self, messages: Sequence[ChatMessage], estimate: int) -> int:
+        """The exact token count of the prompt built from ``messages``, where the engine can
+        tell (it renders the chat template); ``estimate`` (the per-message sum) otherwise.
+
+        May raise :class:`~seedance.protocol.errors.ContextOverflow`.
+        """
+        return estimate
+
     @abc.abstractmethod
     def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
         """Stream the reply. Closing the generator aborts the request."""

