@@ -249,3 +249,42 @@ def test_bar_chart_is_valid_svg() -> None:
     root = ET.fromstring(svg)
     assert root.tag.endswith("svg")
     assert len([e for e in root.iter() if e.tag.endswith("rect")]) == 1 + 4 + 2  # bg, bars, legend
+
+
+class _RecordingEngine(SyntheticEngine):
+    """Remembers the sampling parameters of every request."""
+
+    def __init__(self) -> None:
+        super().__init__(name="recording")
+        self.temperatures: list[float] = []
+
+    def generate(self, request):  # type: ignore[no-untyped-def]
+        self.temperatures.append(request.params.temperature)
+        return super().generate(request)
+
+
+def test_temperature_reaches_the_server(make_server) -> None:  # type: ignore[no-untyped-def]
+    engine = _RecordingEngine()
+    server = make_server(engines=[engine])
+    args = ("-c", "1", "-n", "2", "--warmup", "0", "--max-tokens", "2", "-q")
+    assert bench(server.infer_url, *args, "--temperature", "0").returncode == 0
+    assert bench(server.infer_url, *args).returncode == 0
+    assert engine.temperatures == [0.0, 0.0, 0.7, 0.7]  # then the protocol's default
+
+
+def test_bare_llama_loop_reports_its_rates() -> None:
+    def run(*args: str) -> dict[str, float]:
+        out = subprocess.run(
+            [sys.executable, "-m", "seedance.bench.peers.llama_bare", *args, "--threads", "2"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 0, out.stderr
+        result: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
+        return result
+
+    single = run("generate", "--tokens", "8")
+    assert single["decode_tokens_per_s"] > 0 and single["prompt_tokens"] > 10
+    batched = run("batch", "--sequences", "2", "--steps", "3")
+    assert batched["sequences"] == 2 and batched["tokens_per_s"] > 0

@@ -43,6 +43,7 @@ class ServerConfig:
     parallel: int = 8
     n_ctx: int = 0
     threads: int = 0
+    kv_reuse: bool = True
     log_level: str = "info"
     log_prompts: bool = False
     max_frame_bytes: int = 1024 * 1024
@@ -141,6 +142,12 @@ OPTIONS: tuple[Option, ...] = (
         "llamacpp: CPU threads for llama.cpp (0: the cores this process may use)",
         _non_negative,
         "0 or more",
+    ),
+    Option(
+        "kv_reuse",
+        "--kv-reuse",
+        _bool,
+        "llamacpp: reuse the KV cache of earlier turns (off: every prompt is prefilled whole)",
     ),
     Option(
         "log_level",

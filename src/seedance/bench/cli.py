@@ -59,6 +59,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="closed loop: start the users spread over this many seconds (default 0)",
     )
     load.add_argument("--seed", type=int, default=0, help="seed of prompts and arrival gaps")
+    load.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="sampling temperature of every request (default: the server's)",
+    )
     idle = parser.add_argument_group("idle connections (instead of requests)")
     idle.add_argument(
         "--idle-connections",
@@ -112,6 +118,8 @@ async def _main(args: argparse.Namespace) -> int:
         )
     else:
         target = WebSocketTarget(_ws_url(args.url, args.model, args.api_key))
+    if args.temperature is not None:
+        target.fields = {"temperature": args.temperature}
     progress = None if args.quiet else sys.stderr
 
     if args.idle_connections is not None:

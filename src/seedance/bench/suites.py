@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import platform
@@ -22,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -59,7 +60,8 @@ class Contender:
     key: str
     label: str
     argv: list[str]  # "{port}" is replaced
-    path: str  # URL path of the WebSocket endpoint
+    path: str  # URL path of the WebSocket endpoint (an ``http`` one: the OpenAI API's base)
+    pinned: bool = True  # on the server core (off: the server may use every core)
 
     def command(self, port: int | str) -> list[str]:
         return [a.replace("{port}", str(port)) for a in self.argv]
@@ -96,15 +98,16 @@ class Server:
     def __init__(self, contender: Contender) -> None:
         self.contender = contender
         self.port = _free_port()
-        self.url = f"ws://127.0.0.1:{self.port}{contender.path}"
+        scheme = "http" if contender.path.startswith("/v1") else "ws"
+        self.url = f"{scheme}://127.0.0.1:{self.port}{contender.path}"
         self.log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             contender.command(self.port),
             stdout=subprocess.DEVNULL,
             stderr=self.log,
-            preexec_fn=_pin(SERVER_CORE),
+            preexec_fn=_pin(SERVER_CORE) if contender.pinned else None,
         )
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 self.log.seek(0)
@@ -146,12 +149,15 @@ def servers(contenders: Sequence[Contender]) -> Iterator[dict[str, Server]]:
 
 
 def bench_argv(url: str, args: Sequence[str]) -> list[str]:
-    return [str(Path(sys.executable).with_name("seedance")), "bench", url, "-q", *args]
+    target = ["--openai", url] if url.startswith("http") else [url]
+    return [str(Path(sys.executable).with_name("seedance")), "bench", *target, "-q", *args]
 
 
-def run_bench(url: str, args: Sequence[str], *, watch: Server | None = None) -> dict[str, Any]:
-    """Run ``seedance bench`` pinned to the client core; its ``--json`` output (plus the
-    server's peak RSS while it ran when ``watch`` is given)."""
+def run_bench(
+    url: str, args: Sequence[str], *, watch: Server | None = None, pinned: bool = True
+) -> dict[str, Any]:
+    """Run ``seedance bench`` (pinned to the client core unless ``pinned`` is false); its
+    ``--json`` output (plus the server's peak RSS while it ran when ``watch`` is given)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         proc = subprocess.Popen(
@@ -159,7 +165,7 @@ def run_bench(url: str, args: Sequence[str], *, watch: Server | None = None) -> 
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            preexec_fn=_pin(CLIENT_CORE),
+            preexec_fn=_pin(CLIENT_CORE) if pinned else None,
         )
         peak = 0
         while proc.poll() is None:
@@ -255,7 +261,7 @@ class Report:
                 for key, server in running.items():
                     done += 1
                     self.log(f"[{title}] {done}/{total}: {server.contender.label}, {load}")
-                    result = run_bench(server.url, args)
+                    result = run_bench(server.url, args, pinned=server.contender.pinned)
                     cells.setdefault((load, key), Cell()).runs.append(result)
                     summary = result["summary"]
                     client = result["client"]
@@ -685,6 +691,7 @@ def _machine() -> list[str]:
         "uvloop",
         "picows",
         "aiohttp",
+        "llama-cpp-python",
     ):
         with contextlib.suppress(metadata.PackageNotFoundError):
             versions.append(f"{name} {metadata.version(name)}")
@@ -703,18 +710,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="shorter runs, 2,000 idle connections")
     parser.add_argument("--rounds", type=int, default=2, help="rounds per contender (default 2)")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks.md"))
-    parser.add_argument("--suites", default="1,2,3,4", help="which suites to run (default 1,2,3,4)")
+    parser.add_argument(
+        "--suites", default="1,2,3,4,5", help="which suites to run (default 1,2,3,4,5)"
+    )
     args = parser.parse_args(argv)
     if _cores() < 2:
         print("note: fewer than 2 cores; server and load generator share them", file=sys.stderr)
+    from seedance.bench.llama_suite import llama_suite
+
     report = Report(args.quick, args.rounds, args.out)
     started = time.time()
     chosen = {s.strip() for s in args.suites.split(",")}
-    suites = {
+    suites: dict[str, Callable[[], None]] = {
         "1": report.token_path,
         "2": report.fan_out,
         "3": report.idle,
         "4": report.design_table,
+        "5": functools.partial(llama_suite, report),
     }
     for key in sorted(chosen):
         suites[key]()

@@ -54,6 +54,8 @@ class Conn(abc.ABC):
 
 class Target(abc.ABC):
     name: str
+    #: Extra fields of every request (``{"temperature": 0}``), the same on every target kind.
+    fields: dict[str, Any] = {}  # replaced, never mutated
 
     async def prepare(self) -> None:  # noqa: B027 - optional hook
         """Anything to do once before the first connection."""
@@ -179,9 +181,10 @@ class _Listener(WSListener):
 
 
 class WebSocketConn(Conn):
-    def __init__(self, transport: WSTransport, listener: _Listener) -> None:
+    def __init__(self, transport: WSTransport, listener: _Listener, fields: dict[str, Any]) -> None:
         self.transport = transport
         self.listener = listener
+        self.fields = fields
         self.number = 0
 
     async def request(self, sample: Sample, prompt: str, max_tokens: int, clock: Clock) -> None:
@@ -199,6 +202,7 @@ class WebSocketConn(Conn):
                 "max_tokens": max_tokens,
                 "request_id": f"b{self.number}",
                 "reset": True,
+                **self.fields,
             }
         )
         if not sample.sent:
@@ -252,7 +256,7 @@ class WebSocketTarget(Target):
         except Exception as exc:  # picows handshake errors
             raise BenchError("handshake_failed", f"{self.url}: {exc}") from exc
         assert isinstance(listener, _Listener)
-        return WebSocketConn(transport, listener)
+        return WebSocketConn(transport, listener, self.fields)
 
 
 # --------------------------------------------------------------------------- OpenAI HTTP + SSE
@@ -294,6 +298,7 @@ class OpenAIConn(Conn):
             "max_tokens": max_tokens,
             "stream": True,
             "stream_options": {"include_usage": True},
+            **target.fields,
         }
         if not sample.sent:
             sample.sent = clock.now()

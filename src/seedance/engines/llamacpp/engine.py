@@ -98,6 +98,7 @@ class LlamaCppEngine(Engine):
         threads: int = 0,
         n_batch: int = 512,
         state_cache_mb: float = 512.0,
+        kv_reuse: bool = True,
     ) -> None:
         self.model = LlamaModel(model_path)
         n_ctx_seq = min(DEFAULT_CTX_PER_SEQUENCE, self.model.n_ctx_train)
@@ -118,7 +119,10 @@ class LlamaCppEngine(Engine):
             eos_token=self.model.token_text(self.model.eos_token()),
         )
         self.scheduler = Scheduler(
-            self.model, self.context, state_cache_bytes=int(state_cache_mb * 1024 * 1024)
+            self.model,
+            self.context,
+            state_cache_bytes=int(state_cache_mb * 1024 * 1024) if kv_reuse else 0,
+            reuse=kv_reuse,
         )
         self.max_concurrency = parallel
         self._info = ModelInfo(
@@ -243,4 +247,5 @@ def create_engine(config: ServerConfig) -> LlamaCppEngine:
         parallel=config.parallel,
         n_ctx=config.n_ctx,
         threads=config.threads,
+        kv_reuse=config.kv_reuse,
     )

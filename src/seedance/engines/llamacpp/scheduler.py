@@ -168,6 +168,7 @@ class Scheduler:
         context: LlamaContext,
         *,
         state_cache_bytes: int,
+        reuse: bool = True,
     ) -> None:
         self.model = model
         self.ctx = context
@@ -175,6 +176,7 @@ class Scheduler:
         self.failure: str | None = None  # set when the decode loop died
         self._slots = [Slot(seq, []) for seq in range(context.shape.n_seq)]
         self._cache = StateCache(state_cache_bytes)
+        self._reuse = reuse  # off: every prompt is prefilled whole (for measurements)
         self._n_batch = context.shape.n_batch
         self._cond = threading.Condition()
         self._incoming: list[Job] = []
@@ -296,6 +298,8 @@ class Scheduler:
                 ((s, common_prefix(s.tokens, prompt)) for s in free),
                 key=lambda pair: (pair[1], -pair[0].last_used),
             )
+            if not self._reuse:
+                keep = 0
             cached_key, cached_len = self._cache.best(prompt)
             if cached_len > keep:  # a saved conversation beats what the slots hold
                 slot = min(free, key=lambda s: (len(s.tokens) > 0, s.last_used))

@@ -1,0 +1,111 @@
+"""The physical limit of the llama.cpp engine: llama.cpp driven by a bare loop, no server.
+
+Two measurements, each printed as one JSON line:
+
+- ``generate``: one sequence, prefill then sample-and-decode ``--tokens`` tokens (end-of-text
+  ignored), as any generation does; tokens/s of the decode (the first token excluded);
+- ``batch``: ``--sequences`` sequences decoded together, ``--steps`` steps of one token each with
+  logits but no sampling: llama.cpp's batched decode alone.
+
+    python -m seedance.bench.peers.llama_bare generate --tokens 200 --threads 2
+    python -m seedance.bench.peers.llama_bare batch --sequences 8 --steps 40 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from seedance.engines.llamacpp.engine import default_model_path, machine_cores
+from seedance.engines.llamacpp.native import ContextShape, LlamaContext, LlamaModel, Sampler
+from seedance.engines.llamacpp.template import ChatTemplate
+from seedance.protocol.messages import ChatMessage
+
+PROMPT = "Write a long story about a dragon who learns to sail."
+
+
+def _prompt(model: LlamaModel, text: str) -> list[int]:
+    template = ChatTemplate(
+        model.chat_template(),
+        bos_token=model.token_text(model.bos_token()),
+        eos_token=model.token_text(model.eos_token()),
+    )
+    rendered = template.render([ChatMessage("user", text)], add_generation_prompt=True)
+    return model.tokenize(rendered, special=True)
+
+
+def generate(model: LlamaModel, threads: int, tokens: int, temperature: float) -> dict[str, float]:
+    ctx = LlamaContext(model, ContextShape(n_seq=1, n_ctx_seq=4096, n_batch=512, threads=threads))
+    sampler = Sampler(temperature=temperature, top_p=1.0, seed=1)
+    prompt = _prompt(model, PROMPT)
+    start = time.perf_counter()
+    for i, token in enumerate(prompt):
+        index = ctx.add(token, i, 0, i == len(prompt) - 1)
+    assert ctx.decode() == 0
+    token = ctx.sample(sampler, index)
+    first = time.perf_counter()
+    pos = len(prompt)
+    for _ in range(tokens - 1):
+        ctx.clear_batch()
+        ctx.add(token, pos, 0, True)
+        assert ctx.decode() == 0
+        token = ctx.sample(sampler, 0)
+        model.piece(token)  # the text a server would send
+        pos += 1
+    end = time.perf_counter()
+    sampler.close()
+    ctx.close()
+    return {
+        "prompt_tokens": len(prompt),
+        "ttft_s": first - start,
+        "decode_tokens_per_s": (tokens - 1) / (end - first),
+    }
+
+
+def batch(model: LlamaModel, threads: int, sequences: int, steps: int) -> dict[str, float]:
+    shape = ContextShape(n_seq=sequences, n_ctx_seq=1024, n_batch=512, threads=threads)
+    ctx = LlamaContext(model, shape)
+    prompt = _prompt(model, PROMPT)
+    for seq in range(sequences):
+        for i, token in enumerate(prompt):
+            ctx.add(token, i, seq, i == len(prompt) - 1)
+    assert ctx.decode() == 0
+    token = prompt[-1]
+    start = time.perf_counter()
+    for step in range(steps):
+        ctx.clear_batch()
+        for seq in range(sequences):
+            ctx.add(token, len(prompt) + step, seq, True)
+        assert ctx.decode() == 0
+    elapsed = time.perf_counter() - start
+    ctx.close()
+    return {"sequences": sequences, "tokens_per_s": sequences * steps / elapsed}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("mode", choices=("generate", "batch"))
+    parser.add_argument("--model-path", type=Path, default=None)
+    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--tokens", type=int, default=200)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--sequences", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=40)
+    args = parser.parse_args(argv)
+    model = LlamaModel(args.model_path or default_model_path())
+    threads = args.threads or machine_cores()
+    if args.mode == "generate":
+        result = generate(model, threads, args.tokens, args.temperature)
+    else:
+        result = batch(model, threads, args.sequences, args.steps)
+    model.close()
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
