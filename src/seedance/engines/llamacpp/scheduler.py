@@ -175,7 +175,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.failure: str | None = None  # set when the decode loop died
         self._slots = [Slot(seq, []) for seq in range(context.shape.n_seq)]
-        self._cache = StateCache(state_cache_bytes)
+        self.cache = StateCache(state_cache_bytes)
         self._reuse = reuse  # off: every prompt is prefilled whole (for measurements)
         self._n_batch = context.shape.n_batch
         self._cond = threading.Condition()
@@ -291,20 +291,21 @@ class Scheduler:
             free = [s for s in self._slots if s.job is None]
             if not free:
                 return
-            job = self._waiting.pop(0)
+            job = self._waiting[0]  # stays listed until placed: a failure here reaches it
             prompt = job.prompt
-            # The longest cached prefix in a free slot; ties go to the least recently used.
+            # The longest cached prefix in a free slot; then empty slots; then the least
+            # recently used.
             slot, keep = max(
                 ((s, common_prefix(s.tokens, prompt)) for s in free),
-                key=lambda pair: (pair[1], -pair[0].last_used),
+                key=lambda pair: (pair[1], not pair[0].tokens, -pair[0].last_used),
             )
             if not self._reuse:
                 keep = 0
-            cached_key, cached_len = self._cache.best(prompt)
+            cached_key, cached_len = self.cache.best(prompt)
             if cached_len > keep:  # a saved conversation beats what the slots hold
+                tokens, state = self.cache.take(cached_key)  # before _evict adds to the cache
                 slot = min(free, key=lambda s: (len(s.tokens) > 0, s.last_used))
                 self._evict(slot)
-                tokens, state = self._cache.take(cached_key)
                 if self.ctx.load_state(slot.seq, state):
                     slot.tokens = tokens
                     keep = cached_len
@@ -319,6 +320,7 @@ class Scheduler:
                 self.ctx.forget(slot.seq, keep)
                 del slot.tokens[keep:]
             slot.job, job.slot, job.fed = job, slot, keep
+            self._waiting.pop(0)
             self._active.append(job)
             stats = self.stats
             stats.requests_started += 1
@@ -330,10 +332,10 @@ class Scheduler:
         """About to overwrite ``slot`` from ``keep`` on: save a conversation worth keeping."""
         if (
             len(slot.tokens) - keep >= _MIN_SAVED_TOKENS
-            and self._cache.max_bytes > 0
-            and self.ctx.state_size(slot.seq) <= self._cache.max_bytes
+            and self.cache.max_bytes > 0
+            and self.ctx.state_size(slot.seq) <= self.cache.max_bytes
         ):
-            self._cache.put(list(slot.tokens), self.ctx.save_state(slot.seq))
+            self.cache.put(list(slot.tokens), self.ctx.save_state(slot.seq))
             self.stats.states_saved += 1
         if keep == 0:
             self.ctx.forget(slot.seq)
