@@ -230,6 +230,33 @@ async def test_max_tokens_and_seed(llama: RunningServer) -> None:
     assert a.text != c.text
 
 
+async def test_top_p_narrows_the_draw(llama: RunningServer) -> None:
+    async with connect(llama.url) as session:
+        common = {"max_tokens": 16, "reset": True}
+        greedy = await session.complete("Name a fruit.", temperature=0, **common)
+        # A nucleus this small keeps only the likeliest token: the greedy reply, whatever the seed.
+        for seed in (1, 2, 3):
+            narrow = await session.complete(
+                "Name a fruit.", temperature=1.5, top_p=1e-6, seed=seed, **common
+            )
+            assert narrow.text == greedy.text
+
+
+async def test_a_gguf_file_is_served_under_the_given_name() -> None:
+    path = str(default_model_path())
+    named = llama_server(parallel=1, n_ctx=N_CTX_SEQ, model_path=path, model="my-model")
+    unnamed = llama_server(parallel=1, n_ctx=N_CTX_SEQ, model_path=path)
+    try:
+        async with connect(named.url) as session:
+            assert session.model == "my-model"
+            assert "4" in (await session.complete("What is 2+2?", temperature=0)).text
+        async with connect(unnamed.url) as session:
+            assert session.model == "SmolLM2-135M-Instruct.Q4_1"  # the file's stem
+    finally:
+        named.stop()
+        unnamed.stop()
+
+
 async def test_a_prompt_longer_than_the_context_is_context_overflow(llama: RunningServer) -> None:
     async with connect(llama.url) as session:
         with pytest.raises(SeedanceError) as info:
