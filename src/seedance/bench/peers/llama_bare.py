@@ -29,12 +29,9 @@ PROMPT = "Write a long story about a dragon who learns to sail."
 
 
 def _prompt(model: LlamaModel, text: str) -> list[int]:
-    template = ChatTemplate(
-        model.chat_template(),
-        bos_token=model.token_text(model.bos_token()),
-        eos_token=model.token_text(model.eos_token()),
+    rendered = ChatTemplate.of_model(model).render(
+        [ChatMessage("user", text)], add_generation_prompt=True
     )
-    rendered = template.render([ChatMessage("user", text)], add_generation_prompt=True)
     return model.tokenize(rendered, special=True)
 
 

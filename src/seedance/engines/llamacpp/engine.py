@@ -113,11 +113,7 @@ class LlamaCppEngine(Engine):
             n_seq=parallel, n_ctx_seq=n_ctx_seq, n_batch=n_batch, threads=threads or machine_cores()
         )
         self.context = LlamaContext(self.model, shape)
-        self.template = ChatTemplate(
-            self.model.chat_template(),
-            bos_token=self.model.token_text(self.model.bos_token()),
-            eos_token=self.model.token_text(self.model.eos_token()),
-        )
+        self.template = ChatTemplate.of_model(self.model)
         self.scheduler = Scheduler(
             self.model,
             self.context,
@@ -141,10 +137,6 @@ class LlamaCppEngine(Engine):
     @property
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats
-
-    @property
-    def threads(self) -> int:
-        return self.context.shape.threads
 
     async def start(self) -> None:
         self.scheduler.start(asyncio.get_running_loop(), _deliver)

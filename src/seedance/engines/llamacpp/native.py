@@ -48,6 +48,10 @@ def _init_backend() -> None:
             _backend_ready = True
 
 
+#: A saved sequence: llama.cpp's own bytes, kept in the buffer they were written to.
+State = ctypes.Array[ctypes.c_uint8]
+
+
 @dataclass(frozen=True, slots=True)
 class ContextShape:
     """How a context is laid out: ``n_seq`` sequences of ``n_ctx_seq`` cells each."""
@@ -73,9 +77,7 @@ class LlamaModel:
         if not self._ptr:
             raise ConfigError(f"cannot load model file {path}: not a GGUF model llama.cpp reads")
         self._vocab = lc.llama_model_get_vocab(self._ptr)
-        self.n_vocab: int = lc.llama_vocab_n_tokens(self._vocab)
         self.n_ctx_train: int = lc.llama_model_n_ctx_train(self._ptr)
-        self.add_bos: bool = bool(lc.llama_vocab_get_add_bos(self._vocab))
         self._pieces: dict[int, bytes] = {}
         self._piece_buf = ctypes.create_string_buffer(256)
 
@@ -87,17 +89,6 @@ class LlamaModel:
         if self._ptr:
             lc.llama_model_free(self._ptr)
             self._ptr = None
-
-    def meta(self, key: str) -> str | None:
-        """A metadata string of the GGUF file (``general.name``, ...)."""
-        buf = ctypes.create_string_buffer(4096)
-        n = lc.llama_model_meta_val_str(self._ptr, key.encode(), buf, len(buf))
-        if n < 0:
-            return None
-        if n >= len(buf):
-            buf = ctypes.create_string_buffer(n + 1)
-            lc.llama_model_meta_val_str(self._ptr, key.encode(), buf, len(buf))
-        return buf.value.decode("utf-8", "replace")
 
     def chat_template(self) -> str | None:
         raw = lc.llama_model_chat_template(self._ptr, None)
@@ -210,17 +201,18 @@ class LlamaContext:
     def state_size(self, seq: int) -> int:
         return int(lc.llama_state_seq_get_size(self._ptr, seq))
 
-    def save_state(self, seq: int) -> bytes:
-        """The KV cells of ``seq`` as bytes (see :meth:`load_state`)."""
+    def save_state(self, seq: int) -> State:
+        """The KV cells of ``seq`` (see :meth:`load_state`)."""
         size = self.state_size(seq)
         buf = (ctypes.c_uint8 * size)()
         written = lc.llama_state_seq_get_data(self._ptr, buf, size, seq)
-        return bytes(memoryview(buf)[:written])
+        if written != size:  # pragma: no cover - llama.cpp sized it itself
+            raise RuntimeError(f"saved {written} of {size} bytes of sequence {seq}")
+        return buf
 
-    def load_state(self, seq: int, state: bytes) -> bool:
+    def load_state(self, seq: int, state: State) -> bool:
         """Put saved cells back into ``seq`` (which must be empty)."""
-        buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
-        return bool(lc.llama_state_seq_set_data(self._ptr, buf, len(state), seq))
+        return bool(lc.llama_state_seq_set_data(self._ptr, state, len(state), seq))
 
     # -- sampling ------------------------------------------------------------------------
 

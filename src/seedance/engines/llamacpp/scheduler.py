@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from seedance.engines.base import SamplingParams
-from seedance.engines.llamacpp.native import LlamaContext, LlamaModel, Sampler
+from seedance.engines.llamacpp.native import LlamaContext, LlamaModel, Sampler, State
 from seedance.engines.stops import StopMatcher
 from seedance.protocol.messages import FinishReason
 
@@ -113,13 +113,13 @@ class StateCache:
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self.bytes = 0
-        self._entries: OrderedDict[int, tuple[list[int], bytes]] = OrderedDict()
+        self._entries: OrderedDict[int, tuple[list[int], State]] = OrderedDict()
         self._next = 0
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, tokens: list[int], state: bytes) -> None:
+    def put(self, tokens: list[int], state: State) -> None:
         if len(state) > self.max_bytes:
             return
         self._next += 1
@@ -138,7 +138,7 @@ class StateCache:
                 best_key, best_len = key, n
         return best_key, best_len
 
-    def take(self, key: int) -> tuple[list[int], bytes]:
+    def take(self, key: int) -> tuple[list[int], State]:
         tokens, state = self._entries.pop(key)
         self.bytes -= len(state)
         return tokens, state
