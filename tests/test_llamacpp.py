@@ -410,3 +410,39 @@ async def test_restoring_a_saved_state_into_a_full_cache_keeps_both() -> None:
         assert engine.health().ok
     finally:
         await engine.close()
+
+
+async def test_the_openai_package_drives_the_real_model(llama: RunningServer) -> None:
+    import openai
+
+    api = openai.AsyncOpenAI(base_url=f"{llama.http_url}/v1", api_key="none", max_retries=0)
+    chat = await api.chat.completions.create(
+        model="smollm2-135m",
+        messages=[{"role": "user", "content": "What is 2+2?"}],
+        temperature=0,
+        max_tokens=40,
+    )
+    assert "4" in (chat.choices[0].message.content or "")
+    assert chat.choices[0].finish_reason == "stop"
+    engine = engine_of(llama)
+    assert chat.usage is not None
+    assert chat.usage.prompt_tokens == engine.prompt_tokens(
+        [ChatMessage("user", "What is 2+2?")], 0
+    )
+    # Completions continue the raw text: no chat template around it.
+    stream = await api.completions.create(
+        model="smollm2-135m",
+        prompt="The capital of France is",
+        temperature=0,
+        max_tokens=8,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = [c async for c in stream]
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert "Paris" in text, text
+    usage = chunks[-1].usage
+    assert usage is not None
+    assert usage.prompt_tokens == len(
+        engine.model.tokenize("The capital of France is", special=True)
+    )

@@ -609,7 +609,7 @@ class Report:
             "beats a server written directly on `websockets`; picows (Cython) frames faster still, but "
             "merging does more than a faster framer could: a merged frame costs one write for many "
             "tokens, whatever the library. Moving to picows would mean a second, non-ASGI transport "
-            "beside the one the OpenAI HTTP API (next on the plan) needs on the same port; it stays an "
+            "beside the one the OpenAI HTTP API uses on the same port; it stays an "
             "option for the day per-frame cost is the limit again.",
             "",
         ]

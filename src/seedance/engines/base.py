@@ -40,13 +40,18 @@ class SamplingParams:
 
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
-    """One reply to generate: the whole (already trimmed) context and how to sample."""
+    """One reply to generate: the whole (already trimmed) context and how to sample.
+
+    With ``raw`` (the completions API), ``messages`` holds one message whose content is the
+    whole prompt, to be continued as it is, without the chat template.
+    """
 
     request_id: RequestId
     messages: tuple[ChatMessage, ...]
     params: SamplingParams
     prompt_tokens: int
     priority: int = 0
+    raw: bool = False
 
 
 @dataclass(slots=True)
@@ -100,9 +105,12 @@ class Engine(abc.ABC):
         """Tokens of the whole prompt built from ``messages``."""
         return self.reply_overhead_tokens + sum(self.count_message_tokens(m) for m in messages)
 
-    def prompt_tokens(self, messages: Sequence[ChatMessage], estimate: int) -> int:
-        """The exact token count of the prompt built from ``messages``, where the engine can
-        tell (it renders the chat template); ``estimate`` (the per-message sum) otherwise.
+    def prompt_tokens(
+        self, messages: Sequence[ChatMessage], estimate: int, *, raw: bool = False
+    ) -> int:
+        """The exact token count of the prompt built from ``messages`` (``raw``: the content of
+        the one message, without the template), where the engine can tell; ``estimate``
+        otherwise.
 
         May raise :class:`~seedance.protocol.errors.ContextOverflow`.
         """

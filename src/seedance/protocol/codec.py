@@ -99,7 +99,7 @@ def decode_client_text(data: str | bytes, limits: FrameLimits) -> ClientMessage:
     if isinstance(message, Generate):
         if "max_tokens" not in obj:  # the default never exceeds the model's limit
             message.max_tokens = min(DEFAULT_MAX_TOKENS, limits.max_tokens)
-        _validate_generate(message, limits, request_id)
+        validate_generate(message, limits, request_id)
     elif isinstance(message, Cancel) and message.request_id is not None:
         _check_id("request_id", message.request_id)
     return message
@@ -136,7 +136,9 @@ def validate_session_id(session_id: str) -> str:
     return session_id
 
 
-def _validate_generate(msg: Generate, limits: FrameLimits, request_id: str | None) -> None:
+def validate_generate(msg: Generate, limits: FrameLimits, request_id: str | None = None) -> None:
+    """Check a request's fields against the rules of `generate` (also used by the HTTP API)."""
+
     def bad(text: str) -> InvalidRequest:
         return InvalidRequest(text, request_id=request_id)
 

@@ -1,22 +1,23 @@
 """The one error hierarchy of Seedance, shared by the server and the client.
 
 Every error knows its protocol code (``../shared/PROTOCOL.md`` section 5), whether a client
-may retry it, and the WebSocket close code used when it ends a connection::
+may retry it, the WebSocket close code used when it ends a connection, and its HTTP status on
+the OpenAI-compatible API::
 
-    SeedanceError                       internal_error
-    ├── InvalidJSON                     invalid_json
-    ├── InvalidRequest                  invalid_request
-    ├── UnsupportedFrame                unsupported_frame
-    ├── SessionBusy                     session_busy        (retryable)
-    ├── ContextOverflow                 context_overflow
-    ├── ModelNotFound                   model_not_found     closes 4404
-    ├── Unauthorized                    unauthorized        closes 4401
-    ├── Forbidden                       forbidden           closes 4403
-    ├── QuotaExceeded                   quota_exceeded      (retryable) 4429 at connect
-    ├── Overloaded                      overloaded          (retryable) 1013 at connect
-    ├── PayloadTooLarge                 payload_too_large   closes 1009
-    ├── EngineError                     engine_error        (retryable)
-    ├── InternalError                   internal_error
+    SeedanceError                       internal_error                          HTTP 500
+    ├── InvalidJSON                     invalid_json                            HTTP 400
+    ├── InvalidRequest                  invalid_request                         HTTP 400
+    ├── UnsupportedFrame                unsupported_frame                       HTTP 400
+    ├── SessionBusy                     session_busy        (retryable)         HTTP 409
+    ├── ContextOverflow                 context_overflow                        HTTP 400
+    ├── ModelNotFound                   model_not_found     closes 4404         HTTP 404
+    ├── Unauthorized                    unauthorized        closes 4401         HTTP 401
+    ├── Forbidden                       forbidden           closes 4403         HTTP 403
+    ├── QuotaExceeded                   quota_exceeded      (retryable) 4429 at connect, HTTP 429
+    ├── Overloaded                      overloaded          (retryable) 1013 at connect, HTTP 503
+    ├── PayloadTooLarge                 payload_too_large   closes 1009         HTTP 413
+    ├── EngineError                     engine_error        (retryable)         HTTP 503
+    ├── InternalError                   internal_error                          HTTP 500
     └── ConnectionClosed                (client side only: the socket closed)
 
 Messages are written for the client: they name the field and the rule, never internal detail.
@@ -49,6 +50,8 @@ class SeedanceError(Exception):
     close_code: ClassVar[int | None] = None
     #: Close code when this error happens while connecting.
     connect_close_code: ClassVar[int] = CLOSE_POLICY_VIOLATION
+    #: HTTP status on the OpenAI-compatible API.
+    http_status: ClassVar[int] = 500
 
     def __init__(
         self,
@@ -68,64 +71,76 @@ class SeedanceError(Exception):
 
 class InvalidJSON(SeedanceError):
     code = "invalid_json"
+    http_status = 400
 
 
 class InvalidRequest(SeedanceError):
     code = "invalid_request"
+    http_status = 400
 
 
 class UnsupportedFrame(SeedanceError):
     code = "unsupported_frame"
+    http_status = 400
 
 
 class SessionBusy(SeedanceError):
     code = "session_busy"
     retryable = True
+    http_status = 409
 
 
 class ContextOverflow(SeedanceError):
     code = "context_overflow"
+    http_status = 400
 
 
 class ModelNotFound(SeedanceError):
     code = "model_not_found"
     close_code = CLOSE_NOT_FOUND
     connect_close_code = CLOSE_NOT_FOUND
+    http_status = 404
 
 
 class Unauthorized(SeedanceError):
     code = "unauthorized"
     close_code = CLOSE_UNAUTHORIZED
     connect_close_code = CLOSE_UNAUTHORIZED
+    http_status = 401
 
 
 class Forbidden(SeedanceError):
     code = "forbidden"
     close_code = CLOSE_FORBIDDEN
     connect_close_code = CLOSE_FORBIDDEN
+    http_status = 403
 
 
 class QuotaExceeded(SeedanceError):
     code = "quota_exceeded"
     retryable = True
     connect_close_code = CLOSE_QUOTA_EXCEEDED
+    http_status = 429
 
 
 class Overloaded(SeedanceError):
     code = "overloaded"
     retryable = True
     connect_close_code = CLOSE_TRY_AGAIN_LATER
+    http_status = 503
 
 
 class PayloadTooLarge(SeedanceError):
     code = "payload_too_large"
     close_code = CLOSE_MESSAGE_TOO_BIG
     connect_close_code = CLOSE_MESSAGE_TOO_BIG
+    http_status = 413
 
 
 class EngineError(SeedanceError):
     code = "engine_error"
     retryable = True
+    http_status = 503
 
 
 class InternalError(SeedanceError):

@@ -22,6 +22,7 @@ from seedance.config import ServerConfig
 from seedance.engines.base import Engine
 from seedance.engines.registry import create_engine
 from seedance.server.endpoint import InferEndpoint
+from seedance.server.openai_api import OpenAIEndpoint
 from seedance.server.state import ServerState
 from seedance.sessions.store import SessionStore
 
@@ -120,6 +121,8 @@ def create_app(
             Route(INFER_PATH, upgrade_required),
             Route("/healthz", healthz),
             Route("/v1/models", models),
+            Route("/v1/chat/completions", OpenAIEndpoint(state, "chat"), methods=["POST"]),
+            Route("/v1/completions", OpenAIEndpoint(state, "completion"), methods=["POST"]),
         ],
         lifespan=lifespan,
     )

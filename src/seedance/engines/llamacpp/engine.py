@@ -128,7 +128,8 @@ class LlamaCppEngine(Engine):
             max_output_tokens=self.context.n_ctx_seq,
         )
         self.message_overhead_tokens, self.reply_overhead_tokens = self._template_overheads()
-        self._prompts: OrderedDict[tuple[ChatMessage, ...], list[int]] = OrderedDict()
+        self._prompts: OrderedDict[tuple[bool, tuple[ChatMessage, ...]], list[int]]
+        self._prompts = OrderedDict()
 
     @property
     def info(self) -> ModelInfo:
@@ -155,23 +156,31 @@ class LlamaCppEngine(Engine):
     def count_tokens(self, text: str) -> int:
         return len(self.model.tokenize(text, special=False))
 
-    def prompt_tokens(self, messages: Sequence[ChatMessage], estimate: int) -> int:
-        return len(self._tokenize_prompt(tuple(messages)))
+    def prompt_tokens(
+        self, messages: Sequence[ChatMessage], estimate: int, *, raw: bool = False
+    ) -> int:
+        return len(self._tokenize_prompt(tuple(messages), raw))
 
-    def _tokenize_prompt(self, messages: tuple[ChatMessage, ...]) -> list[int]:
+    def _tokenize_prompt(self, messages: tuple[ChatMessage, ...], raw: bool) -> list[int]:
         """The prompt's tokens (kept for a while: admission counts, then generation uses)."""
         cache = self._prompts
-        tokens = cache.get(messages)
+        key = (raw, messages)
+        tokens = cache.get(key)
         if tokens is None:
-            try:
-                text = self.template.render(messages, add_generation_prompt=True)
-            except jinja2.TemplateError as exc:
-                raise InvalidRequest(
-                    f"the model's chat template refused the messages: {exc}"
-                ) from None
-            tokens = cache[messages] = self.model.tokenize(text, special=True)
+            if raw:
+                text = "".join(m.content for m in messages)
+            else:
+                try:
+                    text = self.template.render(messages, add_generation_prompt=True)
+                except jinja2.TemplateError as exc:
+                    raise InvalidRequest(
+                        f"the model's chat template refused the messages: {exc}"
+                    ) from None
+            tokens = cache[key] = self.model.tokenize(text, special=True)
             if len(cache) > _PROMPT_CACHE_SIZE:
                 cache.popitem(last=False)
+        if not tokens:
+            raise InvalidRequest("the prompt is empty")
         if len(tokens) >= self._info.context_length:
             raise ContextOverflow(
                 f"the prompt takes {len(tokens)} tokens and the model's context holds "
@@ -197,7 +206,7 @@ class LlamaCppEngine(Engine):
     # -- generation --------------------------------------------------------------------------
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
-        prompt = self._tokenize_prompt(request.messages)
+        prompt = self._tokenize_prompt(request.messages, request.raw)
         params = request.params
         limit = min(params.max_tokens, self._info.context_length - len(prompt))
         seed = params.seed if params.seed is not None else secrets.randbits(32)

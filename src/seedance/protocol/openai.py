@@ -1,0 +1,157 @@
+"""The OpenAI-compatible HTTP API's request bodies, checked by the same rules as ``generate``.
+
+Pure: bytes in, a validated :class:`OpenAIRequest` (or a :class:`SeedanceError`) out. Fields that
+OpenAI defines and Seedance does not use (``frequency_penalty``, ``user``, ...) are accepted
+and ignored, as clients send them by default; ``n`` other than 1 and tool messages are refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Final, Literal
+
+import msgspec
+
+from seedance.protocol.codec import DEFAULT_MAX_TOKENS, FrameLimits, validate_generate
+from seedance.protocol.errors import InvalidJSON, InvalidRequest
+from seedance.protocol.messages import ChatMessage, Generate
+
+#: ``max_tokens`` of ``/v1/completions`` when absent (OpenAI's default).
+COMPLETIONS_DEFAULT_MAX_TOKENS: Final = 16
+
+_ROLES: Final = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+}
+
+
+class _ContentPart(msgspec.Struct):
+    type: str
+    text: str | None = None
+
+
+class _Message(msgspec.Struct):
+    role: str
+    content: str | list[_ContentPart] | None = None
+
+
+class _StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class _Common(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: _StreamOptions | None = None
+    n: int = 1
+
+
+class _ChatBody(_Common, kw_only=True):
+    messages: list[_Message]
+    max_completion_tokens: int | None = None
+
+
+class _CompletionBody(_Common, kw_only=True):
+    prompt: str | list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class OpenAIRequest:
+    """One request of either endpoint, as the server runs it."""
+
+    kind: Literal["chat", "completion"]
+    model: str | None
+    generate: Generate  # messages (chat) or prompt (completion), and the sampling fields
+    stream: bool
+    include_usage: bool
+
+    @property
+    def messages(self) -> tuple[ChatMessage, ...]:
+        """Chat: the conversation; completion: one user message holding the raw prompt."""
+        return tuple(self.generate.turns())
+
+
+_chat_decoder = msgspec.json.Decoder(_ChatBody)
+_completion_decoder = msgspec.json.Decoder(_CompletionBody)
+
+
+def decode_chat(body: bytes, limits: FrameLimits) -> OpenAIRequest:
+    """A ``/v1/chat/completions`` body."""
+    parsed = _decode(_chat_decoder, body)
+    messages = [_message(i, m) for i, m in enumerate(parsed.messages)]
+    if not messages:
+        raise InvalidRequest("messages must hold at least one message")
+    max_tokens = parsed.max_completion_tokens or parsed.max_tokens
+    return _request("chat", parsed, limits, max_tokens, messages=messages)
+
+
+def decode_completion(body: bytes, limits: FrameLimits) -> OpenAIRequest:
+    """A ``/v1/completions`` body (one prompt)."""
+    parsed = _decode(_completion_decoder, body)
+    prompt = parsed.prompt
+    if isinstance(prompt, list):
+        if len(prompt) != 1:
+            raise InvalidRequest("prompt: one prompt per request is supported")
+        prompt = prompt[0]
+    max_tokens = parsed.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
+    return _request("completion", parsed, limits, max_tokens, prompt=prompt)
+
+
+def _decode(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
+    try:
+        return decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        raise InvalidRequest(f"invalid request body: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise InvalidJSON(f"the body is not valid JSON: {exc}") from None
+
+
+def _message(index: int, message: _Message) -> ChatMessage:
+    role = _ROLES.get(message.role)
+    if role is None:
+        raise InvalidRequest(
+            f"messages[{index}].role: {message.role!r} is not supported "
+            "(system, developer, user, assistant)"
+        )
+    content = message.content
+    if isinstance(content, list):
+        if any(part.type != "text" or part.text is None for part in content):
+            raise InvalidRequest(f"messages[{index}].content: only text parts are supported")
+        content = "".join(part.text or "" for part in content)
+    return ChatMessage(role, content or "")  # type: ignore[arg-type]
+
+
+def _request(
+    kind: Literal["chat", "completion"],
+    body: _Common,
+    limits: FrameLimits,
+    max_tokens: int | None,
+    **text: Any,
+) -> OpenAIRequest:
+    if body.n != 1:
+        raise InvalidRequest("n: only 1 choice per request is supported")
+    fields: dict[str, Any] = {
+        "max_tokens": max_tokens or min(DEFAULT_MAX_TOKENS, limits.max_tokens),
+        "temperature": 1.0 if body.temperature is None else body.temperature,
+        "top_p": 1.0 if body.top_p is None else body.top_p,
+        "stop": body.stop,
+        "seed": body.seed,
+        "stream": body.stream,
+    }
+    generate = Generate(**fields, **text)
+    validate_generate(generate, limits)
+    options = body.stream_options
+    return OpenAIRequest(
+        kind=kind,
+        model=body.model,
+        generate=generate,
+        stream=body.stream,
+        include_usage=bool(options and options.include_usage),
+    )

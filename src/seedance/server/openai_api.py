@@ -1,0 +1,328 @@
+"""The OpenAI-compatible HTTP API: ``POST /v1/chat/completions`` and ``POST /v1/completions``.
+
+Same engines, admission queue, limits and cancellation as ``/v2/infer``, without sessions: the
+request carries the whole conversation. Streaming replies are Server-Sent Events (``data:``
+chunks, ``data: [DONE]``, ``stream_options.include_usage``). A client that drops the connection
+aborts the generation at once, also while it waits for admission or for its first token.
+
+Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, with the HTTP
+status each Seedance error names (``http_status``); ``code`` is the Seedance error code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, Final
+
+import msgspec
+
+from seedance.engines.base import GenerationRequest, SamplingParams, TokenDelta
+from seedance.protocol.codec import FrameLimits
+from seedance.protocol.errors import (
+    EngineError,
+    InternalError,
+    InvalidRequest,
+    Overloaded,
+    PayloadTooLarge,
+    SeedanceError,
+)
+from seedance.protocol.messages import FinishReason, RequestId
+from seedance.protocol.openai import OpenAIRequest, decode_chat, decode_completion
+from seedance.server.state import ServedModel, ServerState
+
+logger = logging.getLogger(__name__)
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+_encode = msgspec.json.Encoder().encode
+_ERROR_TYPES: Final = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+}
+_JSON_HEADERS: Final = [(b"content-type", b"application/json")]
+_SSE_HEADERS: Final = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+
+
+def error_body(error: SeedanceError) -> bytes:
+    kind = _ERROR_TYPES.get(error.http_status, "server_error")
+    return _encode(
+        {"error": {"message": error.message, "type": kind, "param": None, "code": error.code}}
+    )
+
+
+class _Disconnected(Exception):
+    """The client went away."""
+
+
+class OpenAIEndpoint:
+    """One of the two endpoints, as a plain ASGI app (it watches for disconnects itself)."""
+
+    def __init__(self, state: ServerState, kind: str) -> None:
+        self.state = state
+        self.kind = kind
+        self._decode = decode_chat if kind == "chat" else decode_completion
+        # Bodies are checked against the largest model limit, then against the chosen model.
+        self.limits = FrameLimits(
+            max_frame_bytes=state.config.max_frame_bytes,
+            max_tokens=max(m.limits.max_tokens for m in state.models.values()),
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        request_id = RequestId(
+            ("chatcmpl-" if self.kind == "chat" else "cmpl-") + secrets.token_hex(12)
+        )
+        call = _Call(self, request_id, send)
+        try:
+            body = await _read_body(receive, self.state.config.max_frame_bytes)
+        except _Disconnected:
+            return
+        except SeedanceError as exc:
+            await call.fail(exc)
+            return
+        work = asyncio.create_task(call.run(body))
+        watcher = asyncio.create_task(_wait_disconnect(receive))
+        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if watcher in done:  # the client left: abort the generation behind it
+            work.cancel()
+            call.outcome = call.outcome or "aborted"
+        else:
+            watcher.cancel()
+        await asyncio.gather(work, watcher, return_exceptions=True)
+        call.log()
+
+
+class _Call:
+    """One HTTP request, from its body to the last byte of its response."""
+
+    def __init__(self, endpoint: OpenAIEndpoint, request_id: RequestId, send: Send) -> None:
+        self.endpoint = endpoint
+        self.state = endpoint.state
+        self.request_id = request_id
+        self.send = send
+        self.started = False  # response headers sent
+        self.received = time.monotonic()
+        self.model: ServedModel | None = None
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.first_token_at: float | None = None
+        self.outcome = ""
+
+    async def run(self, body: bytes) -> None:
+        try:
+            request = self.endpoint._decode(body, self.endpoint.limits)
+            self.model = model = self.state.resolve_model(request.model)
+            if model.limits.max_tokens < request.generate.max_tokens:
+                raise InvalidRequest(f"max_tokens must be between 1 and {model.limits.max_tokens}")
+            if self.state.draining:
+                raise Overloaded("the server is shutting down; retry on another server")
+            engine = model.engine
+            messages = request.messages
+            raw = request.kind == "completion"
+            estimate = engine.count_prompt_tokens(messages)
+            self.prompt_tokens = engine.prompt_tokens(messages, estimate, raw=raw)
+            await model.admission.acquire()
+            try:
+                await self._generate(model, request)
+            finally:
+                model.admission.release()
+        except asyncio.CancelledError:
+            raise
+        except SeedanceError as exc:
+            await self.fail(exc)
+        except Exception:
+            logger.exception("request %s failed", self.request_id)
+            await self.fail(InternalError(f"internal error on request {self.request_id}"))
+
+    async def _generate(self, model: ServedModel, request: OpenAIRequest) -> None:
+        message = request.generate
+        generation = GenerationRequest(
+            request_id=self.request_id,
+            messages=request.messages,
+            params=SamplingParams(
+                max_tokens=message.max_tokens,
+                temperature=message.temperature,
+                top_p=message.top_p,
+                stop=message.stop_strings(),
+                seed=message.seed,
+            ),
+            prompt_tokens=self.prompt_tokens,
+            raw=request.kind == "completion",
+        )
+        chunks = _Chunks(request, self.request_id, model.name)
+        parts: list[str] = []
+        finish: FinishReason = "stop"
+        stream = model.engine.generate(generation)
+        try:
+            async for delta in stream:
+                if delta.tokens and self.first_token_at is None:
+                    self.first_token_at = time.monotonic()
+                self.completion_tokens += delta.tokens
+                if request.stream:
+                    await self._stream_delta(chunks, delta)
+                else:
+                    parts.append(delta.text)
+                if delta.finish_reason is not None:
+                    finish = delta.finish_reason
+                    break
+        except (asyncio.CancelledError, SeedanceError):
+            raise
+        except Exception as exc:
+            logger.exception("engine failed on request %s", self.request_id)
+            raise EngineError(f"the model failed on request {self.request_id}; retry") from exc
+        finally:
+            await stream.aclose()
+        usage = {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
+        self.outcome = finish
+        if request.stream:
+            await self._stream_end(chunks, finish, usage)
+        else:
+            await self._respond(200, _JSON_HEADERS, chunks.whole("".join(parts), finish, usage))
+
+    async def _stream_delta(self, chunks: _Chunks, delta: TokenDelta) -> None:
+        if not self.started:
+            await self._start(200, _SSE_HEADERS)
+            if chunks.request.kind == "chat":  # the role comes first, as OpenAI sends it
+                await self._event(chunks.delta({"role": "assistant", "content": ""}))
+        if delta.text:
+            await self._event(chunks.delta(delta.text))
+
+    async def _stream_end(self, chunks: _Chunks, finish: str, usage: dict[str, int]) -> None:
+        if not self.started:
+            await self._start(200, _SSE_HEADERS)
+        await self._event(chunks.delta(None, finish))
+        if chunks.request.include_usage:
+            await self._event(chunks.usage(usage))
+        await self.send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+    async def fail(self, error: SeedanceError) -> None:
+        self.outcome = error.code
+        if not self.started:
+            headers = list(_JSON_HEADERS)
+            if error.retry_after_s is not None:
+                headers.append((b"retry-after", str(max(1, round(error.retry_after_s))).encode()))
+            await self._respond(error.http_status, headers, error_body(error))
+            return
+        # Mid-stream: the status is already 200; the error travels as an event, then the end.
+        await self.send(
+            {"type": "http.response.body", "body": b"data: " + error_body(error) + b"\n\n"}
+        )
+
+    async def _start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        self.started = True
+        await self.send({"type": "http.response.start", "status": status, "headers": headers})
+
+    async def _event(self, data: bytes) -> None:
+        await self.send(
+            {"type": "http.response.body", "body": b"data: " + data + b"\n\n", "more_body": True}
+        )
+
+    async def _respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        await self._start(status, [*headers, (b"content-length", str(len(body)).encode())])
+        await self.send({"type": "http.response.body", "body": body})
+
+    def log(self) -> None:
+        if not logger.isEnabledFor(logging.INFO):
+            return
+        now = time.monotonic()
+        ttft = (
+            "-"
+            if self.first_token_at is None
+            else f"{(self.first_token_at - self.received) * 1000:.1f}"
+        )
+        logger.info(
+            "request %s http=%s model=%s outcome=%s prompt_tokens=%d completion_tokens=%d "
+            "ttft_ms=%s total_ms=%.1f",
+            self.request_id,
+            self.endpoint.kind,
+            self.model.name if self.model else "-",
+            self.outcome or "aborted",
+            self.prompt_tokens,
+            self.completion_tokens,
+            ttft,
+            (now - self.received) * 1000,
+        )
+
+
+class _Chunks:
+    """OpenAI's response objects for one request."""
+
+    def __init__(self, request: OpenAIRequest, request_id: str, model: str) -> None:
+        self.request = request
+        self.chat = request.kind == "chat"
+        self.head = {
+            "id": request_id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": int(time.time()),
+            "model": model,
+        }
+
+    def delta(self, content: str | dict[str, str] | None, finish: str | None = None) -> bytes:
+        if self.chat:
+            if isinstance(content, dict):
+                delta: dict[str, str] = content
+            else:
+                delta = {} if content is None else {"content": content}
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None}
+        else:
+            text = content if isinstance(content, str) else ""
+            choice = {"index": 0, "text": text, "logprobs": None}
+        choice["finish_reason"] = finish
+        return _encode({**self.head, "choices": [choice]})
+
+    def usage(self, usage: dict[str, int]) -> bytes:
+        return _encode({**self.head, "choices": [], "usage": usage})
+
+    def whole(self, text: str, finish: str, usage: dict[str, int]) -> bytes:
+        if self.chat:
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish,
+            }
+            kind = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            kind = "text_completion"
+        return _encode({**self.head, "object": kind, "choices": [choice], "usage": usage})
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _Disconnected
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"the request body is over {limit} bytes")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
