@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import uvicorn
 
 from seedance.config import ServerConfig
 from seedance.engines.base import Engine
@@ -56,6 +58,25 @@ class RunningServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self._thread.join(timeout=30)
+
+
+@contextlib.contextmanager
+def asgi_server(app: Any) -> Iterator[str]:
+    """Serve any ASGI app on 127.0.0.1 from a thread; yields ``http://127.0.0.1:PORT``."""
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "the ASGI server did not start"
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
 
 
 @pytest.fixture

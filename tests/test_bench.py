@@ -6,19 +6,16 @@ import json
 import math
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import uvicorn
 
 from seedance.bench.metrics import Distribution, Sample, percentile, summarize
 from seedance.bench.peers.openai_sse import create_app as openai_app
 from seedance.engines.synthetic import SyntheticEngine
-from tests.conftest import SEEDANCE, RunningServer, slow_engine
+from tests.conftest import SEEDANCE, RunningServer, asgi_server, slow_engine
 
 
 def bench(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -156,18 +153,8 @@ def test_raw_peers(peer: str, tmp_path: Path) -> None:
 @pytest.fixture
 def openai_server() -> Iterator[str]:
     engine = SyntheticEngine(name="synth-openai", tokens_per_s=5000)
-    config = uvicorn.Config(openai_app(engine), host="127.0.0.1", port=0, log_level="warning")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    yield f"http://127.0.0.1:{port}/v1"
-    server.should_exit = True
-    thread.join(10)
+    with asgi_server(openai_app(engine)) as url:
+        yield f"{url}/v1"
 
 
 def test_openai_target(openai_server: str, tmp_path: Path) -> None:

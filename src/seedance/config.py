@@ -58,6 +58,11 @@ class ServerConfig:
     write_timeout_s: float = 30.0
     merge_window_ms: float = 5.0
     drain_timeout_s: float = 30.0
+    upstream: tuple[str, ...] = ()
+    upstream_api_key: str | None = None
+    upstream_model: str | None = None
+    upstream_timeout_s: float = 30.0
+    upstream_cooldown_s: float = 10.0
     synthetic_ttft_ms: float = 0.0
     synthetic_tokens_per_s: float = 0.0
 
@@ -90,6 +95,15 @@ def _bool(text: str) -> bool:
     if value in ("0", "false", "no", "off", ""):
         return False
     raise ValueError(f"not a boolean: {text!r}")
+
+
+def _urls(text: str) -> tuple[str, ...]:
+    """One URL or several, separated by commas."""
+    urls = tuple(u.strip().rstrip("/") for u in text.split(",") if u.strip())
+    for url in urls:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(url)
+    return urls
 
 
 def _positive(v: float) -> bool:
@@ -255,6 +269,41 @@ OPTIONS: tuple[Option, ...] = (
         "0 or more",
     ),
     Option(
+        "upstream",
+        "--upstream",
+        _urls,
+        "openai engine: base URL(s) of OpenAI-compatible servers, comma-separated "
+        "(http://host:port/v1)",
+    ),
+    Option(
+        "upstream_api_key",
+        "--upstream-api-key",
+        str,
+        "openai engine: bearer key sent to the upstreams",
+    ),
+    Option(
+        "upstream_model",
+        "--upstream-model",
+        str,
+        "openai engine: model name asked of the upstreams (default: the first they list)",
+    ),
+    Option(
+        "upstream_timeout_s",
+        "--upstream-timeout",
+        float,
+        "openai engine: seconds to wait for an upstream's first byte before failing over",
+        _positive,
+        "positive",
+    ),
+    Option(
+        "upstream_cooldown_s",
+        "--upstream-cooldown",
+        float,
+        "openai engine: seconds a failed upstream is left out before it is probed again",
+        _positive,
+        "positive",
+    ),
+    Option(
         "synthetic_ttft_ms",
         "--synthetic-ttft-ms",
         float,
@@ -286,7 +335,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = ServerConfig()
     for opt in OPTIONS:
         default = getattr(defaults, opt.field)
-        shown = "" if default is None else f"; default {default}"
+        shown = "" if default in (None, ()) else f"; default {default}"
         extra: dict[str, Any] = {"metavar": opt.key.upper()}
         if opt.parse is _bool:  # ``--log-prompts`` alone means true
             extra = {"nargs": "?", "const": "true", "metavar": "BOOL"}
@@ -336,6 +385,8 @@ def _convert(opt: Option, raw: Any, source: str) -> Any:
             value = opt.parse(raw)
         elif opt.parse is _bool and isinstance(raw, bool):
             value = raw
+        elif opt.parse is _urls and isinstance(raw, list) and all(isinstance(u, str) for u in raw):
+            value = _urls(",".join(raw))
         elif opt.parse is int and isinstance(raw, int) and not isinstance(raw, bool):
             value = raw
         elif opt.parse is float and isinstance(raw, int | float) and not isinstance(raw, bool):

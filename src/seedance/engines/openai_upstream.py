@@ -1,0 +1,321 @@
+"""The ``openai`` engine (gateway mode): replies streamed from OpenAI-compatible servers.
+
+Seedance adds its sessions, WebSocket protocol and controls in front of any server that speaks
+OpenAI's chat completions API (vLLM, TGI, llama.cpp's server, Ollama, another Seedance).
+
+- **Routing**: each request goes to the healthy upstream with the fewest requests in flight.
+- **Circuit breaking**: an upstream that fails (connection error, timeout before the first
+  byte, HTTP 429 or 5xx, a broken stream) is left out for ``upstream_cooldown_s``, then probed
+  (``GET /models``) until it answers, and only then used again.
+- **Retry**: a request that fails before its first token is tried once more on another
+  upstream; after the first token a failure ends it with ``engine_error``.
+- **Cancel**: closing the reply closes the upstream HTTP request, which aborts it there.
+
+Upstream 4xx answers other than 429 are the request's fault: they are passed on (400 as
+``invalid_request``, with the upstream's message) and do not count against the upstream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import urllib.request
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
+
+import aiohttp
+import msgspec
+
+from seedance.config import ConfigError
+from seedance.engines.base import Engine, EngineHealth, GenerationRequest, ModelInfo, TokenDelta
+from seedance.protocol.errors import EngineError, InvalidRequest
+from seedance.protocol.messages import FinishReason
+
+if TYPE_CHECKING:
+    from seedance.config import ServerConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CONTEXT: Final = 8192
+_FINISH: Final[dict[str, FinishReason]] = {"stop": "stop", "length": "length"}
+
+
+class _Delta(msgspec.Struct):
+    content: str | None = None
+
+
+class _Choice(msgspec.Struct):
+    delta: _Delta | None = None  # chat completions
+    text: str | None = None  # completions
+    finish_reason: str | None = None
+
+
+class _Chunk(msgspec.Struct):
+    choices: list[_Choice] = []
+    error: dict[str, Any] | None = None
+
+
+_decode_chunk = msgspec.json.Decoder(_Chunk).decode
+_encode = msgspec.json.Encoder().encode
+
+
+class UpstreamFailure(Exception):
+    """The upstream, not the request, failed: fail over and cool it down."""
+
+
+@dataclass(slots=True, eq=False)
+class Upstream:
+    base_url: str
+    in_flight: int = 0
+    down_until: float = 0.0  # 0: up
+    failures: int = 0
+    requests: int = 0
+
+    @property
+    def up(self) -> bool:
+        return self.down_until == 0.0
+
+
+class OpenAIUpstreamEngine(Engine):
+    message_overhead_tokens = 4
+    reply_overhead_tokens = 3
+
+    def __init__(
+        self,
+        upstreams: tuple[str, ...],
+        *,
+        name: str | None = None,
+        upstream_model: str | None = None,
+        api_key: str | None = None,
+        timeout_s: float = 30.0,
+        cooldown_s: float = 10.0,
+        max_concurrency: int = 1024,
+    ) -> None:
+        if not upstreams:
+            raise ConfigError("the openai engine needs --upstream http://host:port/v1")
+        self.upstreams = [Upstream(u.rstrip("/")) for u in upstreams]
+        self.timeout_s = timeout_s
+        self.cooldown_s = cooldown_s
+        self.max_concurrency = max_concurrency
+        self._headers = {"Content-Type": "application/json"}
+        if api_key:
+            self._headers["Authorization"] = f"Bearer {api_key}"
+        context = DEFAULT_CONTEXT
+        if upstream_model is None:  # ask the upstreams, before serving starts
+            upstream_model, context = self._discover()
+        self.upstream_model: str = upstream_model
+        self._info = ModelInfo(
+            name=name or upstream_model,
+            engine="openai",
+            context_length=context,
+            max_output_tokens=context,
+        )
+        self._session: aiohttp.ClientSession | None = None
+        self._prober: asyncio.Task[None] | None = None
+
+    @property
+    def info(self) -> ModelInfo:
+        return self._info
+
+    def _discover(self) -> tuple[str, int]:
+        """The first model an upstream lists, and its context length where it says."""
+        problems = []
+        for upstream in self.upstreams:
+            request = urllib.request.Request(f"{upstream.base_url}/models", headers=self._headers)
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                    model = json.loads(response.read())["data"][0]
+            except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
+                problems.append(f"{upstream.base_url}: {exc}")
+                upstream.down_until = time.monotonic() + self.cooldown_s
+                continue
+            length = model.get("max_model_len") or model.get("context_length")
+            return str(model["id"]), length if isinstance(
+                length, int
+            ) and length > 0 else DEFAULT_CONTEXT
+        raise ConfigError(
+            "no upstream lists a model (GET /models); pass --upstream-model NAME. "
+            + "; ".join(problems)
+        )
+
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=60),
+            timeout=aiohttp.ClientTimeout(total=None, connect=self.timeout_s),
+        )
+        self._prober = asyncio.create_task(self._probe_forever(), name="upstream-prober")
+
+    async def close(self) -> None:
+        if self._prober is not None:
+            self._prober.cancel()
+            await asyncio.gather(self._prober, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+
+    def health(self) -> EngineHealth:
+        if any(u.up for u in self.upstreams):
+            return EngineHealth(ok=True)
+        return EngineHealth(ok=False, detail="every upstream is down")
+
+    def count_tokens(self, text: str) -> int:
+        """An estimate (about four characters a token): the upstream's tokenizer is unknown."""
+        return max(1, (len(text) + 3) // 4) if text else 0
+
+    # -- upstream choice and health ----------------------------------------------------------
+
+    def _pick(self, exclude: Upstream | None) -> Upstream:
+        candidates = [u for u in self.upstreams if u.up and u is not exclude]
+        if not candidates:
+            raise EngineError("no upstream is available; retry later")
+        return min(candidates, key=lambda u: (u.in_flight, u.requests))
+
+    def _failed(self, upstream: Upstream, why: str) -> None:
+        upstream.failures += 1
+        if upstream.up:
+            logger.warning(
+                "upstream %s is out for %.0f s: %s", upstream.base_url, self.cooldown_s, why
+            )
+        upstream.down_until = time.monotonic() + self.cooldown_s
+
+    async def _probe_forever(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self.cooldown_s / 2))
+            now = time.monotonic()
+            for upstream in self.upstreams:
+                if not upstream.up and now >= upstream.down_until:
+                    if await self._probe(upstream):
+                        upstream.down_until = 0.0
+                        logger.info("upstream %s is back", upstream.base_url)
+                    else:
+                        upstream.down_until = now + self.cooldown_s
+
+    async def _probe(self, upstream: Upstream) -> bool:
+        assert self._session is not None
+        try:
+            async with self._session.get(
+                f"{upstream.base_url}/models",
+                headers=self._headers,
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+            ) as response:
+                return response.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return False
+
+    # -- generation ----------------------------------------------------------------------------
+
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
+        path, body = self._body(request)
+        tried: Upstream | None = None
+        for attempt in (1, 2):
+            upstream = self._pick(exclude=tried)
+            tried = upstream
+            upstream.in_flight += 1
+            upstream.requests += 1
+            started = False
+            try:
+                async for delta in self._stream(upstream, path, body):
+                    started = True
+                    yield delta
+                return
+            except UpstreamFailure as exc:
+                self._failed(upstream, str(exc))
+                if started:
+                    raise EngineError(
+                        f"the upstream failed during request {request.request_id}: {exc}"
+                    ) from None
+                if attempt == 2 or not any(u.up for u in self.upstreams if u is not upstream):
+                    raise EngineError(
+                        f"no upstream could serve request {request.request_id}; retry"
+                    ) from None
+                logger.info(
+                    "request %s: retrying on another upstream (%s)", request.request_id, exc
+                )
+            finally:
+                upstream.in_flight -= 1
+
+    def _body(self, request: GenerationRequest) -> tuple[str, bytes]:
+        """The upstream path and request body."""
+        params = request.params
+        body: dict[str, Any] = {
+            "model": self.upstream_model,
+            "max_tokens": params.max_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "stream": True,
+        }
+        if request.raw:
+            path = "/completions"
+            body["prompt"] = "".join(m.content for m in request.messages)
+        else:
+            path = "/chat/completions"
+            body["messages"] = [{"role": m.role, "content": m.content} for m in request.messages]
+        if params.stop:
+            body["stop"] = list(params.stop)
+        if params.seed is not None:
+            body["seed"] = params.seed
+        return path, _encode(body)
+
+    async def _stream(
+        self, upstream: Upstream, path: str, body: bytes
+    ) -> AsyncIterator[TokenDelta]:
+        assert self._session is not None, "start() first"
+        timeout = aiohttp.ClientTimeout(
+            total=None, connect=self.timeout_s, sock_read=self.timeout_s
+        )
+        try:
+            async with self._session.post(
+                upstream.base_url + path,
+                data=body,
+                headers=self._headers,
+                timeout=timeout,
+            ) as response:
+                if response.status != 200:
+                    await self._refuse(response)
+                finish: FinishReason | None = None
+                async for line in response.content:
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        break
+                    chunk = _decode_chunk(data)
+                    if chunk.error is not None:
+                        raise UpstreamFailure(f"error event: {chunk.error.get('message', '')}")
+                    for choice in chunk.choices:
+                        text = choice.delta.content if choice.delta is not None else choice.text
+                        if choice.finish_reason is not None:
+                            finish = _FINISH.get(choice.finish_reason, "stop")
+                        if text:
+                            yield TokenDelta(text, 1)
+                if finish is None:
+                    raise UpstreamFailure("the stream ended without a finish reason")
+                yield TokenDelta("", 0, finish)
+        except (aiohttp.ClientError, asyncio.TimeoutError, msgspec.DecodeError) as exc:
+            raise UpstreamFailure(f"{type(exc).__name__}: {exc}") from None
+
+    async def _refuse(self, response: aiohttp.ClientResponse) -> None:
+        text = await response.text()
+        message = text[:500]
+        with contextlib.suppress(ValueError, TypeError, AttributeError):
+            message = msgspec.json.decode(text)["error"]["message"]
+        if response.status == 429 or response.status >= 500:
+            raise UpstreamFailure(f"HTTP {response.status}: {message}")
+        if response.status == 400:
+            raise InvalidRequest(f"the upstream refused the request: {message}")
+        raise EngineError(f"the upstream answered HTTP {response.status}: {message}")
+
+
+def create_engine(config: ServerConfig) -> OpenAIUpstreamEngine:
+    """Entry point ``openai``."""
+    return OpenAIUpstreamEngine(
+        config.upstream,
+        name=config.model,
+        upstream_model=config.upstream_model,
+        api_key=config.upstream_api_key,
+        timeout_s=config.upstream_timeout_s,
+        cooldown_s=config.upstream_cooldown_s,
+    )

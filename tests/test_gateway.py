@@ -1,0 +1,247 @@
+"""Gateway mode (the ``openai`` engine): Seedance in front of OpenAI-compatible upstreams.
+
+The real upstream is llama-cpp-python's own server on the embedded GGUF; failures come from
+small upstreams of our own that err, stall or drop a stream halfway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from seedance.bench.peers.openai_sse import create_app as openai_app
+from seedance.client import connect
+from seedance.engines.llamacpp import default_model_path
+from seedance.engines.openai_upstream import OpenAIUpstreamEngine
+from seedance.engines.synthetic import SyntheticEngine
+from seedance.protocol.errors import SeedanceError
+from tests.conftest import RunningServer, asgi_server
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@pytest.fixture(scope="module")
+def llama_upstream() -> Iterator[str]:
+    """``python -m llama_cpp.server`` on the embedded GGUF."""
+    port = _free_port()
+    proc = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "llama_cpp.server", "--model", str(default_model_path())),
+            *("--port", str(port), "--n_threads", "2", "--n_ctx", "2048", "--verbose", "False"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}/v1"
+    deadline = time.monotonic() + 60
+    while True:
+        with contextlib.suppress(OSError):
+            urllib.request.urlopen(f"{url}/models", timeout=1).close()
+            break
+        assert proc.poll() is None and time.monotonic() < deadline, "llama_cpp.server failed"
+        time.sleep(0.2)
+    yield url
+    proc.terminate()
+    proc.wait(10)
+
+
+def gateway(
+    make_server: Callable[..., RunningServer], *upstreams: str, **fields: Any
+) -> RunningServer:
+    return make_server(engine="openai", upstream=upstreams, **fields)
+
+
+def upstream_engine(server: RunningServer) -> OpenAIUpstreamEngine:
+    engine = server.engine
+    assert isinstance(engine, OpenAIUpstreamEngine)
+    return engine
+
+
+async def eventually(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition never held"
+        await asyncio.sleep(0.02)
+
+
+# --------------------------------------------------------------------------- failing upstreams
+
+
+def faulty_app(mode: str, model: str = "synthetic") -> Starlette:
+    """An upstream that lists ``model`` but fails every chat request in its own way."""
+
+    async def models(_: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": model, "object": "model"}]})
+
+    async def chat(request: Request) -> Response:
+        await request.body()
+        if mode == "error":
+            return JSONResponse({"error": {"message": "upstream on fire"}}, status_code=500)
+        if mode == "stall":
+            await asyncio.sleep(30)
+        if mode == "refuse":
+            return JSONResponse({"error": {"message": "prompt too long"}}, status_code=400)
+
+        async def half() -> AsyncIterator[bytes]:  # "drop": two tokens, then the connection dies
+            for word in ("Hello", " world"):
+                chunk = {
+                    "choices": [{"index": 0, "delta": {"content": word}, "finish_reason": None}]
+                }
+                yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
+                await asyncio.sleep(0.05)
+            raise ConnectionResetError("dropped")
+
+        return StreamingResponse(half(), media_type="text/event-stream")
+
+    return Starlette(
+        routes=[
+            Route("/v1/models", models),
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+        ]
+    )
+
+
+@contextlib.contextmanager
+def synthetic_upstream(tokens_per_s: float = 0.0) -> Iterator[tuple[str, SyntheticEngine]]:
+    engine = SyntheticEngine(name="synthetic", tokens_per_s=tokens_per_s)
+    with asgi_server(openai_app(engine)) as url:
+        yield f"{url}/v1", engine
+
+
+# --------------------------------------------------------------------------- tests
+
+
+async def test_seedance_in_front_of_llama_cpp_server(make_server, llama_upstream: str) -> None:  # type: ignore[no-untyped-def]
+    server = gateway(make_server, llama_upstream)
+    engine = upstream_engine(server)
+    # The model's name comes from the upstream's /v1/models.
+    assert engine.info.name == engine.upstream_model
+    async with connect(server.url, session_id="gw") as session:
+        stream = session.generate("What is 2+2?", temperature=0, max_tokens=40)
+        chunks = [chunk async for chunk in stream]
+        assert stream.done is not None and stream.done.finish_reason == "stop"
+        assert "4" in stream.text and len(chunks) > 3
+        # Sessions work in front of a stateless upstream: the history travels with turn two.
+        second = await session.complete("And 3+3?", temperature=0, max_tokens=40)
+        assert second.usage.prompt_tokens > stream.done.usage.prompt_tokens
+        assert second.text
+    assert engine.upstreams[0].requests == 2 and engine.upstreams[0].up
+
+
+async def test_fewest_in_flight_routing(make_server) -> None:  # type: ignore[no-untyped-def]
+    with synthetic_upstream(50) as (a, engine_a), synthetic_upstream(50) as (b, engine_b):
+        server = gateway(make_server, a, b)
+
+        async def ask() -> str:
+            async with connect(server.url) as session:
+                return (await session.complete("hi", max_tokens=10)).text or ""
+
+        replies = await asyncio.gather(*(ask() for _ in range(6)))
+        assert all(replies)
+        assert engine_a.stats.requests_started == engine_b.stats.requests_started == 3
+
+
+async def test_a_failing_upstream_is_retried_elsewhere_and_cooled_down(make_server) -> None:  # type: ignore[no-untyped-def]
+    with asgi_server(faulty_app("error")) as bad, synthetic_upstream() as (good, engine_good):
+        server = gateway(make_server, f"{bad}/v1", good, upstream_cooldown_s=0.5)
+        engine = upstream_engine(server)
+        broken = engine.upstreams[0]
+        async with connect(server.url) as session:
+            for _ in range(4):
+                done = await session.complete("hi", max_tokens=5)
+                assert done.finish_reason == "length"
+        assert broken.failures == 1  # tried once, then left out
+        assert engine_good.stats.requests_finished == 4
+        # The cool-down ends with a probe of /models, which answers: it is back in rotation.
+        await eventually(lambda: broken.up)
+
+
+async def test_a_stalled_upstream_times_out_before_the_first_token(make_server) -> None:  # type: ignore[no-untyped-def]
+    with asgi_server(faulty_app("stall")) as slow, synthetic_upstream() as (good, _):
+        server = gateway(make_server, f"{slow}/v1", good, upstream_timeout_s=0.5)
+        async with connect(server.url) as session:
+            started = time.monotonic()
+            done = await session.complete("hi", max_tokens=5)
+            assert done.finish_reason == "length" and time.monotonic() - started < 5
+
+
+async def test_a_stream_dropped_after_its_first_token_is_engine_error(make_server) -> None:  # type: ignore[no-untyped-def]
+    with asgi_server(faulty_app("drop")) as dropping, synthetic_upstream() as (good, engine_good):
+        server = gateway(make_server, f"{dropping}/v1", good)
+        engine = upstream_engine(server)
+        engine.upstreams[1].in_flight = 100  # route the first request to the dropping one
+        async with connect(server.url) as session:
+            stream = session.generate("hi", max_tokens=20)
+            with pytest.raises(SeedanceError) as info:
+                async for _ in stream:
+                    pass
+            assert info.value.code == "engine_error"
+            assert stream.text == "Hello world"  # what came before the failure
+            engine.upstreams[1].in_flight = 0
+            assert (await session.complete("again", max_tokens=3)).text
+        assert engine_good.stats.requests_started == 1  # no retry after the first token
+        assert not engine.upstreams[0].up
+
+
+async def test_an_upstream_400_is_the_request_fault(make_server) -> None:  # type: ignore[no-untyped-def]
+    with asgi_server(faulty_app("refuse")) as refusing:
+        server = gateway(make_server, f"{refusing}/v1")
+        async with connect(server.url) as session:
+            with pytest.raises(SeedanceError) as info:
+                await session.complete("hi", max_tokens=5)
+        assert info.value.code == "invalid_request" and "prompt too long" in info.value.message
+        assert upstream_engine(server).upstreams[0].up
+
+
+async def test_cancel_aborts_the_upstream_request(make_server) -> None:  # type: ignore[no-untyped-def]
+    with synthetic_upstream(40) as (url, upstream):
+        server = gateway(make_server, url)
+        async with connect(server.url) as session:
+            stream = session.generate("long", max_tokens=500)
+            await anext(aiter(stream))
+            await stream.cancel()
+            assert (await stream.collect()).finish_reason == "cancelled"
+        await eventually(lambda: upstream.stats.active == 0)
+        assert upstream.stats.requests_aborted == 1
+        assert upstream.stats.tokens_generated < 100
+
+
+async def test_every_upstream_down_fails_healthz(make_server) -> None:  # type: ignore[no-untyped-def]
+    with asgi_server(faulty_app("error")) as bad:
+        server = gateway(make_server, f"{bad}/v1", upstream_cooldown_s=60)
+        async with connect(server.url) as session:
+            with pytest.raises(SeedanceError) as info:
+                await session.complete("hi", max_tokens=5)
+            assert info.value.code == "engine_error"
+        assert not server.engine.health().ok
+        async with httpx.AsyncClient() as http:
+            health = await http.get(f"{server.http_url}/healthz")
+        assert health.status_code == 503 and "every upstream is down" in health.text
+
+
+def test_no_upstream_answering_at_startup_is_a_clear_error() -> None:
+    from seedance.config import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        OpenAIUpstreamEngine((f"http://127.0.0.1:{_free_port()}/v1",), timeout_s=1)
+    assert "--upstream-model" in info.value.message
