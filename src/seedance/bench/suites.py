@@ -711,11 +711,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="rounds per contender (default 2)")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks.md"))
     parser.add_argument(
-        "--suites", default="1,2,3,4,5", help="which suites to run (default 1,2,3,4,5)"
+        "--suites", default="1,2,3,4,5,6", help="which suites to run (default all: 1-6)"
     )
     args = parser.parse_args(argv)
     if _cores() < 2:
         print("note: fewer than 2 cores; server and load generator share them", file=sys.stderr)
+    from seedance.bench.http_suite import http_suite
     from seedance.bench.llama_suite import llama_suite
 
     report = Report(args.quick, args.rounds, args.out)
@@ -727,6 +728,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "3": report.idle,
         "4": report.design_table,
         "5": functools.partial(llama_suite, report),
+        "6": functools.partial(http_suite, report),
     }
     for key in sorted(chosen):
         suites[key]()
