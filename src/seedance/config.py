@@ -291,7 +291,8 @@ OPTIONS: tuple[Option, ...] = (
         "upstream_timeout_s",
         "--upstream-timeout",
         float,
-        "openai engine: seconds to wait for an upstream's first byte before failing over",
+        "openai engine: seconds an upstream may send nothing (connect, first byte, between "
+        "chunks) before it counts as failed",
         _positive,
         "positive",
     ),

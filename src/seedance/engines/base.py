@@ -106,15 +106,15 @@ class Engine(abc.ABC):
         return self.reply_overhead_tokens + sum(self.count_message_tokens(m) for m in messages)
 
     def prompt_tokens(
-        self, messages: Sequence[ChatMessage], estimate: int, *, raw: bool = False
+        self, messages: Sequence[ChatMessage], estimate: int | None = None, *, raw: bool = False
     ) -> int:
         """The exact token count of the prompt built from ``messages`` (``raw``: the content of
-        the one message, without the template), where the engine can tell; ``estimate``
-        otherwise.
+        the one message, without the template), where the engine can tell; otherwise
+        ``estimate``, or the per-message sum when the caller has none.
 
         May raise :class:`~seedance.protocol.errors.ContextOverflow`.
         """
-        return estimate
+        return self.count_prompt_tokens(messages) if estimate is None else estimate
 
     @abc.abstractmethod
     def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:

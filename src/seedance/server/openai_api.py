@@ -134,8 +134,7 @@ class _Call:
             engine = model.engine
             messages = request.messages
             raw = request.kind == "completion"
-            estimate = engine.count_prompt_tokens(messages)
-            self.prompt_tokens = engine.prompt_tokens(messages, estimate, raw=raw)
+            self.prompt_tokens = engine.prompt_tokens(messages, raw=raw)
             await model.admission.acquire()
             try:
                 await self._generate(model, request)

@@ -157,7 +157,7 @@ class LlamaCppEngine(Engine):
         return len(self.model.tokenize(text, special=False))
 
     def prompt_tokens(
-        self, messages: Sequence[ChatMessage], estimate: int, *, raw: bool = False
+        self, messages: Sequence[ChatMessage], estimate: int | None = None, *, raw: bool = False
     ) -> int:
         return len(self._tokenize_prompt(tuple(messages), raw))
 
