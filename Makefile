@@ -28,8 +28,8 @@ test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # Comparison suites (raw websockets and picows servers; llama-cpp-python's server and a bare
-# llama.cpp loop; WebSocket vs HTTP); rewrites docs/benchmarks.md (~30 min). BENCH_ARGS=--quick for a short run,
-# BENCH_ARGS="--suites 5" for one suite.
+# llama.cpp loop; WebSocket vs HTTP); rewrites docs/benchmarks.md (~30 min).
+# BENCH_ARGS=--quick for a short run, BENCH_ARGS="--suites 5" for one suite.
 bench: $(VENV)/.installed-bench
 	$(BIN)/python -m seedance.bench.suites $(BENCH_ARGS)
 
