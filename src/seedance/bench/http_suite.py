@@ -9,12 +9,20 @@ with a real model; nothing pinned, llama.cpp uses every core).
 
 from __future__ import annotations
 
-import statistics
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from seedance.bench.suites import Contender, _cores, command_line, fmt, ratio, run_bench, servers
+from seedance.bench.suites import (
+    Cell,
+    Contender,
+    _cores,
+    command_line,
+    fmt,
+    ratio,
+    run_bench,
+    servers,
+)
 
 if TYPE_CHECKING:
     from seedance.bench.suites import Report
@@ -52,7 +60,7 @@ def http_suite(report: Report) -> None:
     commands: list[str] = []
     headline: tuple[float, float] = (float("nan"), float("nan"))
     for contender, args in setups:
-        results: dict[str, list[dict[str, Any]]] = {key: [] for key, _, _ in WAYS}
+        cells = {key: Cell() for key, _, _ in WAYS}
         with servers([contender]) as running:
             server = running[contender.key]
             http = server.url.replace("ws://", "http://").replace("/v2/infer", "/v1")
@@ -64,7 +72,7 @@ def http_suite(report: Report) -> None:
                     url = server.url if key == "ws" else http
                     # Prompts of their own in every run: none finds another's in the KV cache.
                     seed = ["--seed", str(done)]
-                    results[key].append(
+                    cells[key].runs.append(
                         run_bench(url, [*args, *extra, *seed], pinned=contender.pinned)
                     )
         commands += [contender.display()] + [
@@ -72,23 +80,17 @@ def http_suite(report: Report) -> None:
             for key, _, extra in WAYS
         ]
 
-        def median(
-            key: str, *path: str, results: dict[str, list[dict[str, Any]]] = results
-        ) -> float:
-            values = []
-            for run in results[key]:
-                value: Any = run["summary"]
-                for part in path:
-                    value = value[part]
-                values.append(float(value))
-            return float(statistics.median(values))
-
-        base50, base99 = median("ws", "ttft", "p50_ms"), median("ws", "ttft", "p99_ms")
+        base50 = cells["ws"].median("summary", "ttft", "p50_ms")
+        base99 = cells["ws"].median("summary", "ttft", "p99_ms")
         for key, label, _ in WAYS:
-            p50, p99 = median(key, "ttft", "p50_ms"), median(key, "ttft", "p99_ms")
+            cell = cells[key]
+            p50, p99 = (
+                cell.median("summary", "ttft", "p50_ms"),
+                cell.median("summary", "ttft", "p99_ms"),
+            )
             rows.append(
                 f"| {contender.label} | {label} | {fmt(p50, 3)} ({ratio(p50, base50)}) "
-                f"| {fmt(p99, 3)} ({ratio(p99, base99)}) | {fmt(median(key, 'e2el', 'p50_ms'), 2)} |"
+                f"| {fmt(p99, 3)} ({ratio(p99, base99)}) | {fmt(cell.median('summary', 'e2el', 'p50_ms'), 2)} |"
             )
             if contender.key == "synthetic" and key == "http-new":
                 headline = (base50, p50)

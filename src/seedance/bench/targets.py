@@ -18,6 +18,7 @@ import msgspec
 
 from seedance.bench.metrics import Sample
 from seedance.protocol.messages import HEARTBEAT_PING, HEARTBEAT_PONG, SUBPROTOCOL
+from seedance.protocol.openai import ChunkUsage, decode_stream_chunk, sse_data
 
 try:
     import aiohttp
@@ -262,29 +263,6 @@ class WebSocketTarget(Target):
 # --------------------------------------------------------------------------- OpenAI HTTP + SSE
 
 
-class _Delta(msgspec.Struct):
-    content: str | None = None
-
-
-class _Choice(msgspec.Struct):
-    delta: _Delta | None = None
-    text: str | None = None
-    finish_reason: str | None = None
-
-
-class _UsageOut(msgspec.Struct):
-    completion_tokens: int = 0
-    prompt_tokens: int | None = None
-
-
-class _Chunk(msgspec.Struct):
-    choices: list[_Choice] = []
-    usage: _UsageOut | None = None
-
-
-_decode_chunk = msgspec.json.Decoder(_Chunk).decode
-
-
 class OpenAIConn(Conn):
     def __init__(self, target: OpenAITarget, session: aiohttp.ClientSession) -> None:
         self.target = target
@@ -302,25 +280,19 @@ class OpenAIConn(Conn):
         }
         if not sample.sent:
             sample.sent = clock.now()
-        usage: _UsageOut | None = None
+        usage: ChunkUsage | None = None
         try:
             async with self.session.post(
                 f"{target.base_url}/chat/completions", data=_encode(body), headers=target.headers
             ) as response:
                 if response.status != 200:
                     raise BenchError(await _http_error_code(response), f"HTTP {response.status}")
-                async for line in response.content:
-                    if not line.startswith(b"data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == b"[DONE]":
-                        break
-                    chunk = _decode_chunk(data)
+                async for data in sse_data(response.content):
+                    chunk = decode_stream_chunk(data)
                     if chunk.usage is not None:
                         usage = chunk.usage
                     for choice in chunk.choices:
-                        text = choice.delta.content if choice.delta is not None else choice.text
-                        if text:
+                        if choice.content:
                             sample.add_chunk(clock.now(), 1)
                         if choice.finish_reason is not None:
                             sample.finish_reason = choice.finish_reason

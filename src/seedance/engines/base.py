@@ -16,7 +16,7 @@ import abc
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 
-from seedance.protocol.messages import ChatMessage, FinishReason, RequestId
+from seedance.protocol.messages import ChatMessage, FinishReason, Generate, RequestId
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +36,17 @@ class SamplingParams:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+
+    @classmethod
+    def of(cls, message: Generate) -> SamplingParams:
+        """The sampling fields of a (validated) ``generate`` request."""
+        return cls(
+            max_tokens=message.max_tokens,
+            temperature=message.temperature,
+            top_p=message.top_p,
+            stop=message.stop_strings(),
+            seed=message.seed,
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,6 +34,7 @@ from seedance.config import ConfigError
 from seedance.engines.base import Engine, EngineHealth, GenerationRequest, ModelInfo, TokenDelta
 from seedance.protocol.errors import EngineError, InvalidRequest
 from seedance.protocol.messages import FinishReason
+from seedance.protocol.openai import decode_stream_chunk, sse_data
 
 if TYPE_CHECKING:
     from seedance.config import ServerConfig
@@ -44,22 +45,6 @@ DEFAULT_CONTEXT: Final = 8192
 _FINISH: Final[dict[str, FinishReason]] = {"stop": "stop", "length": "length"}
 
 
-class _Delta(msgspec.Struct):
-    content: str | None = None
-
-
-class _Choice(msgspec.Struct):
-    delta: _Delta | None = None  # chat completions
-    text: str | None = None  # completions
-    finish_reason: str | None = None
-
-
-class _Chunk(msgspec.Struct):
-    choices: list[_Choice] = []
-    error: dict[str, Any] | None = None
-
-
-_decode_chunk = msgspec.json.Decoder(_Chunk).decode
 _encode = msgspec.json.Encoder().encode
 
 
@@ -276,17 +261,12 @@ class OpenAIUpstreamEngine(Engine):
                 if response.status != 200:
                     await self._refuse(response)
                 finish: FinishReason | None = None
-                async for line in response.content:
-                    if not line.startswith(b"data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == b"[DONE]":
-                        break
-                    chunk = _decode_chunk(data)
+                async for data in sse_data(response.content):
+                    chunk = decode_stream_chunk(data)
                     if chunk.error is not None:
                         raise UpstreamFailure(f"error event: {chunk.error.get('message', '')}")
                     for choice in chunk.choices:
-                        text = choice.delta.content if choice.delta is not None else choice.text
+                        text = choice.content
                         if choice.finish_reason is not None:
                             finish = _FINISH.get(choice.finish_reason, "stop")
                         if text:

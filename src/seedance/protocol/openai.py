@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP API's request bodies, checked by the same rules as ``generate``.
+"""The OpenAI-compatible HTTP API: request bodies, checked by the same rules as ``generate``,
+and the streamed chunks of OpenAI-compatible servers, as Seedance's clients of them read them.
 
 Pure: bytes in, a validated :class:`OpenAIRequest` (or a :class:`SeedanceError`) out. Fields that
 OpenAI defines and Seedance does not use (``frequency_penalty``, ``user``, ...) are accepted
@@ -7,6 +8,7 @@ and ignored, as clients send them by default; ``n`` other than 1 and tool messag
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
@@ -155,3 +157,48 @@ def _request(
         stream=body.stream,
         include_usage=bool(options and options.include_usage),
     )
+
+
+# --------------------------------------------------------------------------- streamed replies
+
+
+class ChunkDelta(msgspec.Struct):
+    content: str | None = None
+
+
+class ChunkChoice(msgspec.Struct):
+    delta: ChunkDelta | None = None  # chat completions
+    text: str | None = None  # completions
+    finish_reason: str | None = None
+
+    @property
+    def content(self) -> str | None:
+        """The text this choice adds, whichever endpoint sent it."""
+        return self.delta.content if self.delta is not None else self.text
+
+
+class ChunkUsage(msgspec.Struct):
+    completion_tokens: int = 0
+    prompt_tokens: int | None = None
+
+
+class StreamChunk(msgspec.Struct):
+    """One ``data:`` event of a streamed reply (``error`` when the server failed mid-stream)."""
+
+    choices: list[ChunkChoice] = []
+    usage: ChunkUsage | None = None
+    error: dict[str, Any] | None = None
+
+
+decode_stream_chunk = msgspec.json.Decoder(StreamChunk).decode
+
+
+async def sse_data(lines: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
+    """The payloads of a Server-Sent Events body's ``data:`` lines, up to ``[DONE]``."""
+    async for line in lines:
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            return
+        yield data

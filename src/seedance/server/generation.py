@@ -145,13 +145,7 @@ class Generation:
         request = GenerationRequest(
             request_id=self.request_id,
             messages=tuple(t.message for t in self.context),
-            params=SamplingParams(
-                max_tokens=message.max_tokens,
-                temperature=message.temperature,
-                top_p=message.top_p,
-                stop=message.stop_strings(),
-                seed=message.seed,
-            ),
+            params=SamplingParams.of(message),
             prompt_tokens=self.prompt_tokens,
         )
         tokens = TokenStream(self.request_id) if message.stream else None

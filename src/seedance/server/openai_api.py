@@ -153,13 +153,7 @@ class _Call:
         generation = GenerationRequest(
             request_id=self.request_id,
             messages=request.messages,
-            params=SamplingParams(
-                max_tokens=message.max_tokens,
-                temperature=message.temperature,
-                top_p=message.top_p,
-                stop=message.stop_strings(),
-                seed=message.seed,
-            ),
+            params=SamplingParams.of(message),
             prompt_tokens=self.prompt_tokens,
             raw=request.kind == "completion",
         )

@@ -28,7 +28,7 @@ from websockets.exceptions import PayloadTooBig
 from websockets.frames import Frame, Opcode
 from websockets.protocol import State
 
-from seedance.eventloop import set_nodelay
+from seedance.eventloop import LightQueue, set_nodelay
 from seedance.protocol.codec import TokenFrameEncoder, encode_error
 from seedance.protocol.errors import PayloadTooLarge
 
@@ -470,35 +470,6 @@ class Outbound:
                 self._set_writable()
 
 
-class _EventQueue:
-    """The ASGI receive queue of one connection: what uvicorn's protocol uses of
-    :class:`asyncio.Queue` (unbounded, one reader) at a fraction of its memory."""
-
-    __slots__ = ("_items", "_waiter")
-
-    def __init__(self) -> None:
-        self._items: deque[Any] = deque()
-        self._waiter: asyncio.Future[None] | None = None
-
-    def put_nowait(self, item: Any) -> None:
-        self._items.append(item)
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    async def get(self) -> Any:
-        while not self._items:
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        return self._items.popleft()
-
-    def empty(self) -> bool:
-        return not self._items
-
-
 class SeedanceWebSocketProtocol(WebSocketsSansIOProtocol):
     """uvicorn's sans-I/O WebSocket protocol with Seedance's bounds.
 
@@ -540,7 +511,7 @@ class SeedanceWebSocketProtocol(WebSocketsSansIOProtocol):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.queue = _EventQueue()  # type: ignore[assignment]
+        self.queue = LightQueue()  # type: ignore[assignment]
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)

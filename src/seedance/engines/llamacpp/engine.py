@@ -6,7 +6,7 @@ import asyncio
 import importlib.resources
 import os
 import secrets
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
@@ -24,6 +24,7 @@ from seedance.engines.base import (
 from seedance.engines.llamacpp.native import ContextShape, LlamaContext, LlamaModel
 from seedance.engines.llamacpp.scheduler import Event, Job, Scheduler, SchedulerStats
 from seedance.engines.llamacpp.template import ChatTemplate
+from seedance.eventloop import LightQueue
 from seedance.protocol.errors import ContextOverflow, EngineError, InvalidRequest
 from seedance.protocol.messages import ChatMessage
 
@@ -57,32 +58,10 @@ def machine_cores() -> int:
     return max(1, os.cpu_count() or 1)  # pragma: no cover - macOS, Windows
 
 
-class _Stream:
-    """The events of one request, handed over by the decode thread a step at a time."""
-
-    __slots__ = ("events", "waiter")
-
-    def __init__(self) -> None:
-        self.events: deque[Event] = deque()
-        self.waiter: asyncio.Future[None] | None = None
-
-    async def get(self) -> Event:
-        while not self.events:
-            self.waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self.waiter
-            finally:
-                self.waiter = None
-        return self.events.popleft()
-
-
 def _deliver(batch: list[tuple[Any, Event]]) -> None:
-    """On the event loop: one decode step's events to their requests."""
-    for stream, event in batch:
-        stream.events.append(event)
-        waiter = stream.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+    """On the event loop: one decode step's events to their requests' queues."""
+    for events, event in batch:
+        events.put_nowait(event)
 
 
 class LlamaCppEngine(Engine):
@@ -210,8 +189,8 @@ class LlamaCppEngine(Engine):
         params = request.params
         limit = min(params.max_tokens, self._info.context_length - len(prompt))
         seed = params.seed if params.seed is not None else secrets.randbits(32)
-        stream = _Stream()
-        job = Job(prompt, params, limit, seed, stream)
+        events = LightQueue()  # filled by _deliver, a decode step at a time
+        job = Job(prompt, params, limit, seed, events)
         try:
             self.scheduler.submit(job)
         except RuntimeError as exc:
@@ -220,7 +199,7 @@ class LlamaCppEngine(Engine):
         finished = False
         try:
             while True:
-                text, tokens, finish, error = await stream.get()
+                text, tokens, finish, error = await events.get()
                 if error is not None:
                     finished = True
                     raise EngineError(f"request {request.request_id} failed: {error}; retry")
