@@ -9,7 +9,7 @@ import secrets
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Final
 
 import jinja2
 
@@ -21,11 +21,12 @@ from seedance.engines.base import (
     ModelInfo,
     TokenDelta,
 )
+from seedance.engines.batching import SchedulerStats, run_job
 from seedance.engines.llamacpp.native import ContextShape, LlamaContext, LlamaModel
-from seedance.engines.llamacpp.scheduler import Event, Job, Scheduler, SchedulerStats
+from seedance.engines.llamacpp.scheduler import Job, Scheduler
 from seedance.engines.llamacpp.template import ChatTemplate
 from seedance.eventloop import LightQueue
-from seedance.protocol.errors import ContextOverflow, EngineError, InvalidRequest
+from seedance.protocol.errors import ContextOverflow, InvalidRequest
 from seedance.protocol.messages import ChatMessage
 
 if TYPE_CHECKING:
@@ -56,12 +57,6 @@ def machine_cores() -> int:
     if hasattr(os, "sched_getaffinity"):
         return max(1, len(os.sched_getaffinity(0)))
     return max(1, os.cpu_count() or 1)  # pragma: no cover - macOS, Windows
-
-
-def _deliver(batch: list[tuple[Any, Event]]) -> None:
-    """On the event loop: one decode step's events to their requests' queues."""
-    for events, event in batch:
-        events.put_nowait(event)
 
 
 class LlamaCppEngine(Engine):
@@ -119,7 +114,7 @@ class LlamaCppEngine(Engine):
         return self.scheduler.stats
 
     async def start(self) -> None:
-        self.scheduler.start(asyncio.get_running_loop(), _deliver)
+        self.scheduler.start(asyncio.get_running_loop())
 
     async def close(self) -> None:
         await asyncio.to_thread(self.scheduler.stop)
@@ -189,28 +184,10 @@ class LlamaCppEngine(Engine):
         params = request.params
         limit = min(params.max_tokens, self._info.context_length - len(prompt))
         seed = params.seed if params.seed is not None else secrets.randbits(32)
-        events = LightQueue()  # filled by _deliver, a decode step at a time
+        events = LightQueue()  # filled a decode step at a time
         job = Job(prompt, params, limit, seed, events)
-        try:
-            self.scheduler.submit(job)
-        except RuntimeError as exc:
-            job.sampler.close()
-            raise EngineError(f"the model is not running ({exc}); retry later") from None
-        finished = False
-        try:
-            while True:
-                text, tokens, finish, error = await events.get()
-                if error is not None:
-                    finished = True
-                    raise EngineError(f"request {request.request_id} failed: {error}; retry")
-                if finish is not None:
-                    finished = True
-                    yield TokenDelta(text, tokens, finish)
-                    return
-                yield TokenDelta(text, tokens)
-        finally:
-            if not finished:
-                self.scheduler.cancel(job)
+        async for delta in run_job(self.scheduler, job, events, request.request_id):
+            yield delta
 
 
 def create_engine(config: ServerConfig) -> LlamaCppEngine:

@@ -17,84 +17,35 @@ reused cell always holds what a fresh prefill would compute.
 
 from __future__ import annotations
 
-import asyncio
-import codecs
-import contextlib
 import logging
-import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from seedance.engines.base import SamplingParams
+from seedance.engines.batching import BatchJob, DecodeLoop
 from seedance.engines.llamacpp.native import LlamaContext, LlamaModel, Sampler, State
-from seedance.engines.stops import StopMatcher
-from seedance.protocol.messages import FinishReason
 
 logger = logging.getLogger(__name__)
-
-#: What a job receives, in order: ``(text, tokens, finish_reason, error)``.
-Event = tuple[str, int, FinishReason | None, str | None]
-#: Called on the event loop with every event of one decode step.
-Deliver = Callable[[list[tuple[Any, Event]]], None]
 
 _MIN_SAVED_TOKENS = 64  # shorter states are cheaper to prefill again than to keep
 
 
-@dataclass(slots=True)
-class SchedulerStats:
-    """Counters of the decode loop (read by tests and ``/healthz``-style reports)."""
-
-    requests_started: int = 0
-    requests_finished: int = 0
-    requests_cancelled: int = 0
-    requests_failed: int = 0
-    prompt_tokens: int = 0  # prompt tokens of all requests
-    prompt_tokens_prefilled: int = 0  # of those, computed (the rest came from cached cells)
-    prompt_tokens_reused: int = 0
-    tokens_generated: int = 0
-    states_saved: int = 0
-    states_restored: int = 0
-    steps: int = 0
-    running: int = 0
-    waiting: int = 0
-
-
-class Job:
+class Job(BatchJob):
     """One request inside the decode thread."""
 
-    __slots__ = (
-        "cancelled",
-        "done",
-        "fed",
-        "generated",
-        "held",
-        "last",
-        "limit",
-        "matcher",
-        "prompt",
-        "sampler",
-        "sink",
-        "slot",
-        "utf8",
-    )
+    __slots__ = ("fed", "last", "sampler", "slot")
 
     def __init__(self, prompt: list[int], params: SamplingParams, limit: int, seed: int, sink: Any):
-        self.prompt = prompt
-        self.limit = limit  # most tokens to sample
-        self.sink = sink  # the consumer's handle, passed back with each event
+        super().__init__(prompt, params, limit, sink)
         self.sampler = Sampler(temperature=params.temperature, top_p=params.top_p, seed=seed)
-        self.matcher = StopMatcher(params.stop)
-        self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         self.slot: Slot | None = None
         self.fed = 0  # prompt tokens in the slot's cells
-        self.generated = 0  # tokens sampled
-        self.held = 0  # sampled tokens whose text is not out yet (partial UTF-8)
         self.last = -1  # the last sampled token, decoded in the next step
-        self.cancelled = False
-        self.done = False
+
+    def close(self) -> None:
+        self.sampler.close()
 
 
 @dataclass(slots=True, eq=False)
@@ -159,8 +110,12 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return lo
 
 
-class Scheduler:
-    """Runs the decode thread; :meth:`submit` and :meth:`cancel` are thread-safe."""
+class Scheduler(DecodeLoop):
+    """The llama.cpp decode loop over the context's sequences ("slots")."""
+
+    thread_name = "llamacpp-decode"
+    _active: list[Job]  # type: ignore[assignment]
+    _waiting: list[Job]  # type: ignore[assignment]
 
     def __init__(
         self,
@@ -170,118 +125,27 @@ class Scheduler:
         state_cache_bytes: int,
         reuse: bool = True,
     ) -> None:
+        super().__init__()
         self.model = model
         self.ctx = context
-        self.stats = SchedulerStats()
-        self.failure: str | None = None  # set when the decode loop died
         self._slots = [Slot(seq, []) for seq in range(context.shape.n_seq)]
         self.cache = StateCache(state_cache_bytes)
         self._reuse = reuse  # off: every prompt is prefilled whole (for measurements)
         self._n_batch = context.shape.n_batch
-        self._cond = threading.Condition()
-        self._incoming: list[Job] = []
-        self._cancelled: list[Job] = []
-        self._waiting: list[Job] = []
-        self._active: list[Job] = []
-        self._stopping = False
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._deliver: Deliver | None = None
-        self._outbox: list[tuple[Any, Event]] = []
 
-    # -- the event loop's side -------------------------------------------------------------
-
-    def start(self, loop: asyncio.AbstractEventLoop, deliver: Deliver) -> None:
-        self._loop, self._deliver = loop, deliver
-        self._thread = threading.Thread(target=self._run, name="llamacpp-decode", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        """Stop the thread (blocks until the current step ends)."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-
-    def submit(self, job: Job) -> None:
-        with self._cond:
-            if self.failure is not None:
-                raise RuntimeError(self.failure)
-            self._incoming.append(job)
-            self._cond.notify()
-
-    def cancel(self, job: Job) -> None:
-        with self._cond:
-            job.cancelled = True
-            self._cancelled.append(job)
-            self._cond.notify()
-
-    # -- the decode thread -----------------------------------------------------------------
-
-    def _run(self) -> None:
-        try:
-            while True:
-                with self._cond:
-                    while not (self._incoming or self._cancelled or self._active or self._stopping):
-                        self._cond.wait()
-                    if self._stopping:
-                        break
-                    incoming, self._incoming = self._incoming, []
-                    cancelled, self._cancelled = self._cancelled, []
-                for job in cancelled:
-                    self._cancel(job)
-                self._waiting.extend(j for j in incoming if not j.cancelled)
-                self._admit()
-                if self._active:
-                    self._step()
-                self._flush()
-        except BaseException as exc:  # the loop is gone: fail everything, report unhealthy
-            logger.exception("llama.cpp decode loop failed")
-            self._die(f"the decode loop failed: {exc!r}")
-        finally:
-            for slot in self._slots:
-                if slot.job is not None:
-                    slot.job.sampler.close()
-
-    def _die(self, reason: str) -> None:
-        with self._cond:
-            self.failure = reason
-            jobs = [*self._active, *self._waiting, *self._incoming]
-            self._active, self._waiting, self._incoming = [], [], []
-        for job in jobs:
-            if not job.done:
-                job.done = True
-                self._outbox.append((job.sink, ("", 0, None, reason)))
-        self._flush()
-
-    def _flush(self) -> None:
-        stats = self.stats
-        stats.running, stats.waiting = len(self._active), len(self._waiting)
-        if self._outbox and self._loop is not None and self._deliver is not None:
-            outbox, self._outbox = self._outbox, []
-            with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening
-                self._loop.call_soon_threadsafe(self._deliver, outbox)
-
-    def _cancel(self, job: Job) -> None:
-        if job.done:
-            return
-        job.done = True
-        self.stats.requests_cancelled += 1
-        if job in self._waiting:
-            self._waiting.remove(job)
-        if job in self._active:
-            self._active.remove(job)
-        self._release(job)
-
-    def _release(self, job: Job) -> None:
-        job.sampler.close()
+    def _release(self, job: BatchJob) -> None:
+        job.close()
+        assert isinstance(job, Job)
         slot = job.slot
         if slot is not None:
             slot.job = None
             slot.last_used = time.monotonic()
             job.slot = None
+
+    def _shutdown(self) -> None:
+        for slot in self._slots:
+            if slot.job is not None:
+                slot.job.close()
 
     # -- slots -------------------------------------------------------------------------------
 
@@ -418,60 +282,9 @@ class Scheduler:
     def _sample(self, job: Job, index: int) -> None:
         try:
             token = self.ctx.sample(job.sampler, index)
-            self._accept(job, token)
+            model = self.model
+            if self._accept(job, None if model.is_eog(token) else model.piece(token)):
+                job.last = token
         except Exception as exc:  # one request's failure must not stop the others
             logger.exception("sampling failed")
             self._fail(job, f"sampling failed: {exc!r}")
-
-    def _accept(self, job: Job, token: int) -> None:
-        model = self.model
-        if model.is_eog(token):
-            self._finish(job, "stop")
-            return
-        job.generated += 1
-        self.stats.tokens_generated += 1
-        job.held += 1
-        text = job.utf8.decode(model.piece(token))
-        if text:
-            text, count = job.matcher.push(text, job.held)
-            job.held = 0
-            if job.matcher.stopped:
-                self._emit(job, text, count, "stop")
-                return
-            if count:
-                self._emit(job, text, count, None)
-        if job.generated >= job.limit:
-            self._finish(job, "length")
-        else:
-            job.last = token
-
-    def _finish(self, job: Job, reason: FinishReason) -> None:
-        """End ``job``: release held text (a broken UTF-8 tail becomes U+FFFD)."""
-        text, count = "", 0
-        tail = job.utf8.decode(b"", final=True)
-        if tail or job.held:
-            text, count = job.matcher.push(tail, job.held)
-            job.held = 0
-        if job.matcher.stopped:
-            reason = "stop"
-        else:
-            more, extra = job.matcher.flush()
-            text, count = text + more, count + extra
-        self._emit(job, text, count, reason)
-
-    def _emit(self, job: Job, text: str, tokens: int, finish: FinishReason | None) -> None:
-        self._outbox.append((job.sink, (text, tokens, finish, None)))
-        if finish is not None:
-            self._end(job)
-            self.stats.requests_finished += 1
-
-    def _fail(self, job: Job, reason: str) -> None:
-        self._outbox.append((job.sink, ("", 0, None, reason)))
-        self._end(job)
-        self.stats.requests_failed += 1
-
-    def _end(self, job: Job) -> None:
-        job.done = True
-        if job in self._active:
-            self._active.remove(job)
-        self._release(job)

@@ -1,0 +1,302 @@
+"""What every in-process, continuously batched engine shares: the decode thread's frame.
+
+An engine that runs a model in this process (``llamacpp``, ``transformers``) has one thread
+that owns the model and runs decode steps; requests join and leave between steps. This module
+holds the parts that do not depend on the model:
+
+- :class:`BatchJob`, a request inside the thread: its sink, how many tokens it may sample, and
+  the text assembly (incremental UTF-8, stop strings, tokens held back);
+- :class:`DecodeLoop`, the thread itself: submit and cancel from the event loop, the wait for
+  work, the step's events handed to the event loop in one ``call_soon_threadsafe``, failure of
+  one request or of the whole loop;
+- :func:`run_job`, the engine's side: submit a job and relay its events as
+  :class:`~seedance.engines.base.TokenDelta`, cancelling the job when the consumer goes away.
+
+A subclass implements :meth:`DecodeLoop._admit` (place waiting jobs) and
+:meth:`DecodeLoop._step` (one batched forward pass, then :meth:`DecodeLoop._accept` for each
+sampled token), and may extend :meth:`DecodeLoop._release`.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import codecs
+import contextlib
+import logging
+import threading
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from seedance.engines.base import SamplingParams, TokenDelta
+from seedance.engines.stops import StopMatcher
+from seedance.eventloop import LightQueue
+from seedance.protocol.errors import EngineError
+from seedance.protocol.messages import FinishReason, RequestId
+
+logger = logging.getLogger(__name__)
+
+#: What a job receives, in order: ``(text, tokens, finish_reason, error)``.
+Event = tuple[str, int, FinishReason | None, str | None]
+#: Called on the event loop with every event of one decode step.
+Deliver = Callable[[list[tuple[Any, Event]]], None]
+
+
+def deliver_events(batch: list[tuple[Any, Event]]) -> None:
+    """On the event loop: one decode step's events into their requests' queues."""
+    for events, event in batch:
+        events.put_nowait(event)
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """Counters of a decode loop (read by tests and reports)."""
+
+    requests_started: int = 0
+    requests_finished: int = 0
+    requests_cancelled: int = 0
+    requests_failed: int = 0
+    prompt_tokens: int = 0  # prompt tokens of all requests
+    prompt_tokens_prefilled: int = 0  # of those, computed (the rest came from cached cells)
+    prompt_tokens_reused: int = 0
+    tokens_generated: int = 0
+    states_saved: int = 0
+    states_restored: int = 0
+    steps: int = 0
+    running: int = 0
+    waiting: int = 0
+
+
+class BatchJob:
+    """One request inside a decode thread: limits and text assembly."""
+
+    __slots__ = (
+        "cancelled",
+        "done",
+        "generated",
+        "held",
+        "limit",
+        "matcher",
+        "prompt",
+        "sink",
+        "utf8",
+    )
+
+    def __init__(self, prompt: list[int], params: SamplingParams, limit: int, sink: Any) -> None:
+        self.prompt = prompt
+        self.limit = limit  # most tokens to sample
+        self.sink = sink  # the consumer's handle, passed back with each event
+        self.matcher = StopMatcher(params.stop)
+        self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self.generated = 0  # tokens sampled
+        self.held = 0  # sampled tokens whose text is not out yet (partial UTF-8)
+        self.cancelled = False
+        self.done = False
+
+    def close(self) -> None:
+        """Free what the job holds outside Python (a native sampler, say)."""
+
+
+class DecodeLoop(abc.ABC):
+    """Runs the decode thread; :meth:`submit` and :meth:`cancel` are thread-safe."""
+
+    thread_name = "decode"
+
+    def __init__(self) -> None:
+        self.stats = SchedulerStats()
+        self.failure: str | None = None  # set when the decode loop died
+        self._cond = threading.Condition()
+        self._incoming: list[BatchJob] = []
+        self._cancelled: list[BatchJob] = []
+        self._waiting: list[BatchJob] = []
+        self._active: list[BatchJob] = []
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._deliver: Deliver | None = None
+        self._outbox: list[tuple[Any, Event]] = []
+
+    # -- the event loop's side -------------------------------------------------------------
+
+    def start(self, loop: asyncio.AbstractEventLoop, deliver: Deliver = deliver_events) -> None:
+        self._loop, self._deliver = loop, deliver
+        self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread (blocks until the current step ends)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def submit(self, job: BatchJob) -> None:
+        with self._cond:
+            if self.failure is not None:
+                raise RuntimeError(self.failure)
+            self._incoming.append(job)
+            self._cond.notify()
+
+    def cancel(self, job: BatchJob) -> None:
+        with self._cond:
+            job.cancelled = True
+            self._cancelled.append(job)
+            self._cond.notify()
+
+    # -- the decode thread -----------------------------------------------------------------
+
+    @abc.abstractmethod
+    def _admit(self) -> None:
+        """Move jobs from ``_waiting`` to ``_active`` while there is room."""
+
+    @abc.abstractmethod
+    def _step(self) -> None:
+        """One forward pass over the active jobs; :meth:`_accept` each sampled token."""
+
+    def _release(self, job: BatchJob) -> None:
+        """``job`` left the batch (finished, failed or cancelled): free what it held."""
+        job.close()
+
+    def _shutdown(self) -> None:  # noqa: B027 - an optional hook
+        """The thread ends: free what the loop holds."""
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not (self._incoming or self._cancelled or self._active or self._stopping):
+                        self._cond.wait()
+                    if self._stopping:
+                        break
+                    incoming, self._incoming = self._incoming, []
+                    cancelled, self._cancelled = self._cancelled, []
+                for job in cancelled:
+                    self._cancel(job)
+                self._waiting.extend(j for j in incoming if not j.cancelled)
+                self._admit()
+                if self._active:
+                    self._step()
+                self._flush()
+        except BaseException as exc:  # the loop is gone: fail everything, report unhealthy
+            logger.exception("the %s loop failed", self.thread_name)
+            self._die(f"the decode loop failed: {exc!r}")
+        finally:
+            for job in [*self._active, *self._waiting]:
+                job.close()
+            self._shutdown()
+
+    def _die(self, reason: str) -> None:
+        with self._cond:
+            self.failure = reason
+            jobs = [*self._active, *self._waiting, *self._incoming]
+            self._active, self._waiting, self._incoming = [], [], []
+        for job in jobs:
+            job.close()
+            if not job.done:
+                job.done = True
+                self._outbox.append((job.sink, ("", 0, None, reason)))
+        self._flush()
+
+    def _flush(self) -> None:
+        stats = self.stats
+        stats.running, stats.waiting = len(self._active), len(self._waiting)
+        if self._outbox and self._loop is not None and self._deliver is not None:
+            outbox, self._outbox = self._outbox, []
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening
+                self._loop.call_soon_threadsafe(self._deliver, outbox)
+
+    def _cancel(self, job: BatchJob) -> None:
+        if job.done:
+            return
+        job.done = True
+        self.stats.requests_cancelled += 1
+        if job in self._waiting:
+            self._waiting.remove(job)
+        if job in self._active:
+            self._active.remove(job)
+        self._release(job)
+
+    # -- text out ----------------------------------------------------------------------------
+
+    def _accept(self, job: BatchJob, piece: bytes | None) -> bool:
+        """A sampled token's bytes (``None``: end of generation); true while ``job`` goes on."""
+        if piece is None:
+            self._finish(job, "stop")
+            return False
+        job.generated += 1
+        self.stats.tokens_generated += 1
+        job.held += 1
+        text = job.utf8.decode(piece)
+        if text:
+            text, count = job.matcher.push(text, job.held)
+            job.held = 0
+            if job.matcher.stopped:
+                self._emit(job, text, count, "stop")
+                return False
+            if count:
+                self._emit(job, text, count, None)
+        if job.generated >= job.limit:
+            self._finish(job, "length")
+            return False
+        return True
+
+    def _finish(self, job: BatchJob, reason: FinishReason) -> None:
+        """End ``job``: release held text (a broken UTF-8 tail becomes U+FFFD)."""
+        text, count = "", 0
+        tail = job.utf8.decode(b"", final=True)
+        if tail or job.held:
+            text, count = job.matcher.push(tail, job.held)
+            job.held = 0
+        if job.matcher.stopped:
+            reason = "stop"
+        else:
+            more, extra = job.matcher.flush()
+            text, count = text + more, count + extra
+        self._emit(job, text, count, reason)
+
+    def _emit(self, job: BatchJob, text: str, tokens: int, finish: FinishReason | None) -> None:
+        self._outbox.append((job.sink, (text, tokens, finish, None)))
+        if finish is not None:
+            self._end(job)
+            self.stats.requests_finished += 1
+
+    def _fail(self, job: BatchJob, reason: str) -> None:
+        self._outbox.append((job.sink, ("", 0, None, reason)))
+        self._end(job)
+        self.stats.requests_failed += 1
+
+    def _end(self, job: BatchJob) -> None:
+        job.done = True
+        if job in self._active:
+            self._active.remove(job)
+        self._release(job)
+
+
+async def run_job(
+    loop: DecodeLoop, job: BatchJob, events: LightQueue, request_id: RequestId
+) -> AsyncGenerator[TokenDelta, None]:
+    """Submit ``job`` (whose sink is ``events``) and stream its reply; closing the generator
+    before the end cancels the job."""
+    try:
+        loop.submit(job)
+    except RuntimeError as exc:
+        job.close()
+        raise EngineError(f"the model is not running ({exc}); retry later") from None
+    finished = False
+    try:
+        while True:
+            text, tokens, finish, error = await events.get()
+            if error is not None:
+                finished = True
+                raise EngineError(f"request {request_id} failed: {error}; retry")
+            if finish is not None:
+                finished = True
+                yield TokenDelta(text, tokens, finish)
+                return
+            yield TokenDelta(text, tokens)
+    finally:
+        if not finished:
+            loop.cancel(job)
