@@ -20,18 +20,15 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from seedance.engines.llamacpp.engine import default_model_path, machine_cores
+from seedance.engines.llamacpp.engine import default_model_path, machine_cores, model_template
 from seedance.engines.llamacpp.native import ContextShape, LlamaContext, LlamaModel, Sampler
-from seedance.engines.llamacpp.template import ChatTemplate
 from seedance.protocol.messages import ChatMessage
 
 PROMPT = "Write a long story about a dragon who learns to sail."
 
 
 def _prompt(model: LlamaModel, text: str) -> list[int]:
-    rendered = ChatTemplate.of_model(model).render(
-        [ChatMessage("user", text)], add_generation_prompt=True
-    )
+    rendered = model_template(model).render([ChatMessage("user", text)], add_generation_prompt=True)
     return model.tokenize(rendered, special=True)
 
 

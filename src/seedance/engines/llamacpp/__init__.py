@@ -1,7 +1,6 @@
 """The ``llamacpp`` engine: GGUF models through llama.cpp, the embedded default.
 
 - :mod:`~seedance.engines.llamacpp.native`: a typed layer over llama.cpp's C API;
-- :mod:`~seedance.engines.llamacpp.template`: the chat template from the GGUF metadata;
 - :mod:`~seedance.engines.llamacpp.scheduler`: the decode thread (continuous batching, KV reuse);
 - :mod:`~seedance.engines.llamacpp.engine`: the :class:`~seedance.engines.base.Engine`.
 """

