@@ -44,6 +44,9 @@ class ServerConfig:
     n_ctx: int = 0
     threads: int = 0
     kv_reuse: bool = True
+    device: str = "auto"
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.9
     log_level: str = "info"
     log_prompts: bool = False
     max_frame_bytes: int = 1024 * 1024
@@ -130,13 +133,14 @@ OPTIONS: tuple[Option, ...] = (
         "model_path",
         "--model-path",
         str,
-        "model file (llamacpp: a GGUF file; default: the embedded SmolLM2-135M-Instruct)",
+        "model (llamacpp: a GGUF file; transformers: a model folder or a GGUF file; "
+        "vllm: a model folder; default: the embedded SmolLM2-135M-Instruct)",
     ),
     Option(
         "parallel",
         "--parallel",
         int,
-        "llamacpp: sequences decoded together in one batch",
+        "llamacpp, transformers: sequences decoded together in one batch",
         lambda v: 1 <= v <= 256,
         "between 1 and 256",
     ),
@@ -144,7 +148,7 @@ OPTIONS: tuple[Option, ...] = (
         "n_ctx",
         "--n-ctx",
         int,
-        "llamacpp: context cells in all, shared evenly by the parallel sequences "
+        "llamacpp, transformers: context tokens in all, shared evenly by the parallel sequences "
         "(0: 4096 per sequence, at most the model's trained context)",
         _non_negative,
         "0 or more",
@@ -153,7 +157,7 @@ OPTIONS: tuple[Option, ...] = (
         "threads",
         "--threads",
         int,
-        "llamacpp: CPU threads for llama.cpp (0: the cores this process may use)",
+        "llamacpp, transformers: CPU threads (0: the cores this process may use)",
         _non_negative,
         "0 or more",
     ),
@@ -162,6 +166,30 @@ OPTIONS: tuple[Option, ...] = (
         "--kv-reuse",
         _bool,
         "llamacpp: reuse the KV cache of earlier turns (off: every prompt is prefilled whole)",
+    ),
+    Option(
+        "device",
+        "--device",
+        str.lower,
+        "transformers: where the model runs (auto: the first CUDA GPU if there is one)",
+        lambda v: v in ("auto", "cpu", "cuda") or (v.startswith("cuda:") and v[5:].isdigit()),
+        "auto, cpu, cuda or cuda:N",
+    ),
+    Option(
+        "tensor_parallel_size",
+        "--tensor-parallel-size",
+        int,
+        "vllm: GPUs the model is split across",
+        lambda v: v >= 1,
+        "1 or more",
+    ),
+    Option(
+        "gpu_memory_utilization",
+        "--gpu-memory-utilization",
+        float,
+        "vllm: share of each GPU's memory vLLM may take",
+        lambda v: 0 < v <= 1,
+        "above 0 and at most 1",
     ),
     Option(
         "log_level",

@@ -31,7 +31,7 @@ from seedance.bench.suites import (
 )
 from seedance.bench.svg import bar_chart
 from seedance.client import connect
-from seedance.engines.llamacpp.engine import default_model_path
+from seedance.engines.local import default_model_path
 
 if TYPE_CHECKING:
     from seedance.bench.suites import Report

@@ -20,8 +20,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from seedance.engines.llamacpp.engine import default_model_path, machine_cores, model_template
+from seedance.engines.llamacpp.engine import model_template
 from seedance.engines.llamacpp.native import ContextShape, LlamaContext, LlamaModel, Sampler
+from seedance.engines.local import default_model_path, machine_cores
 from seedance.protocol.messages import ChatMessage
 
 PROMPT = "Write a long story about a dragon who learns to sail."

@@ -5,6 +5,7 @@
 - :mod:`~seedance.engines.llamacpp.engine`: the :class:`~seedance.engines.base.Engine`.
 """
 
-from seedance.engines.llamacpp.engine import LlamaCppEngine, create_engine, default_model_path
+from seedance.engines.llamacpp.engine import LlamaCppEngine, create_engine
+from seedance.engines.local import default_model_path
 
 __all__ = ["LlamaCppEngine", "create_engine", "default_model_path"]

