@@ -4,6 +4,8 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
+LITELLM_VENV    ?= .venv-litellm
+LITELLM_VERSION ?= 1.108.7
 
 .PHONY: serve test bench lint clean
 
@@ -28,10 +30,17 @@ test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # Comparison suites (raw websockets and picows servers; llama-cpp-python's server and a bare
-# llama.cpp loop; WebSocket vs HTTP); rewrites docs/benchmarks.md (~30 min).
+# llama.cpp loop; WebSocket vs HTTP; LiteLLM's proxy); rewrites docs/benchmarks.md (~35 min).
 # BENCH_ARGS=--quick for a short run, BENCH_ARGS="--suites 5" for one suite.
-bench: $(VENV)/.installed-bench
+bench: $(VENV)/.installed-bench $(LITELLM_VENV)/.installed
 	$(BIN)/python -m seedance.bench.suites $(BENCH_ARGS)
+
+# LiteLLM's proxy, the peer of suite 7, in a virtual environment of its own: its dependencies
+# (an older websockets, huggingface_hub) would change the project's.
+$(LITELLM_VENV)/.installed:
+	$(PYTHON) -m venv $(LITELLM_VENV)
+	$(LITELLM_VENV)/bin/python -m pip install --quiet 'litellm[proxy]==$(LITELLM_VERSION)'
+	@touch $@
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check src tests

@@ -62,6 +62,8 @@ class Contender:
     argv: list[str]  # "{port}" is replaced
     path: str  # URL path of the WebSocket endpoint (an ``http`` one: the OpenAI API's base)
     pinned: bool = True  # on the server core (off: the server may use every core)
+    core: int = SERVER_CORE  # the core it is pinned to
+    env: dict[str, str] = field(default_factory=dict)  # added to the environment
 
     def command(self, port: int | str) -> list[str]:
         return [a.replace("{port}", str(port)) for a in self.argv]
@@ -105,9 +107,10 @@ class Server:
             contender.command(self.port),
             stdout=subprocess.DEVNULL,
             stderr=self.log,
-            preexec_fn=_pin(SERVER_CORE) if contender.pinned else None,
+            preexec_fn=_pin(contender.core) if contender.pinned else None,
+            env={**os.environ, **contender.env} if contender.env else None,
         )
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 180  # LiteLLM takes a while to import
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 self.log.seek(0)
@@ -711,11 +714,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="rounds per contender (default 2)")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks.md"))
     parser.add_argument(
-        "--suites", default="1,2,3,4,5,6", help="which suites to run (default all: 1-6)"
+        "--suites", default="1,2,3,4,5,6,7", help="which suites to run (default all: 1-7)"
     )
     args = parser.parse_args(argv)
     if _cores() < 2:
         print("note: fewer than 2 cores; server and load generator share them", file=sys.stderr)
+    from seedance.bench.gateway_suite import gateway_suite
     from seedance.bench.http_suite import http_suite
     from seedance.bench.llama_suite import llama_suite
 
@@ -729,6 +733,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "4": report.design_table,
         "5": functools.partial(llama_suite, report),
         "6": functools.partial(http_suite, report),
+        "7": functools.partial(gateway_suite, report),
     }
     for key in sorted(chosen):
         suites[key]()
