@@ -12,6 +12,7 @@ the project's own) with one worker, no database and no callbacks.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -41,6 +42,15 @@ KEY = "sk-seedance-bench"
 def litellm_executable() -> Path | None:
     path = Path(os.environ.get("LITELLM", LITELLM_DEFAULT))
     return path if path.exists() else None
+
+
+def litellm_version(exe: Path) -> str:
+    """The version of the LiteLLM next to ``exe`` (in its own virtual environment)."""
+    code = "import importlib.metadata as m; print(m.version('litellm'))"
+    found = subprocess.run(
+        [str(exe.with_name("python")), "-c", code], capture_output=True, text=True, check=False
+    )
+    return found.stdout.strip() or "unknown"
 
 
 def _upstream() -> Contender:
@@ -115,7 +125,7 @@ def gateway_suite(report: Report) -> None:
                         report.log(f"[7 gateway] {done}/{total}: {label}, {load}")
                         run = run_bench(url, [*args, "--model", MODEL, "--api-key", KEY])
                         cells.setdefault((load, key), Cell()).runs.append(run)
-    _write(report, cells, ways, loads, gateways, exe is not None)
+    _write(report, cells, ways, loads, gateways, litellm_version(exe) if exe else None)
 
 
 def _write(
@@ -124,7 +134,7 @@ def _write(
     ways: list[tuple[str, str, str]],
     loads: dict[str, list[str]],
     gateways: list[Contender],
-    with_litellm: bool,
+    litellm: str | None,
 ) -> None:
     def ttft(key: str, q: str = "p50_ms") -> float:
         return cells[("latency", key)].median("summary", "ttft", q)
@@ -145,7 +155,8 @@ def _write(
         "## 7. Gateway mode: Seedance vs LiteLLM's proxy",
         "",
         "The same synthetic OpenAI upstream (no model time) is reached directly, through "
-        "Seedance's `openai` engine and through LiteLLM's proxy (one worker). The gateway has "
+        f"Seedance's `openai` engine and through LiteLLM's proxy ({litellm or 'absent'}, "
+        "one worker). The gateway has "
         "one core; the upstream and the load generator share the other. *Added* is the "
         "gateway's TTFT p50 minus the direct one. Requests/s is 32 users sending 16-token "
         "requests back to back; the core shared by the upstream and the load generator caps "
@@ -156,7 +167,7 @@ def _write(
         *rows,
         "",
     ]
-    if with_litellm:
+    if litellm:
         ours, theirs = ttft("seedance-http") - direct50, ttft("litellm") - direct50
         ours_rps, theirs_rps = rps("seedance-http"), rps("litellm")
         report.goals.append(
