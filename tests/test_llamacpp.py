@@ -446,3 +446,13 @@ async def test_the_openai_package_drives_the_real_model(llama: RunningServer) ->
     assert usage.prompt_tokens == len(
         engine.model.tokenize("The capital of France is", special=True)
     )
+
+
+async def test_metrics_report_the_kv_cache_in_use(llama: RunningServer) -> None:
+    from tests.test_metrics import scrape, value
+
+    async with connect(llama.url) as session:
+        await session.complete("What is 2+2?", temperature=0, max_tokens=5)
+    samples, _ = scrape(llama)
+    usage = value(samples, "seedance_kv_cache_usage_ratio", model="smollm2-135m", engine="llamacpp")
+    assert 0 < usage < 1  # the conversation's cells stay, for its next turn

@@ -133,3 +133,7 @@ class Engine(abc.ABC):
 
     def health(self) -> EngineHealth:
         return EngineHealth(ok=True)
+
+    def kv_cache_usage(self) -> float | None:
+        """Share of the KV cache in use (0 to 1), where the engine knows it (for /metrics)."""
+        return None

@@ -21,6 +21,7 @@ from starlette.routing import Route, WebSocketRoute
 from seedance.config import ServerConfig
 from seedance.engines.base import Engine
 from seedance.engines.registry import create_engine
+from seedance.observability.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from seedance.server.endpoint import InferEndpoint
 from seedance.server.openai_api import OpenAIEndpoint
 from seedance.server.state import ServerState
@@ -78,6 +79,9 @@ def create_app(
             return json_response({"status": "unhealthy", "detail": detail}, 503)
         return json_response({"status": "ok"})
 
+    async def metrics(request: Request) -> Response:
+        return Response(state.metrics.render(), headers={"content-type": METRICS_CONTENT_TYPE})
+
     async def models(request: Request) -> Response:
         data = [
             {
@@ -120,6 +124,7 @@ def create_app(
             WebSocketRoute(INFER_PATH, infer),
             Route(INFER_PATH, upgrade_required),
             Route("/healthz", healthz),
+            Route("/metrics", metrics),
             Route("/v1/models", models),
             Route("/v1/chat/completions", OpenAIEndpoint(state, "chat"), methods=["POST"]),
             Route("/v1/completions", OpenAIEndpoint(state, "completion"), methods=["POST"]),

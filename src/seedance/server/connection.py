@@ -93,6 +93,7 @@ class Connection:
     async def run(self) -> None:
         """Serve until the client or the server closes the connection."""
         self._run_task = asyncio.current_task()
+        self.state.metrics.connections_opened.inc()
         self._arm_timer()
         logger.info(
             "conn %s open peer=%s session=%s model=%s",
@@ -180,6 +181,8 @@ class Connection:
         await self._stop_generation(silent=True)  # disconnect: abort the engine, send nothing
         await self.out.stop()
         duration = self._loop.time() - self.opened_at
+        code = "1006" if self.close_code is None else str(self.close_code)
+        self.state.metrics.connections_closed.labels(code).inc()
         logger.info(
             "conn %s closed code=%s duration_s=%.1f requests=%d",
             self.id,
@@ -235,6 +238,7 @@ class Connection:
         elif self._ping_sent_at is not None:
             self.last_rtt_s = self._loop.time() - self._ping_sent_at
             self._ping_sent_at = None
+            self.state.metrics.heartbeat_rtt.observe(self.last_rtt_s)
 
     async def _end_session(self) -> None:
         self._cancel_generation(silent=True)
@@ -251,6 +255,8 @@ class Connection:
             self._admit(message, request_id, received)
         except SeedanceError as exc:
             exc.request_id = request_id
+            model = self.model
+            self.state.metrics.requests.labels(model.name, model.engine.info.engine, exc.code).inc()
             raise
         except Exception as exc:
             logger.exception("request %s failed to start", request_id)

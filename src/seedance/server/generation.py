@@ -13,6 +13,7 @@ import secrets
 from typing import TYPE_CHECKING
 
 from seedance.engines.base import GenerationRequest, SamplingParams
+from seedance.observability.metrics import RequestMeter
 from seedance.protocol.codec import encode_error, encode_frame
 from seedance.protocol.errors import EngineError, InternalError, SeedanceError
 from seedance.protocol.messages import (
@@ -69,6 +70,10 @@ class Generation:
         self.parts: list[str] = []
         self.cancel_requested = False
         self.task: asyncio.Task[None] | None = None
+        model = connection.model
+        self.meter = RequestMeter(
+            connection.state.metrics, model.name, model.engine.info.engine, received
+        )
 
     def start(self) -> None:
         self.task = asyncio.create_task(self.run(), name=f"generate-{self.request_id}")
@@ -91,6 +96,7 @@ class Generation:
         try:
             await model.admission.acquire()
             self.admitted_at = asyncio.get_running_loop().time()
+            self.meter.admitted(self.admitted_at, self.prompt_tokens)
             out.put_soon(  # shares a write with the first token when that comes at once
                 encode_frame(
                     StartFrame(
@@ -134,6 +140,7 @@ class Generation:
             if self.admitted_at is not None:
                 model.admission.release()
             connection.generation_ended(self)
+            self.meter.ended(asyncio.get_running_loop().time(), outcome or "aborted")
             self._log(outcome)
 
     async def _stream(self) -> FinishReason:
@@ -150,11 +157,14 @@ class Generation:
         )
         tokens = TokenStream(self.request_id) if message.stream else None
         stream = connection.model.engine.generate(request)
+        meter = self.meter
         try:
             async for delta in stream:
                 if delta.tokens:
+                    now = loop.time()
                     if self.first_token_at is None:
-                        self.first_token_at = loop.time()
+                        self.first_token_at = now
+                    meter.tokens(now, delta.tokens)
                     self.parts.append(delta.text)
                     if tokens is not None:
                         out.put_token(tokens, delta.text, delta.tokens)

@@ -21,6 +21,7 @@ from typing import Any, Final
 import msgspec
 
 from seedance.engines.base import GenerationRequest, SamplingParams, TokenDelta
+from seedance.observability.metrics import RequestMeter
 from seedance.protocol.codec import FrameLimits
 from seedance.protocol.errors import (
     EngineError,
@@ -104,7 +105,7 @@ class OpenAIEndpoint:
         else:
             watcher.cancel()
         await asyncio.gather(work, watcher, return_exceptions=True)
-        call.log()
+        call.ended()
 
 
 class _Call:
@@ -122,11 +123,15 @@ class _Call:
         self.completion_tokens = 0
         self.first_token_at: float | None = None
         self.outcome = ""
+        self.meter: RequestMeter | None = None
 
     async def run(self, body: bytes) -> None:
         try:
             request = self.endpoint._decode(body, self.endpoint.limits)
             self.model = model = self.state.resolve_model(request.model)
+            self.meter = RequestMeter(
+                self.state.metrics, model.name, model.engine.info.engine, self.received
+            )
             if model.limits.max_tokens < request.generate.max_tokens:
                 raise InvalidRequest(f"max_tokens must be between 1 and {model.limits.max_tokens}")
             if self.state.draining:
@@ -136,6 +141,7 @@ class _Call:
             raw = request.kind == "completion"
             self.prompt_tokens = engine.prompt_tokens(messages, raw=raw)
             await model.admission.acquire()
+            self.meter.admitted(time.monotonic(), self.prompt_tokens)
             try:
                 await self._generate(model, request)
             finally:
@@ -161,10 +167,15 @@ class _Call:
         parts: list[str] = []
         finish: FinishReason = "stop"
         stream = model.engine.generate(generation)
+        meter = self.meter
+        assert meter is not None
         try:
             async for delta in stream:
-                if delta.tokens and self.first_token_at is None:
-                    self.first_token_at = time.monotonic()
+                if delta.tokens:
+                    now = time.monotonic()
+                    if self.first_token_at is None:
+                        self.first_token_at = now
+                    meter.tokens(now, delta.tokens)
                 self.completion_tokens += delta.tokens
                 if request.stream:
                     await self._stream_delta(chunks, delta)
@@ -232,6 +243,12 @@ class _Call:
     async def _respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
         await self._start(status, [*headers, (b"content-length", str(len(body)).encode())])
         await self.send({"type": "http.response.body", "body": body})
+
+    def ended(self) -> None:
+        """The response is over: metrics and the log line."""
+        if self.meter is not None:
+            self.meter.ended(time.monotonic(), self.outcome or "aborted")
+        self.log()
 
     def log(self) -> None:
         if not logger.isEnabledFor(logging.INFO):

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 
 from seedance.config import ConfigError, ServerConfig
 from seedance.engines.base import Engine
+from seedance.observability.gpu import open_gpu_memory
+from seedance.observability.metrics import Metrics, state_metrics
 from seedance.protocol.codec import FrameLimits
 from seedance.protocol.errors import ModelNotFound
 from seedance.server.admission import Admission
@@ -70,6 +72,9 @@ class ServerState:
         )
         self.draining = False
         self._started = False
+        self.metrics = Metrics()
+        gpu = open_gpu_memory()
+        self.metrics.add_collector(lambda: state_metrics(self, gpu))
 
     def resolve_model(self, name: str | None) -> ServedModel:
         model = self.models.get(name or self.default_model)

@@ -21,7 +21,7 @@ import logging
 import struct
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.exceptions import PayloadTooBig
@@ -117,6 +117,9 @@ class TokenStream:
 
     __slots__ = ("_encoder", "_texts", "count", "last_sent", "seq", "size", "waiting")
 
+    #: Token deltas that joined an earlier frame, in this process (read by /metrics).
+    merged: ClassVar[int] = 0
+
     def __init__(self, request_id: str) -> None:
         self._encoder = TokenFrameEncoder(request_id)
         self._texts: list[str] = []
@@ -137,9 +140,11 @@ class TokenStream:
     def take(self, now: float) -> tuple[str, int]:
         """The frame, and the bytes it was counted as; the stream is then empty."""
         texts = self._texts
-        frame = self._encoder.encode(
-            texts[0] if len(texts) == 1 else "".join(texts), self.seq, self.count
-        )
+        if len(texts) == 1:
+            frame = self._encoder.encode(texts[0], self.seq, self.count)
+        else:
+            TokenStream.merged += len(texts) - 1
+            frame = self._encoder.encode("".join(texts), self.seq, self.count)
         size = self.size
         self.seq += self.count
         self.count = 0

@@ -253,6 +253,10 @@ class TransformersEngine(Engine):
         failure = self.loop.failure
         return EngineHealth(ok=failure is None, detail=failure or "")
 
+    def kv_cache_usage(self) -> float:
+        batch = self.loop.batch  # read from another thread: a moment's figure
+        return len(batch) * batch.columns / (self.max_concurrency * self._info.context_length)
+
     def count_tokens(self, text: str) -> int:
         return self.prompts.count(text)
 

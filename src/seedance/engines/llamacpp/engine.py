@@ -94,6 +94,9 @@ class LlamaCppEngine(Engine):
         failure = self.scheduler.failure
         return EngineHealth(ok=failure is None, detail=failure or "")
 
+    def kv_cache_usage(self) -> float:
+        return self.scheduler.cells_in_use() / (self.context.shape.n_seq * self.context.n_ctx_seq)
+
     # -- tokens ------------------------------------------------------------------------------
 
     def count_tokens(self, text: str) -> int:

@@ -142,6 +142,10 @@ class Scheduler(DecodeLoop):
             slot.last_used = time.monotonic()
             job.slot = None
 
+    def cells_in_use(self) -> int:
+        """KV cells holding tokens (read from another thread: a moment's figure)."""
+        return sum(len(slot.tokens) for slot in self._slots)
+
     def _shutdown(self) -> None:
         for slot in self._slots:
             if slot.job is not None:

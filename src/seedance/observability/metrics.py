@@ -1,0 +1,196 @@
+"""Prometheus metrics, served on ``GET /metrics`` in the text format (``prometheus-client``).
+
+Events that happen per request (first token, end, queue time) are observed as they happen, with
+labels for the model and engine only (never session or request ids, which would make a series
+per request). Figures that describe the present (open connections, live sessions, running and
+waiting generations, KV slots, GPU memory) are read from the server's state when Prometheus
+scrapes, so they cost nothing between scrapes. Names mirror vLLM's where the meaning is the
+same (``..._time_to_first_token_seconds``, ``..._inter_token_latency_seconds``); every name is
+listed in docs/observability.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Final
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from seedance.observability.gpu import GpuMemory
+from seedance.server.transport import TokenStream
+
+if TYPE_CHECKING:
+    from seedance.server.state import ServerState
+
+#: Latency buckets: milliseconds resolved at the low end, minutes at the top.
+LATENCY_BUCKETS: Final = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4,
+    0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0,
+)  # fmt: skip
+CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
+MODEL_LABELS: Final = ("model", "engine")
+#: Exported only where they mean something: GPU memory (a GPU and NVML), KV usage (engines
+#: that know it).
+CONDITIONAL_METRICS: Final = (
+    "seedance_gpu_memory_used_bytes",
+    "seedance_gpu_memory_total_bytes",
+    "seedance_kv_cache_usage_ratio",
+)
+
+
+class Metrics:
+    """The server's metrics, in a registry of its own (several servers may share a process)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+
+        def histogram(name: str, doc: str, labels: Iterable[str] = MODEL_LABELS) -> Histogram:
+            return Histogram(name, doc, list(labels), buckets=LATENCY_BUCKETS, registry=r)
+
+        self.ttft = histogram(
+            "seedance_time_to_first_token_seconds",
+            "From reading the request to sending its first token.",
+        )
+        self.itl = histogram(
+            "seedance_inter_token_latency_seconds",
+            "Between two tokens of a reply (a delta of n tokens counts n gaps of its mean).",
+        )
+        self.e2e = histogram(
+            "seedance_e2e_request_latency_seconds",
+            "From reading the request to its end (done, error or cancel).",
+        )
+        self.queue = histogram(
+            "seedance_request_queue_time_seconds",
+            "From reading the request to its admission (waiting for a free slot).",
+        )
+        self.heartbeat_rtt = histogram(
+            "seedance_heartbeat_round_trip_seconds",
+            "From the server's heartbeat ping to the client's pong.",
+            labels=(),
+        )
+        self.requests = Counter(
+            "seedance_requests",
+            "Requests ended, by outcome (a finish reason, an error code, cancelled, aborted).",
+            [*MODEL_LABELS, "outcome"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "seedance_prompt_tokens",
+            "Prompt tokens of admitted requests.",
+            MODEL_LABELS,
+            registry=r,
+        )
+        self.generation_tokens = Counter(
+            "seedance_generation_tokens", "Tokens generated and sent.", MODEL_LABELS, registry=r
+        )
+        self.connections_opened = Counter(
+            "seedance_connections_opened", "WebSocket connections accepted.", registry=r
+        )
+        self.connections_closed = Counter(
+            "seedance_connections_closed",
+            "WebSocket connections ended, by close code (1006: dropped without a close).",
+            ["code"],
+            registry=r,
+        )
+
+    def add_collector(self, collect: Callable[[], Iterable[Metric]]) -> None:
+        """Figures read at scrape time: ``collect`` yields metric families."""
+        self.registry.register(_Live(collect))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _Live(Collector):
+    def __init__(self, collect: Callable[[], Iterable[Metric]]) -> None:
+        self._collect = collect
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._collect()
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())  # names vary with the models served: not checked at registration
+
+
+def gauge(name: str, doc: str, labels: Iterable[str] = ()) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, labels=list(labels))
+
+
+class RequestMeter:
+    """One request's observations, with its labelled series looked up once."""
+
+    __slots__ = ("_e2e", "_first", "_itl", "_labels", "_last", "_metrics", "_tokens", "received")
+
+    def __init__(self, metrics: Metrics, model: str, engine: str, received: float) -> None:
+        self._metrics = metrics
+        self._labels = (model, engine)
+        self.received = received
+        self._first: float | None = None
+        self._last = received
+        self._itl = metrics.itl.labels(model, engine)
+        self._tokens = metrics.generation_tokens.labels(model, engine)
+        self._e2e = metrics.e2e.labels(model, engine)
+
+    def admitted(self, now: float, prompt_tokens: int) -> None:
+        metrics, labels = self._metrics, self._labels
+        metrics.queue.labels(*labels).observe(now - self.received)
+        metrics.prompt_tokens.labels(*labels).inc(prompt_tokens)
+
+    def tokens(self, now: float, count: int) -> None:
+        """``count`` tokens were sent at ``now``."""
+        if self._first is None:
+            self._first = now
+            self._metrics.ttft.labels(*self._labels).observe(now - self.received)
+        elif count > 0:
+            gap = (now - self._last) / count
+            observe = self._itl.observe
+            for _ in range(count):
+                observe(gap)
+        self._last = now
+        self._tokens.inc(count)
+
+    def ended(self, now: float, outcome: str) -> None:
+        self._e2e.observe(now - self.received)
+        self._metrics.requests.labels(*self._labels, outcome).inc()
+
+
+def state_metrics(state: ServerState, gpu: GpuMemory | None) -> Iterator[Metric]:
+    """The gauges of a server, read when Prometheus scrapes."""
+    connections = gauge("seedance_connections", "Open WebSocket connections.")
+    connections.add_metric([], len(state.connections))
+    sessions = gauge("seedance_sessions", "Live sessions in the session store.")
+    sessions.add_metric([], len(state.sessions))
+    running = gauge("seedance_requests_running", "Generations admitted and running.", MODEL_LABELS)
+    waiting = gauge("seedance_requests_waiting", "Generations waiting for admission.", MODEL_LABELS)
+    running_limit = gauge(
+        "seedance_requests_running_limit", "Generations run at once at most.", MODEL_LABELS
+    )
+    waiting_limit = gauge(
+        "seedance_requests_waiting_limit", "Length of the admission queue.", MODEL_LABELS
+    )
+    kv = gauge(
+        "seedance_kv_cache_usage_ratio", "Share of the engine's KV cache in use.", MODEL_LABELS
+    )
+    for model in state.models.values():
+        labels = [model.name, model.engine.info.engine]
+        admission = model.admission
+        running.add_metric(labels, admission.running)
+        waiting.add_metric(labels, admission.waiting)
+        running_limit.add_metric(labels, admission.max_running)
+        waiting_limit.add_metric(labels, admission.max_waiting)
+        usage = model.engine.kv_cache_usage()
+        if usage is not None:
+            kv.add_metric(labels, usage)
+    merged = CounterMetricFamily(
+        "seedance_frames_merged",
+        "Token deltas that joined an earlier token frame instead of making their own.",
+    )
+    merged.add_metric([], TokenStream.merged)
+    yield from (connections, sessions, running, waiting, running_limit, waiting_limit, merged)
+    if kv.samples:
+        yield kv
+    if gpu is not None:
+        yield from gpu.collect()
