@@ -11,15 +11,20 @@ listed in docs/observability.md.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Final
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from seedance.observability.gpu import GpuMemory
-from seedance.server.transport import TokenStream
 
 if TYPE_CHECKING:
     from seedance.server.state import ServerState
@@ -54,10 +59,12 @@ class Metrics:
             "seedance_time_to_first_token_seconds",
             "From reading the request to sending its first token.",
         )
-        self.itl = histogram(
+        # Observed once per token: series of our own, without prometheus-client's locks.
+        self.itl = TokenHistogram(
             "seedance_inter_token_latency_seconds",
             "Between two tokens of a reply (a delta of n tokens counts n gaps of its mean).",
         )
+        r.register(self.itl)
         self.e2e = histogram(
             "seedance_e2e_request_latency_seconds",
             "From reading the request to its end (done, error or cancel).",
@@ -83,9 +90,10 @@ class Metrics:
             MODEL_LABELS,
             registry=r,
         )
-        self.generation_tokens = Counter(
-            "seedance_generation_tokens", "Tokens generated and sent.", MODEL_LABELS, registry=r
+        self.generation_tokens = TokenCounter(
+            "seedance_generation_tokens", "Tokens generated and sent."
         )
+        r.register(self.generation_tokens)
         self.connections_opened = Counter(
             "seedance_connections_opened", "WebSocket connections accepted.", registry=r
         )
@@ -119,6 +127,77 @@ def gauge(name: str, doc: str, labels: Iterable[str] = ()) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, labels=list(labels))
 
 
+class TokenHistogram(Collector):
+    """A histogram by model and engine, observed from the event loop's thread only."""
+
+    def __init__(self, name: str, doc: str) -> None:
+        self.name, self.doc = name, doc
+        self._series: dict[tuple[str, str], TokenHistogramSeries] = {}
+
+    def labels(self, model: str, engine: str) -> TokenHistogramSeries:
+        series = self._series.get((model, engine))
+        if series is None:
+            series = self._series[(model, engine)] = TokenHistogramSeries()
+        return series
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(self.name, self.doc, labels=list(MODEL_LABELS))
+        for labels, series in list(self._series.items()):
+            counts, total = list(series.counts), series.sum
+            cumulative, running = [], 0
+            for bound, count in zip((*LATENCY_BUCKETS, float("inf")), counts, strict=True):
+                running += count
+                cumulative.append((_bound(bound), running))
+            family.add_metric(list(labels), cumulative, total)
+        yield family
+
+
+def _bound(value: float) -> str:
+    return "+Inf" if value == float("inf") else repr(value)
+
+
+class TokenHistogramSeries:
+    __slots__ = ("counts", "sum")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(LATENCY_BUCKETS) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float, times: int = 1) -> None:
+        self.counts[bisect_left(LATENCY_BUCKETS, value)] += times
+        self.sum += value * times
+
+
+class TokenCounter(Collector):
+    """A counter by model and engine, increased from the event loop's thread only."""
+
+    def __init__(self, name: str, doc: str) -> None:
+        self.name, self.doc = name, doc
+        self._series: dict[tuple[str, str], TokenCounterSeries] = {}
+
+    def labels(self, model: str, engine: str) -> TokenCounterSeries:
+        series = self._series.get((model, engine))
+        if series is None:
+            series = self._series[(model, engine)] = TokenCounterSeries()
+        return series
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(self.name, self.doc, labels=list(MODEL_LABELS))
+        for labels, series in list(self._series.items()):
+            family.add_metric(list(labels), series.value)
+        yield family
+
+
+class TokenCounterSeries:
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def inc(self, amount: int = 1) -> None:
+        self.value += amount
+
+
 class RequestMeter:
     """One request's observations, with its labelled series looked up once."""
 
@@ -145,10 +224,7 @@ class RequestMeter:
             self._first = now
             self._metrics.ttft.labels(*self._labels).observe(now - self.received)
         elif count > 0:
-            gap = (now - self._last) / count
-            observe = self._itl.observe
-            for _ in range(count):
-                observe(gap)
+            self._itl.observe((now - self._last) / count, count)
         self._last = now
         self._tokens.inc(count)
 
@@ -159,6 +235,8 @@ class RequestMeter:
 
 def state_metrics(state: ServerState, gpu: GpuMemory | None) -> Iterator[Metric]:
     """The gauges of a server, read when Prometheus scrapes."""
+    from seedance.server.transport import TokenStream  # the server imports this module
+
     connections = gauge("seedance_connections", "Open WebSocket connections.")
     connections.add_metric([], len(state.connections))
     sessions = gauge("seedance_sessions", "Live sessions in the session store.")
