@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import uvicorn
 
+from seedance.client.session import Stream, TokenChunk
 from seedance.config import ServerConfig
 from seedance.engines.base import Engine
 from seedance.engines.synthetic import SyntheticEngine
@@ -174,3 +175,27 @@ def server_process() -> Iterator[Callable[..., ServerProcess]]:
     yield factory
     for proc in procs:
         proc.stop()
+
+
+async def read(stream: Stream) -> list[TokenChunk]:
+    return [chunk async for chunk in stream]
+
+
+def assert_contiguous(chunks: list[TokenChunk], completion_tokens: int) -> None:
+    """Token frames' ``seq`` run on without gaps and add up to the reply's tokens."""
+    seq = 0
+    for chunk in chunks:
+        assert chunk.seq == seq, [(c.seq, c.n) for c in chunks]
+        seq += chunk.n
+    assert seq == completion_tokens
+
+
+def serve_fails(*args: str, timeout_s: float = 60) -> str:
+    """``seedance serve ARGS`` must stop at once with exit code 2 and no traceback; its
+    stderr."""
+    result = subprocess.run(
+        [SEEDANCE, "serve", *args], capture_output=True, text=True, timeout=timeout_s
+    )
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    return result.stderr

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -18,13 +17,13 @@ from typing import Any
 import pytest
 
 from seedance.client import connect
-from seedance.client.session import Stream, TokenChunk
+from seedance.client.session import TokenChunk
 from seedance.config import ServerConfig
 from seedance.engines.base import GenerationRequest, SamplingParams
 from seedance.engines.llamacpp import LlamaCppEngine, default_model_path
 from seedance.protocol.errors import SeedanceError
 from seedance.protocol.messages import ChatMessage, RequestId
-from tests.conftest import SEEDANCE, RunningServer
+from tests.conftest import RunningServer, assert_contiguous, read, serve_fails
 
 N_CTX_SEQ = 1024
 
@@ -49,24 +48,12 @@ def engine_of(server: RunningServer) -> LlamaCppEngine:
     return engine
 
 
-async def read(stream: Stream) -> list[TokenChunk]:
-    return [chunk async for chunk in stream]
-
-
 async def eventually(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
     """The decode thread acts on a cancel at its next step: wait for it."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     while not condition():
         assert asyncio.get_running_loop().time() < deadline, "condition never held"
         await asyncio.sleep(0.01)
-
-
-def assert_contiguous(chunks: list[TokenChunk], completion_tokens: int) -> None:
-    seq = 0
-    for chunk in chunks:
-        assert chunk.seq == seq, [(c.seq, c.n) for c in chunks]
-        seq += chunk.n
-    assert seq == completion_tokens
 
 
 async def test_what_is_two_plus_two(llama: RunningServer) -> None:
@@ -349,26 +336,12 @@ async def test_a_dead_decode_loop_fails_requests_and_healthz() -> None:
 
 def test_model_file_errors_are_one_clear_line(tmp_path: Path) -> None:
     missing = tmp_path / "nope.gguf"
-    result = subprocess.run(
-        [SEEDANCE, "serve", "--engine", "llamacpp", "--model-path", str(missing)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 2
-    assert f"model file not found: {missing}" in result.stderr
-    assert "Traceback" not in result.stderr
+    stderr = serve_fails("--engine", "llamacpp", "--model-path", str(missing))
+    assert f"model file not found: {missing}" in stderr
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"not a model at all")
-    result = subprocess.run(
-        [SEEDANCE, "serve", "--engine", "llamacpp", "--model-path", str(junk)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 2
-    assert f"cannot load model file {junk}" in result.stderr
-    assert "Traceback" not in result.stderr
+    stderr = serve_fails("--engine", "llamacpp", "--model-path", str(junk))
+    assert f"cannot load model file {junk}" in stderr
 
 
 def test_the_embedded_model_is_found_in_its_package() -> None:
@@ -400,7 +373,7 @@ async def test_restoring_a_saved_state_into_a_full_cache_keeps_both() -> None:
         b = (ChatMessage("user", "B: " + " ".join(f"berry{i}" for i in range(80))),)
         first_a = await ask(a)
         one_state = engine.context.state_size(0)  # A's cells, alone in the context
-        engine.scheduler.cache.max_bytes = one_state * 3 // 2  # room for one state, not two
+        engine.loop.cache.max_bytes = one_state * 3 // 2  # room for one state, not two
         await ask(b)  # saves A
         again_a = await ask(a)  # restores A, saves B
         again_b = await ask(b)  # restores B

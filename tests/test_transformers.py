@@ -7,7 +7,6 @@ sequences) serves every test that needs the model.
 from __future__ import annotations
 
 import asyncio
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,13 +18,13 @@ pytest.importorskip("torch", reason=NEEDS)
 pytest.importorskip("transformers", reason=NEEDS)
 
 from seedance.client import connect  # noqa: E402
-from seedance.client.session import Stream, TokenChunk  # noqa: E402
+from seedance.client.session import TokenChunk  # noqa: E402
 from seedance.config import ConfigError, ServerConfig  # noqa: E402
 from seedance.engines.hf import create_engine  # noqa: E402
 from seedance.engines.hf.engine import TransformersEngine  # noqa: E402
 from seedance.protocol.errors import SeedanceError  # noqa: E402
 from seedance.protocol.messages import ChatMessage  # noqa: E402
-from tests.conftest import SEEDANCE, RunningServer  # noqa: E402
+from tests.conftest import RunningServer, assert_contiguous, read, serve_fails  # noqa: E402
 
 PARALLEL = 4
 N_CTX_SEQ = 1024
@@ -46,18 +45,6 @@ def engine_of(server: RunningServer) -> TransformersEngine:
     engine = server.engine
     assert isinstance(engine, TransformersEngine)
     return engine
-
-
-async def read(stream: Stream) -> list[TokenChunk]:
-    return [chunk async for chunk in stream]
-
-
-def assert_contiguous(chunks: list[TokenChunk], completion_tokens: int) -> None:
-    seq = 0
-    for chunk in chunks:
-        assert chunk.seq == seq, [(c.seq, c.n) for c in chunks]
-        seq += chunk.n
-    assert seq == completion_tokens
 
 
 async def eventually_idle(engine: TransformersEngine, timeout_s: float = 20.0) -> None:
@@ -238,26 +225,12 @@ async def test_the_openai_package_drives_it(hf: RunningServer) -> None:
 
 def test_load_errors_are_one_clear_line(tmp_path: Path) -> None:
     missing = tmp_path / "nope.gguf"
-    result = subprocess.run(
-        [SEEDANCE, "serve", "--engine", "transformers", "--model-path", str(missing)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 2, result.stderr
-    assert f"model not found: {missing}" in result.stderr
-    assert "Traceback" not in result.stderr
+    stderr = serve_fails("--engine", "transformers", "--model-path", str(missing), timeout_s=120)
+    assert f"model not found: {missing}" in stderr
     empty = tmp_path / "empty-model"
     empty.mkdir()
-    result = subprocess.run(
-        [SEEDANCE, "serve", "--engine", "transformers", "--model-path", str(empty)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 2, result.stderr
-    assert f"transformers cannot load {empty}" in result.stderr
-    assert "Traceback" not in result.stderr
+    stderr = serve_fails("--engine", "transformers", "--model-path", str(empty), timeout_s=120)
+    assert f"transformers cannot load {empty}" in stderr
 
 
 def test_cuda_without_a_gpu_is_refused() -> None:

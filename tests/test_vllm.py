@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import pytest
 
 from seedance.client import connect
 from seedance.config import ServerConfig
-from tests.conftest import SEEDANCE, RunningServer
+from tests.conftest import RunningServer, serve_fails
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 MODEL = os.environ.get("SEEDANCE_VLLM_MODEL", "")
@@ -28,15 +27,9 @@ MODEL = os.environ.get("SEEDANCE_VLLM_MODEL", "")
 def test_without_vllm_the_engine_says_how_to_install_it(tmp_path: Path) -> None:
     if HAS_VLLM:
         pytest.skip("vLLM is installed here")
-    result = subprocess.run(
-        [SEEDANCE, "serve", "--engine", "vllm", "--model-path", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
+    stderr = serve_fails("--engine", "vllm", "--model-path", str(tmp_path))
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
     assert "--engine vllm needs vLLM" in lines[0]
     assert "pip install 'seedance[vllm]'" in lines[0]
 

@@ -24,12 +24,14 @@ import asyncio
 import codecs
 import contextlib
 import logging
+import secrets
 import threading
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from seedance.engines.base import SamplingParams, TokenDelta
+from seedance.engines.base import EngineHealth, GenerationRequest, SamplingParams, TokenDelta
+from seedance.engines.prompts import PromptedEngine
 from seedance.engines.stops import StopMatcher
 from seedance.eventloop import LightQueue
 from seedance.protocol.errors import EngineError
@@ -300,3 +302,38 @@ async def run_job(
     finally:
         if not finished:
             loop.cancel(job)
+
+
+class BatchedEngine(PromptedEngine):
+    """An engine whose requests run as jobs of a :class:`DecodeLoop` in this process."""
+
+    loop: DecodeLoop
+
+    @abc.abstractmethod
+    def _job(
+        self, prompt: list[int], params: SamplingParams, limit: int, seed: int, sink: Any
+    ) -> BatchJob:
+        """The loop's job for one request."""
+
+    @property
+    def stats(self) -> SchedulerStats:
+        return self.loop.stats
+
+    async def start(self) -> None:
+        self.loop.start(asyncio.get_running_loop())
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.loop.stop)
+
+    def health(self) -> EngineHealth:
+        failure = self.loop.failure
+        return EngineHealth(ok=failure is None, detail=failure or "")
+
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
+        prompt = self.prompts.tokens(request.messages, request.raw)
+        params = request.params
+        seed = params.seed if params.seed is not None else secrets.randbits(32)
+        events = LightQueue()  # filled a decode step at a time
+        job = self._job(prompt, params, self.reply_limit(prompt, params), seed, events)
+        async for delta in run_job(self.loop, job, events, request.request_id):
+            yield delta

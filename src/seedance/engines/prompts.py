@@ -6,12 +6,14 @@ are kept for a while (keyed by the messages) so the work is done once.
 
 from __future__ import annotations
 
+import abc
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Final
 
 import jinja2
 
+from seedance.engines.base import Engine, ModelInfo, SamplingParams
 from seedance.engines.template import ChatTemplate
 from seedance.protocol.errors import ContextOverflow, InvalidRequest
 from seedance.protocol.messages import ChatMessage
@@ -78,3 +80,30 @@ class Prompts:
         per_message = max(0, per_message // 2 - content)
         reply = max(0, size(one) - per_message - content)
         return per_message, reply
+
+
+class PromptedEngine(Engine, abc.ABC):
+    """An engine that renders and tokenizes prompts itself, so its counts are exact."""
+
+    prompts: Prompts
+    _info: ModelInfo
+
+    @property
+    def info(self) -> ModelInfo:
+        return self._info
+
+    def _use_prompts(self, prompts: Prompts) -> None:
+        self.prompts = prompts
+        self.message_overhead_tokens, self.reply_overhead_tokens = prompts.overheads()
+
+    def count_tokens(self, text: str) -> int:
+        return self.prompts.count(text)
+
+    def prompt_tokens(
+        self, messages: Sequence[ChatMessage], estimate: int | None = None, *, raw: bool = False
+    ) -> int:
+        return len(self.prompts.tokens(messages, raw))
+
+    def reply_limit(self, prompt: list[int], params: SamplingParams) -> int:
+        """Most tokens the reply may have: ``max_tokens``, or what the context has left."""
+        return min(params.max_tokens, self._info.context_length - len(prompt))

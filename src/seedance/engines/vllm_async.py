@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import importlib
 import logging
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from seedance.config import ConfigError
-from seedance.engines.base import Engine, EngineHealth, GenerationRequest, ModelInfo, TokenDelta
-from seedance.engines.prompts import Prompts
+from seedance.engines.base import EngineHealth, GenerationRequest, ModelInfo, TokenDelta
+from seedance.engines.prompts import PromptedEngine
 from seedance.protocol.errors import EngineError, InvalidRequest
-from seedance.protocol.messages import ChatMessage, FinishReason
+from seedance.protocol.messages import FinishReason
 
 if TYPE_CHECKING:
     from seedance.config import ServerConfig
@@ -45,7 +45,7 @@ def require_vllm() -> Any:
         ) from None
 
 
-class VllmEngine(Engine):
+class VllmEngine(PromptedEngine):
     """Streams from an in-process ``vllm.v1.engine.async_llm.AsyncLLM``."""
 
     max_concurrency = VLLM_MAX_SEQS
@@ -90,12 +90,7 @@ class VllmEngine(Engine):
             name=name, engine="vllm", context_length=context, max_output_tokens=context
         )
         tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
-        self.prompts: Prompts = tokenizer_prompts(tokenizer, context)
-        self.message_overhead_tokens, self.reply_overhead_tokens = self.prompts.overheads()
-
-    @property
-    def info(self) -> ModelInfo:
-        return self._info
+        self._use_prompts(tokenizer_prompts(tokenizer, context))
 
     async def close(self) -> None:
         self.llm.shutdown()
@@ -105,14 +100,6 @@ class VllmEngine(Engine):
             return EngineHealth(ok=False, detail="the vLLM engine died")
         return EngineHealth(ok=True)
 
-    def count_tokens(self, text: str) -> int:
-        return self.prompts.count(text)
-
-    def prompt_tokens(
-        self, messages: Sequence[ChatMessage], estimate: int | None = None, *, raw: bool = False
-    ) -> int:
-        return len(self.prompts.tokens(messages, raw))
-
     def _sampling(self, request: GenerationRequest, prompt: list[int]) -> Any:
         from vllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -121,7 +108,7 @@ class VllmEngine(Engine):
             n=1,
             temperature=params.temperature,
             top_p=params.top_p,
-            max_tokens=min(params.max_tokens, self._info.context_length - len(prompt)),
+            max_tokens=self.reply_limit(prompt, params),
             seed=params.seed,
             stop=list(params.stop) or None,
             output_kind=RequestOutputKind.DELTA,

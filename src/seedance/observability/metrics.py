@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import (
@@ -36,6 +36,7 @@ LATENCY_BUCKETS: Final = (
 )  # fmt: skip
 CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
 MODEL_LABELS: Final = ("model", "engine")
+S = TypeVar("S")
 #: Exported only where they mean something: GPU memory (a GPU and NVML), KV usage (engines
 #: that know it).
 CONDITIONAL_METRICS: Final = (
@@ -127,18 +128,38 @@ def gauge(name: str, doc: str, labels: Iterable[str] = ()) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, labels=list(labels))
 
 
-class TokenHistogram(Collector):
-    """A histogram by model and engine, observed from the event loop's thread only."""
+class _TokenSeries(Collector, Generic[S]):
+    """Series by model and engine, updated from the event loop's thread only (no locks)."""
 
-    def __init__(self, name: str, doc: str) -> None:
+    def __init__(self, name: str, doc: str, new: Callable[[], S]) -> None:
         self.name, self.doc = name, doc
-        self._series: dict[tuple[str, str], TokenHistogramSeries] = {}
+        self._new = new
+        self._series: dict[tuple[str, str], S] = {}
 
-    def labels(self, model: str, engine: str) -> TokenHistogramSeries:
+    def labels(self, model: str, engine: str) -> S:
         series = self._series.get((model, engine))
         if series is None:
-            series = self._series[(model, engine)] = TokenHistogramSeries()
+            series = self._series[(model, engine)] = self._new()
         return series
+
+
+class TokenHistogramSeries:
+    __slots__ = ("counts", "sum")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(LATENCY_BUCKETS) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float, times: int = 1) -> None:
+        self.counts[bisect_left(LATENCY_BUCKETS, value)] += times
+        self.sum += value * times
+
+
+class TokenHistogram(_TokenSeries[TokenHistogramSeries]):
+    """A histogram by model and engine, observed once per token."""
+
+    def __init__(self, name: str, doc: str) -> None:
+        super().__init__(name, doc, TokenHistogramSeries)
 
     def collect(self) -> Iterator[Metric]:
         family = HistogramMetricFamily(self.name, self.doc, labels=list(MODEL_LABELS))
@@ -156,38 +177,6 @@ def _bound(value: float) -> str:
     return "+Inf" if value == float("inf") else repr(value)
 
 
-class TokenHistogramSeries:
-    __slots__ = ("counts", "sum")
-
-    def __init__(self) -> None:
-        self.counts = [0] * (len(LATENCY_BUCKETS) + 1)
-        self.sum = 0.0
-
-    def observe(self, value: float, times: int = 1) -> None:
-        self.counts[bisect_left(LATENCY_BUCKETS, value)] += times
-        self.sum += value * times
-
-
-class TokenCounter(Collector):
-    """A counter by model and engine, increased from the event loop's thread only."""
-
-    def __init__(self, name: str, doc: str) -> None:
-        self.name, self.doc = name, doc
-        self._series: dict[tuple[str, str], TokenCounterSeries] = {}
-
-    def labels(self, model: str, engine: str) -> TokenCounterSeries:
-        series = self._series.get((model, engine))
-        if series is None:
-            series = self._series[(model, engine)] = TokenCounterSeries()
-        return series
-
-    def collect(self) -> Iterator[Metric]:
-        family = CounterMetricFamily(self.name, self.doc, labels=list(MODEL_LABELS))
-        for labels, series in list(self._series.items()):
-            family.add_metric(list(labels), series.value)
-        yield family
-
-
 class TokenCounterSeries:
     __slots__ = ("value",)
 
@@ -196,6 +185,19 @@ class TokenCounterSeries:
 
     def inc(self, amount: int = 1) -> None:
         self.value += amount
+
+
+class TokenCounter(_TokenSeries[TokenCounterSeries]):
+    """A counter by model and engine, increased once per token delta."""
+
+    def __init__(self, name: str, doc: str) -> None:
+        super().__init__(name, doc, TokenCounterSeries)
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(self.name, self.doc, labels=list(MODEL_LABELS))
+        for labels, series in list(self._series.items()):
+            family.add_metric(list(labels), series.value)
+        yield family
 
 
 class RequestMeter:

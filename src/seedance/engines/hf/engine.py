@@ -15,30 +15,21 @@ runs its own loop on the model's plain forward pass instead:
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import logging
-import secrets
-from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
 from typing import Any, Final
 
 import torch
 
 from seedance.engines.base import (
-    Engine,
-    EngineHealth,
-    GenerationRequest,
     ModelInfo,
     SamplingParams,
-    TokenDelta,
 )
-from seedance.engines.batching import BatchJob, DecodeLoop, SchedulerStats, run_job
+from seedance.engines.batching import BatchedEngine, BatchJob, DecodeLoop
 from seedance.engines.hf.batch import PaddedBatch, check_cache
 from seedance.engines.hf.loader import Loaded, load, stop_tokens, token_pieces, tokenizer_prompts
 from seedance.engines.local import context_per_sequence, machine_cores
-from seedance.eventloop import LightQueue
-from seedance.protocol.messages import ChatMessage
 
 logger = logging.getLogger(__name__)
 
@@ -203,8 +194,10 @@ class TorchLoop(DecodeLoop):
         self.batch.clear()
 
 
-class TransformersEngine(Engine):
+class TransformersEngine(BatchedEngine):
     """A transformers causal LM, batched by :class:`TorchLoop`."""
+
+    loop: TorchLoop
 
     def __init__(
         self,
@@ -224,8 +217,7 @@ class TransformersEngine(Engine):
         self._info = ModelInfo(
             name=name, engine="transformers", context_length=context, max_output_tokens=context
         )
-        self.prompts = tokenizer_prompts(loaded.tokenizer, context)
-        self.message_overhead_tokens, self.reply_overhead_tokens = self.prompts.overheads()
+        self._use_prompts(tokenizer_prompts(loaded.tokenizer, context))
         self.loop = TorchLoop(loaded, parallel)
         self._warm_up()
 
@@ -235,42 +227,11 @@ class TransformersEngine(Engine):
         ids = torch.tensor([self.prompts.encode("hello", True) or [0]], device=self.loaded.device)
         check_cache(output_cache(self.loaded.model(input_ids=ids, use_cache=True)))
 
-    @property
-    def info(self) -> ModelInfo:
-        return self._info
-
-    @property
-    def stats(self) -> SchedulerStats:
-        return self.loop.stats
-
-    async def start(self) -> None:
-        self.loop.start(asyncio.get_running_loop())
-
-    async def close(self) -> None:
-        await asyncio.to_thread(self.loop.stop)
-
-    def health(self) -> EngineHealth:
-        failure = self.loop.failure
-        return EngineHealth(ok=failure is None, detail=failure or "")
-
     def kv_cache_usage(self) -> float:
         batch = self.loop.batch  # read from another thread: a moment's figure
         return len(batch) * batch.columns / (self.max_concurrency * self._info.context_length)
 
-    def count_tokens(self, text: str) -> int:
-        return self.prompts.count(text)
-
-    def prompt_tokens(
-        self, messages: Sequence[ChatMessage], estimate: int | None = None, *, raw: bool = False
-    ) -> int:
-        return len(self.prompts.tokens(messages, raw))
-
-    async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
-        prompt = self.prompts.tokens(request.messages, request.raw)
-        params = request.params
-        limit = min(params.max_tokens, self._info.context_length - len(prompt))
-        seed = params.seed if params.seed is not None else secrets.randbits(32)
-        events = LightQueue()
-        job = TorchJob(prompt, params, limit, seed, events, self.loaded.device)
-        async for delta in run_job(self.loop, job, events, request.request_id):
-            yield delta
+    def _job(
+        self, prompt: list[int], params: SamplingParams, limit: int, seed: int, sink: Any
+    ) -> TorchJob:
+        return TorchJob(prompt, params, limit, seed, sink, self.loaded.device)

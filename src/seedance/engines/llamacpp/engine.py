@@ -2,20 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
-import secrets
-from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from seedance.engines.base import (
-    Engine,
-    EngineHealth,
-    GenerationRequest,
-    ModelInfo,
-    TokenDelta,
-)
-from seedance.engines.batching import SchedulerStats, run_job
+from seedance.engines.base import ModelInfo, SamplingParams
+from seedance.engines.batching import BatchedEngine
 from seedance.engines.llamacpp.native import ContextShape, LlamaContext, LlamaModel
 from seedance.engines.llamacpp.scheduler import Job, Scheduler
 from seedance.engines.local import (
@@ -25,15 +16,15 @@ from seedance.engines.local import (
 )
 from seedance.engines.prompts import Prompts
 from seedance.engines.template import ChatTemplate
-from seedance.eventloop import LightQueue
-from seedance.protocol.messages import ChatMessage
 
 if TYPE_CHECKING:
     from seedance.config import ServerConfig
 
 
-class LlamaCppEngine(Engine):
+class LlamaCppEngine(BatchedEngine):
     """Several sequences decoded together in one llama.cpp context (see ``scheduler``)."""
+
+    loop: Scheduler
 
     def __init__(
         self,
@@ -47,14 +38,14 @@ class LlamaCppEngine(Engine):
         state_cache_mb: float = 512.0,
         kv_reuse: bool = True,
     ) -> None:
-        self.model = LlamaModel(model_path)
-        n_ctx_seq = context_per_sequence(n_ctx, parallel, self.model.n_ctx_train)
+        self.model = model = LlamaModel(model_path)
+        n_ctx_seq = context_per_sequence(n_ctx, parallel, model.n_ctx_train)
         shape = ContextShape(
             n_seq=parallel, n_ctx_seq=n_ctx_seq, n_batch=n_batch, threads=threads or machine_cores()
         )
-        self.context = LlamaContext(self.model, shape)
-        self.scheduler = Scheduler(
-            self.model,
+        self.context = LlamaContext(model, shape)
+        self.loop = Scheduler(
+            model,
             self.context,
             state_cache_bytes=int(state_cache_mb * 1024 * 1024) if kv_reuse else 0,
             reuse=kv_reuse,
@@ -66,58 +57,26 @@ class LlamaCppEngine(Engine):
             context_length=self.context.n_ctx_seq,
             max_output_tokens=self.context.n_ctx_seq,
         )
-        model = self.model
-        self.prompts = Prompts(
-            model_template(model),
-            lambda text, special: model.tokenize(text, special=special),
-            self._info.context_length,
+        self._use_prompts(
+            Prompts(
+                model_template(model),
+                lambda text, special: model.tokenize(text, special=special),
+                self._info.context_length,
+            )
         )
-        self.message_overhead_tokens, self.reply_overhead_tokens = self.prompts.overheads()
-
-    @property
-    def info(self) -> ModelInfo:
-        return self._info
-
-    @property
-    def stats(self) -> SchedulerStats:
-        return self.scheduler.stats
-
-    async def start(self) -> None:
-        self.scheduler.start(asyncio.get_running_loop())
 
     async def close(self) -> None:
-        await asyncio.to_thread(self.scheduler.stop)
+        await super().close()
         self.context.close()
         self.model.close()
 
-    def health(self) -> EngineHealth:
-        failure = self.scheduler.failure
-        return EngineHealth(ok=failure is None, detail=failure or "")
-
     def kv_cache_usage(self) -> float:
-        return self.scheduler.cells_in_use() / (self.context.shape.n_seq * self.context.n_ctx_seq)
+        return self.loop.cells_in_use() / (self.context.shape.n_seq * self.context.n_ctx_seq)
 
-    # -- tokens ------------------------------------------------------------------------------
-
-    def count_tokens(self, text: str) -> int:
-        return self.prompts.count(text)
-
-    def prompt_tokens(
-        self, messages: Sequence[ChatMessage], estimate: int | None = None, *, raw: bool = False
-    ) -> int:
-        return len(self.prompts.tokens(messages, raw))
-
-    # -- generation --------------------------------------------------------------------------
-
-    async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
-        prompt = self.prompts.tokens(request.messages, request.raw)
-        params = request.params
-        limit = min(params.max_tokens, self._info.context_length - len(prompt))
-        seed = params.seed if params.seed is not None else secrets.randbits(32)
-        events = LightQueue()  # filled a decode step at a time
-        job = Job(prompt, params, limit, seed, events)
-        async for delta in run_job(self.scheduler, job, events, request.request_id):
-            yield delta
+    def _job(
+        self, prompt: list[int], params: SamplingParams, limit: int, seed: int, sink: Any
+    ) -> Job:
+        return Job(prompt, params, limit, seed, sink)
 
 
 def model_template(model: LlamaModel) -> ChatTemplate:
