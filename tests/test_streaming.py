@@ -153,3 +153,15 @@ def test_reference_javascript_client_unchanged(make_server, tmp_path: Path) -> N
     assert session is not None and len(session.turns) == 2
     # One line per token frame (frames may merge tokens): together, the whole reply.
     assert "".join(lines[:-1]) == session.turns[1].message.content
+
+
+async def test_timings_resolve_below_a_millisecond(server: RunningServer) -> None:
+    # uvloop's loop.time() counts whole milliseconds: timings must come from a finer clock.
+    ws, _ = await open_session(server.url)
+    async with ws:
+        timings = [
+            (await generate(ws, prompt="t", max_tokens=3, reset=True))[-1]["timing"]
+            for _ in range(5)
+        ]
+    values = [t[k] for t in timings for k in ("ttft_ms", "total_ms")]
+    assert any(v != int(v) for v in values), values

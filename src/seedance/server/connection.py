@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
 from typing import TYPE_CHECKING
 
 from seedance.protocol.codec import (
@@ -78,7 +79,8 @@ class Connection:
         self._loop = asyncio.get_running_loop()
         self.opened_at = self._loop.time()
         self.last_inbound = self.opened_at
-        self._ping_sent_at: float | None = None
+        self._ping_sent_at: float | None = None  # loop time, for the timers
+        self._ping_sent_clock = 0.0  # time.monotonic(), for the round trip
         self.last_rtt_s: float | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._generation: Generation | None = None
@@ -236,7 +238,7 @@ class Connection:
         if classify_binary(data) == "ping":
             self.out.put(HEARTBEAT_PONG)
         elif self._ping_sent_at is not None:
-            self.last_rtt_s = self._loop.time() - self._ping_sent_at
+            self.last_rtt_s = time.monotonic() - self._ping_sent_clock
             self._ping_sent_at = None
             self.state.metrics.heartbeat_rtt.observe(self.last_rtt_s)
 
@@ -249,7 +251,9 @@ class Connection:
     # ------------------------------------------------------------------ generations
 
     def _start_generation(self, message: Generate) -> None:
-        received = self.last_inbound  # when the frame was read
+        # When the frame was read (it is handled as it is parsed). Request timings use
+        # time.monotonic(): uvloop's loop.time() counts whole milliseconds.
+        received = time.monotonic()
         request_id = RequestId(message.request_id) if message.request_id else new_request_id()
         try:
             self._admit(message, request_id, received)
@@ -370,5 +374,6 @@ class Connection:
             self._ping_sent_at is None or self._ping_sent_at < self.last_inbound
         ):
             self._ping_sent_at = now
+            self._ping_sent_clock = time.monotonic()
             self.out.put(HEARTBEAT_PING)
         self._arm_timer()

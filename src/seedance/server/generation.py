@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
 from typing import TYPE_CHECKING
 
 from seedance.engines.base import GenerationRequest, SamplingParams
@@ -95,7 +96,7 @@ class Generation:
             )
         try:
             await model.admission.acquire()
-            self.admitted_at = asyncio.get_running_loop().time()
+            self.admitted_at = time.monotonic()
             self.meter.admitted(self.admitted_at, self.prompt_tokens)
             out.put_soon(  # shares a write with the first token when that comes at once
                 encode_frame(
@@ -140,7 +141,7 @@ class Generation:
             if self.admitted_at is not None:
                 model.admission.release()
             connection.generation_ended(self)
-            self.meter.ended(asyncio.get_running_loop().time(), outcome or "aborted")
+            self.meter.ended(time.monotonic(), outcome or "aborted")
             self._log(outcome)
 
     async def _stream(self) -> FinishReason:
@@ -148,7 +149,7 @@ class Generation:
         connection = self.connection
         out = connection.out
         message = self.message
-        loop = asyncio.get_running_loop()
+        clock = time.monotonic
         request = GenerationRequest(
             request_id=self.request_id,
             messages=tuple(t.message for t in self.context),
@@ -161,7 +162,7 @@ class Generation:
         try:
             async for delta in stream:
                 if delta.tokens:
-                    now = loop.time()
+                    now = clock()
                     if self.first_token_at is None:
                         self.first_token_at = now
                     meter.tokens(now, delta.tokens)
@@ -184,7 +185,7 @@ class Generation:
 
     def _timing(self) -> Timing:
         """Milliseconds from the moment the frame was read: queued, first token, total."""
-        now = asyncio.get_running_loop().time()
+        now = time.monotonic()
         return Timing(
             queue_ms=_ms((self.admitted_at or now) - self.received),
             ttft_ms=None
