@@ -22,6 +22,7 @@ from seedance.client.session import Stream, TokenChunk
 from seedance.config import ServerConfig
 from seedance.engines.base import Engine
 from seedance.engines.synthetic import SyntheticEngine
+from seedance.observability.tracing import Tracing
 from seedance.server.app import create_app
 from seedance.server.runner import SeedanceServer, build_server
 from seedance.server.state import ServerState
@@ -32,9 +33,14 @@ SEEDANCE = str(Path(sys.executable).with_name("seedance"))
 class RunningServer:
     """A server on 127.0.0.1 with an ephemeral port, served from a background thread."""
 
-    def __init__(self, config: ServerConfig, engines: Sequence[Engine] | None) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        engines: Sequence[Engine] | None,
+        tracing: Tracing | None = None,
+    ) -> None:
         self.config = dataclasses.replace(config, host="127.0.0.1", port=0)
-        self.app = create_app(self.config, engines=engines)
+        self.app = create_app(self.config, engines=engines, tracing=tracing)
         self.state: ServerState = self.app.state.seedance
         self.server: SeedanceServer = build_server(self.config, self.app)
         self._thread = threading.Thread(target=self.server.run, name="test-server", daemon=True)
@@ -82,12 +88,15 @@ def asgi_server(app: Any) -> Iterator[str]:
 
 @pytest.fixture
 def make_server() -> Iterator[Callable[..., RunningServer]]:
-    """``make_server(engines=None, **config_fields)`` starts a server; stopped at teardown."""
+    """``make_server(engines=None, tracing=None, **config_fields)`` starts a server; stopped
+    at teardown."""
     servers: list[RunningServer] = []
 
-    def factory(engines: Sequence[Engine] | None = None, **fields: Any) -> RunningServer:
+    def factory(
+        engines: Sequence[Engine] | None = None, tracing: Tracing | None = None, **fields: Any
+    ) -> RunningServer:
         fields.setdefault("engine", "synthetic")  # the default engine loads a real model
-        server = RunningServer(ServerConfig(**fields), engines).start()
+        server = RunningServer(ServerConfig(**fields), engines, tracing).start()
         servers.append(server)
         return server
 

@@ -96,11 +96,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def configure_logging(config: ServerConfig) -> None:
     level = getattr(logging, config.log_level.upper())
-    logging.basicConfig(
-        level=level,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    from seedance.observability.logs import LOG_FORMAT, RequestIdsFilter
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(RequestIdsFilter())
+    logging.basicConfig(level=level, format=LOG_FORMAT, handlers=[handler])
     # uvicorn's own per-connection lines repeat ours; keep its warnings and errors.
     uvicorn_level = level if level <= logging.DEBUG else logging.WARNING
     logging.getLogger("uvicorn.error").setLevel(uvicorn_level)

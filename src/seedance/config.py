@@ -25,6 +25,7 @@ else:  # pragma: no cover
 
 ENV_PREFIX = "SEEDANCE_"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+OTLP_PROTOCOLS = ("http/protobuf", "grpc")
 
 
 class ConfigError(SeedanceError):
@@ -49,6 +50,9 @@ class ServerConfig:
     gpu_memory_utilization: float = 0.9
     log_level: str = "info"
     log_prompts: bool = False
+    otlp_endpoint: str | None = None
+    otlp_protocol: str | None = None
+    trace_tokens: bool = False
     max_frame_bytes: int = 1024 * 1024
     session_ttl_s: float = 1800.0
     max_sessions: int = 100_000
@@ -107,6 +111,13 @@ def _urls(text: str) -> tuple[str, ...]:
         if not url.startswith(("http://", "https://")):
             raise ValueError(url)
     return urls
+
+
+def _url(text: str) -> str:
+    url = text.strip()
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(url)
+    return url
 
 
 def _positive(v: float) -> bool:
@@ -204,6 +215,29 @@ OPTIONS: tuple[Option, ...] = (
         "--log-prompts",
         _bool,
         "log prompts and completions at DEBUG (off by default)",
+    ),
+    Option(
+        "otlp_endpoint",
+        "--otlp-endpoint",
+        _url,
+        "export traces over OTLP to this collector (http://host:4318 for http/protobuf, "
+        "http://host:4317 for grpc); unset, OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT decides, and "
+        "without either nothing is exported",
+    ),
+    Option(
+        "otlp_protocol",
+        "--otlp-protocol",
+        str.lower,
+        "OTLP transport: http/protobuf or grpc (default: OTEL_EXPORTER_OTLP_PROTOCOL, else "
+        "http/protobuf)",
+        lambda v: v in OTLP_PROTOCOLS,
+        "one of " + ", ".join(OTLP_PROTOCOLS),
+    ),
+    Option(
+        "trace_tokens",
+        "--trace-tokens",
+        _bool,
+        "record each token's emit time, by seq, in its request's span (off by default)",
     ),
     Option(
         "max_frame_bytes",

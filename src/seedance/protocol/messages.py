@@ -49,6 +49,8 @@ class Generate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     seed: int | None = None
     request_id: str | None = None
     reset: bool = False
+    #: W3C trace context for browsers, which cannot set handshake headers.
+    traceparent: str | None = None
 
     def turns(self) -> list[ChatMessage]:
         """The turns this request appends to the session context."""

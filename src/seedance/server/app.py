@@ -22,6 +22,7 @@ from seedance.config import ServerConfig
 from seedance.engines.base import Engine
 from seedance.engines.registry import create_engine
 from seedance.observability.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from seedance.observability.tracing import Tracing
 from seedance.server.endpoint import InferEndpoint
 from seedance.server.openai_api import OpenAIEndpoint
 from seedance.server.state import ServerState
@@ -66,10 +67,12 @@ def create_app(
     *,
     engines: Sequence[Engine] | None = None,
     sessions: SessionStore | None = None,
+    tracing: Tracing | None = None,
 ) -> SeedanceApp:
-    """Build the app. ``engines`` defaults to the one ``config.engine`` names."""
+    """Build the app. ``engines`` defaults to the one ``config.engine`` names, ``tracing``
+    to what the config and the ``OTEL_*`` variables ask for."""
     config = config or ServerConfig()
-    state = ServerState(config, engines or [create_engine(config)], sessions)
+    state = ServerState(config, engines or [create_engine(config)], sessions, tracing)
 
     async def healthz(request: Request) -> Response:
         if state.draining:

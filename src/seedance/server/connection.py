@@ -8,11 +8,13 @@ queue. A ``cancel`` or a disconnect closes the engine's iterator, which stops th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
 from typing import TYPE_CHECKING
 
+from seedance.observability.tracing import Attributes, Tracing
 from seedance.protocol.codec import (
     check_frame_size,
     classify_binary,
@@ -46,6 +48,8 @@ from seedance.sessions.context import fit_context
 from seedance.sessions.session import Session, Turn
 
 if TYPE_CHECKING:
+    from opentelemetry.context import Context
+
     from seedance.server.state import ServedModel, ServerState
 
 logger = logging.getLogger(__name__)
@@ -62,6 +66,7 @@ class Connection:
         session: Session,
         model: ServedModel,
         peer: str,
+        trace_parent: Context | None = None,
     ) -> None:
         self.state = state
         self.config = state.config
@@ -70,6 +75,9 @@ class Connection:
         self.model = model
         self.peer = peer
         self.id = "c-" + secrets.token_hex(4)
+        #: The client's trace context from the handshake: the parent of requests' spans.
+        self.trace_parent = trace_parent
+        self.trace = state.tracing.connection(trace_parent, self._span_attributes)
         self.out = Outbound(
             ws,
             max_pending_bytes=self.config.max_pending_bytes,
@@ -185,6 +193,7 @@ class Connection:
         duration = self._loop.time() - self.opened_at
         code = "1006" if self.close_code is None else str(self.close_code)
         self.state.metrics.connections_closed.labels(code).inc()
+        self.trace.end(self.close_code, self.requests)
         logger.info(
             "conn %s closed code=%s duration_s=%.1f requests=%d",
             self.id,
@@ -220,6 +229,15 @@ class Connection:
 
     def _on_overflow(self) -> None:
         self._abort(f"client not reading: over {self.config.max_pending_bytes} bytes held")
+
+    def _span_attributes(self) -> Attributes:
+        return {
+            "seedance.connection_id": self.id,
+            "seedance.session_id": self.session.session_id,
+            "gen_ai.request.model": self.model.name,
+            "client.address": self.peer.rpartition(":")[0] or self.peer,
+            "url.path": "/v2/infer",
+        }
 
     # ------------------------------------------------------------------ inbound frames
 
@@ -261,6 +279,7 @@ class Connection:
             exc.request_id = request_id
             model = self.model
             self.state.metrics.requests.labels(model.name, model.engine.info.engine, exc.code).inc()
+            self._trace_refusal(message, request_id, received, exc)
             raise
         except Exception as exc:
             logger.exception("request %s failed to start", request_id)
@@ -281,14 +300,42 @@ class Connection:
         engine = self.model.engine
         name = self.model.name
         new_turns = [Turn(m, engine.count_message_tokens(m), name) for m in message.turns()]
+        trace_parent = (
+            Tracing.from_field(message.traceparent) if message.traceparent else self.trace_parent
+        )
         history = [] if message.reset else self._history()
         context, prompt_tokens = self._fit(history, new_turns, message.max_tokens)
         session.begin(request_id)
         self._generation = Generation(
-            self, message, request_id, new_turns, context, prompt_tokens, received
+            self, message, request_id, new_turns, context, prompt_tokens, received, trace_parent
         )
         self.requests += 1
         self._generation.start()
+
+    def _trace_refusal(
+        self, message: Generate, request_id: RequestId, received: float, error: SeedanceError
+    ) -> None:
+        """A span for a request refused before it started (busy session, no room, ...)."""
+        tracing = self.state.tracing
+        if not tracing.enabled:
+            return
+        parent = self.trace_parent
+        if message.traceparent:
+            with contextlib.suppress(SeedanceError):  # the refusal may be this field's
+                parent = Tracing.from_field(message.traceparent)
+        attributes = {"seedance.request_id": request_id, "seedance.connection_id": self.id}
+        trace = tracing.request(
+            f"chat {self.model.name}", parent, received, lambda: attributes, self.trace
+        )
+        trace.end(
+            received=received,
+            admitted=None,
+            first_token=None,
+            last_token=None,
+            outcome=error.code,
+            error=(error.code, error.message),
+            attributes={"gen_ai.request.model": self.model.name},
+        )
 
     def _fit(
         self, history: list[Turn], new_turns: list[Turn], max_tokens: int

@@ -7,6 +7,7 @@ from typing import Any
 from urllib.parse import parse_qs
 
 from seedance import SERVER_NAME
+from seedance.observability.tracing import Tracing
 from seedance.protocol.codec import encode_error, encode_frame, validate_session_id
 from seedance.protocol.errors import CLOSE_GOING_AWAY, Overloaded, SeedanceError
 from seedance.protocol.messages import SUBPROTOCOL, SessionFrame, SessionId, TenantId
@@ -73,7 +74,8 @@ class InferEndpoint:
                     )
                 )
             )
-            connection = Connection(state, ws, session, model, peer)
+            parent = Tracing.from_headers(scope.get("headers", ()))
+            connection = Connection(state, ws, session, model, peer, parent)
             state.connections.add(connection)
             try:
                 await connection.run()

@@ -14,7 +14,9 @@ import time
 from typing import TYPE_CHECKING
 
 from seedance.engines.base import GenerationRequest, SamplingParams
+from seedance.observability.logs import bind_request
 from seedance.observability.metrics import RequestMeter
+from seedance.observability.tracing import Attributes, request_attributes
 from seedance.protocol.codec import encode_error, encode_frame
 from seedance.protocol.errors import EngineError, InternalError, SeedanceError
 from seedance.protocol.messages import (
@@ -31,6 +33,8 @@ from seedance.server.transport import TokenStream
 from seedance.sessions.session import Turn
 
 if TYPE_CHECKING:
+    from opentelemetry.context import Context
+
     from seedance.server.connection import Connection
 
 logger = logging.getLogger(__name__)
@@ -38,10 +42,6 @@ logger = logging.getLogger(__name__)
 
 def new_request_id() -> RequestId:
     return RequestId("r-" + secrets.token_hex(6))
-
-
-def new_trace_id() -> str:
-    return secrets.token_hex(16)
 
 
 class Generation:
@@ -56,17 +56,18 @@ class Generation:
         context: list[Turn],
         prompt_tokens: int,
         received: float,
+        trace_parent: Context | None,
     ) -> None:
         self.connection = connection
         self.message = message
         self.request_id = request_id
-        self.trace_id = new_trace_id()
         self.new_turns = new_turns
         self.context = context
         self.prompt_tokens = prompt_tokens
         self.received = received
         self.admitted_at: float | None = None
         self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
         self.completion_tokens = 0
         self.parts: list[str] = []
         self.cancel_requested = False
@@ -75,6 +76,11 @@ class Generation:
         self.meter = RequestMeter(
             connection.state.metrics, model.name, model.engine.info.engine, received
         )
+        self.trace = connection.state.tracing.request(
+            f"chat {model.name}", trace_parent, received, self._span_attributes, connection.trace
+        )
+        self.trace_id = self.trace.trace_id
+        self.error: SeedanceError | None = None
 
     def start(self) -> None:
         self.task = asyncio.create_task(self.run(), name=f"generate-{self.request_id}")
@@ -90,6 +96,7 @@ class Generation:
         out = connection.out
         model = connection.model
         outcome = ""
+        bind_request(self.request_id, self.trace_id)
         if connection.config.log_prompts:
             logger.debug(
                 "request %s prompt=%r", self.request_id, [t.message for t in self.new_turns]
@@ -131,17 +138,19 @@ class Generation:
             out.put(self._done("cancelled"))
         except SeedanceError as exc:
             outcome = exc.code
+            self.error = exc
             out.put(encode_error(exc, self.request_id))
         except Exception:
             outcome = "internal_error"
             logger.exception("request %s failed", self.request_id)
-            error = InternalError(f"internal error on request {self.request_id}")
-            out.put(encode_error(error, self.request_id))
+            self.error = InternalError(f"internal error on request {self.request_id}")
+            out.put(encode_error(self.error, self.request_id))
         finally:
             if self.admitted_at is not None:
                 model.admission.release()
             connection.generation_ended(self)
             self.meter.ended(time.monotonic(), outcome or "aborted")
+            self._end_trace(outcome or "aborted")
             self._log(outcome)
 
     async def _stream(self) -> FinishReason:
@@ -159,13 +168,17 @@ class Generation:
         tokens = TokenStream(self.request_id) if message.stream else None
         stream = connection.model.engine.generate(request)
         meter = self.meter
+        token_times = self.trace.token_times  # a list with --trace-tokens
         try:
             async for delta in stream:
                 if delta.tokens:
                     now = clock()
                     if self.first_token_at is None:
                         self.first_token_at = now
+                    self.last_token_at = now
                     meter.tokens(now, delta.tokens)
+                    if token_times is not None:
+                        token_times.append((now, delta.tokens))
                     self.parts.append(delta.text)
                     if tokens is not None:
                         out.put_token(tokens, delta.text, delta.tokens)
@@ -182,6 +195,38 @@ class Generation:
             raise EngineError(f"the model failed on request {self.request_id}; retry") from exc
         finally:
             await stream.aclose()
+
+    def _span_attributes(self) -> Attributes:
+        """The request span's attributes when it opens (OpenTelemetry's GenAI names)."""
+        connection, message = self.connection, self.message
+        return {
+            "gen_ai.operation.name": "chat",
+            "gen_ai.request.model": connection.model.name,
+            **request_attributes(message),
+            "seedance.engine": connection.model.engine.info.engine,
+            "seedance.request_id": self.request_id,
+            "seedance.session_id": connection.session.session_id,
+            "seedance.connection_id": connection.id,
+            "gen_ai.usage.input_tokens": self.prompt_tokens,
+        }
+
+    def _end_trace(self, outcome: str) -> None:
+        if self.trace.span is None:
+            return
+        error = self.error
+        self.trace.end(
+            received=self.received,
+            admitted=self.admitted_at,
+            first_token=self.first_token_at,
+            last_token=self.last_token_at,
+            outcome=outcome,
+            error=None if error is None else (error.code, error.message),
+            attributes={
+                "gen_ai.response.id": self.request_id,
+                "gen_ai.response.model": self.connection.model.name,
+                "gen_ai.usage.output_tokens": self.completion_tokens,
+            },
+        )
 
     def _timing(self) -> Timing:
         """Milliseconds from the moment the frame was read: queued, first token, total."""

@@ -16,12 +16,14 @@ import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
 
 from seedance.engines.base import GenerationRequest, SamplingParams, TokenDelta
+from seedance.observability.logs import bind_request
 from seedance.observability.metrics import RequestMeter
+from seedance.observability.tracing import Attributes, Tracing, request_attributes
 from seedance.protocol.codec import FrameLimits
 from seedance.protocol.errors import (
     EngineError,
@@ -34,6 +36,9 @@ from seedance.protocol.errors import (
 from seedance.protocol.messages import FinishReason, RequestId
 from seedance.protocol.openai import OpenAIRequest, decode_chat, decode_completion
 from seedance.server.state import ServedModel, ServerState
+
+if TYPE_CHECKING:
+    from opentelemetry.context import Context
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +82,8 @@ class OpenAIEndpoint:
     def __init__(self, state: ServerState, kind: str) -> None:
         self.state = state
         self.kind = kind
+        self.operation = "chat" if kind == "chat" else "text_completion"
+        self.path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
         self._decode = decode_chat if kind == "chat" else decode_completion
         # Bodies are checked against the largest model limit, then against the chosen model.
         self.limits = FrameLimits(
@@ -88,7 +95,8 @@ class OpenAIEndpoint:
         request_id = RequestId(
             ("chatcmpl-" if self.kind == "chat" else "cmpl-") + secrets.token_hex(12)
         )
-        call = _Call(self, request_id, send)
+        call = _Call(self, request_id, send, Tracing.from_headers(scope.get("headers", ())))
+        bind_request(request_id, call.trace.trace_id)  # for this task and those it starts
         try:
             body = await _read_body(receive, self.state.config.max_frame_bytes)
         except _Disconnected:
@@ -111,7 +119,13 @@ class OpenAIEndpoint:
 class _Call:
     """One HTTP request, from its body to the last byte of its response."""
 
-    def __init__(self, endpoint: OpenAIEndpoint, request_id: RequestId, send: Send) -> None:
+    def __init__(
+        self,
+        endpoint: OpenAIEndpoint,
+        request_id: RequestId,
+        send: Send,
+        trace_parent: Context | None,
+    ) -> None:
         self.endpoint = endpoint
         self.state = endpoint.state
         self.request_id = request_id
@@ -119,15 +133,23 @@ class _Call:
         self.started = False  # response headers sent
         self.received = time.monotonic()
         self.model: ServedModel | None = None
+        self.request: OpenAIRequest | None = None
         self.prompt_tokens = 0
         self.completion_tokens = 0
+        self.admitted_at: float | None = None
         self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
         self.outcome = ""
+        self.error: SeedanceError | None = None
         self.meter: RequestMeter | None = None
+        self.trace = self.state.tracing.request(
+            endpoint.operation, trace_parent, self.received, self._span_attributes
+        )
+        self._trace_header = (b"traceparent", self.trace.traceparent.encode())
 
     async def run(self, body: bytes) -> None:
         try:
-            request = self.endpoint._decode(body, self.endpoint.limits)
+            self.request = request = self.endpoint._decode(body, self.endpoint.limits)
             self.model = model = self.state.resolve_model(request.model)
             self.meter = RequestMeter(
                 self.state.metrics, model.name, model.engine.info.engine, self.received
@@ -141,7 +163,8 @@ class _Call:
             raw = request.kind == "completion"
             self.prompt_tokens = engine.prompt_tokens(messages, raw=raw)
             await model.admission.acquire()
-            self.meter.admitted(time.monotonic(), self.prompt_tokens)
+            self.admitted_at = time.monotonic()
+            self.meter.admitted(self.admitted_at, self.prompt_tokens)
             try:
                 await self._generate(model, request)
             finally:
@@ -169,13 +192,17 @@ class _Call:
         stream = model.engine.generate(generation)
         meter = self.meter
         assert meter is not None
+        token_times = self.trace.token_times  # a list with --trace-tokens
         try:
             async for delta in stream:
                 if delta.tokens:
                     now = time.monotonic()
                     if self.first_token_at is None:
                         self.first_token_at = now
+                    self.last_token_at = now
                     meter.tokens(now, delta.tokens)
+                    if token_times is not None:
+                        token_times.append((now, delta.tokens))
                 self.completion_tokens += delta.tokens
                 if request.stream:
                     await self._stream_delta(chunks, delta)
@@ -220,6 +247,7 @@ class _Call:
 
     async def fail(self, error: SeedanceError) -> None:
         self.outcome = error.code
+        self.error = error
         if not self.started:
             headers = list(_JSON_HEADERS)
             if error.retry_after_s is not None:
@@ -233,6 +261,7 @@ class _Call:
 
     async def _start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.started = True
+        headers = [*headers, self._trace_header]
         await self.send({"type": "http.response.start", "status": status, "headers": headers})
 
     async def _event(self, data: bytes) -> None:
@@ -248,7 +277,44 @@ class _Call:
         """The response is over: metrics and the log line."""
         if self.meter is not None:
             self.meter.ended(time.monotonic(), self.outcome or "aborted")
+        self._end_trace()
         self.log()
+
+    def _span_attributes(self) -> Attributes:
+        return {
+            "gen_ai.operation.name": self.endpoint.operation,
+            "seedance.request_id": self.request_id,
+            "http.request.method": "POST",
+            "url.path": self.endpoint.path,
+        }
+
+    def _end_trace(self) -> None:
+        trace = self.trace
+        if trace.span is None:
+            return
+        attributes: dict[str, str | int | float] = {
+            "gen_ai.usage.input_tokens": self.prompt_tokens,
+            "gen_ai.usage.output_tokens": self.completion_tokens,
+            "gen_ai.response.id": self.request_id,
+        }
+        model, request = self.model, self.request
+        if model is not None:
+            attributes["gen_ai.request.model"] = model.name
+            attributes["gen_ai.response.model"] = model.name
+            attributes["seedance.engine"] = model.engine.info.engine
+            trace.span.update_name(f"{self.endpoint.operation} {model.name}")
+        if request is not None:
+            attributes.update(request_attributes(request.generate))
+        error = self.error
+        trace.end(
+            received=self.received,
+            admitted=self.admitted_at,
+            first_token=self.first_token_at,
+            last_token=self.last_token_at,
+            outcome=self.outcome or "aborted",
+            error=None if error is None else (error.code, error.message),
+            attributes=attributes,
+        )
 
     def log(self) -> None:
         if not logger.isEnabledFor(logging.INFO):

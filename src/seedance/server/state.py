@@ -12,6 +12,7 @@ from seedance.config import ConfigError, ServerConfig
 from seedance.engines.base import Engine
 from seedance.observability.gpu import open_gpu_memory
 from seedance.observability.metrics import Metrics, state_metrics
+from seedance.observability.tracing import Tracing
 from seedance.protocol.codec import FrameLimits
 from seedance.protocol.errors import ModelNotFound
 from seedance.server.admission import Admission
@@ -40,6 +41,7 @@ class ServerState:
         config: ServerConfig,
         engines: Sequence[Engine],
         sessions: SessionStore | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         if not engines:
             raise ConfigError("no engine to serve")
@@ -73,6 +75,7 @@ class ServerState:
         self.draining = False
         self._started = False
         self.metrics = Metrics()
+        self.tracing = tracing or Tracing.from_config(config)
         gpu = open_gpu_memory()
         self.metrics.add_collector(lambda: state_metrics(self, gpu))
 
@@ -114,6 +117,7 @@ class ServerState:
         await self.sessions.close()
         for model in self.models.values():
             await model.engine.close()
+        await asyncio.to_thread(self.tracing.shutdown)  # exports what is buffered
 
     async def drain(self, timeout_s: float) -> None:
         """Refuse new generations, let running ones finish for ``timeout_s``, then close

@@ -1,0 +1,30 @@
+"""Request and trace ids on every log line written while a request is handled.
+
+A request's task binds its ids once (:func:`bind_request`); tasks it starts inherit them. The
+``seedance serve`` log format appends them (``request_id=... trace_id=...``) through
+:class:`RequestIdsFilter`, to lines of any logger, Seedance's or an engine library's.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextvars import ContextVar
+from typing import Final
+
+_IDS: ContextVar[str] = ContextVar("seedance_log_ids", default="")
+
+#: The format of ``seedance serve``'s log lines.
+LOG_FORMAT: Final = "%(asctime)s %(levelname)s %(name)s: %(message)s%(request_ids)s"
+
+
+def bind_request(request_id: str, trace_id: str) -> None:
+    """Name this request on the log lines of the current task (and the tasks it starts)."""
+    _IDS.set(f" request_id={request_id} trace_id={trace_id}")
+
+
+class RequestIdsFilter(logging.Filter):
+    """Sets ``record.request_ids``: the bound ids, or an empty string outside a request."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.request_ids = _IDS.get()
+        return True
