@@ -15,9 +15,10 @@ from collections.abc import Callable, Sequence
 
 import httpx
 import pytest
-from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 from opentelemetry.trace import SpanKind, StatusCode
 
 from seedance.config import ConfigError, ServerConfig
@@ -237,6 +238,26 @@ async def test_untraced_servers_still_carry_the_trace_id(server: RunningServer) 
     assert passed.headers["traceparent"] == TRACEPARENT  # handed on as it came
     match = HEX_TRACEPARENT.fullmatch(fresh.headers["traceparent"])
     assert match and match.group(1) != TRACE and fresh.headers["traceparent"].endswith("-00")
+
+
+async def test_unsampled_requests_keep_their_ids_and_export_nothing(
+    make_server: Callable[..., RunningServer],
+) -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(sampler=ALWAYS_OFF)  # as OTEL_TRACES_SAMPLER=always_off
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    server = make_server(tracing=Tracing(provider, trace_tokens=True))
+    ws, _ = await open_session(server.url)
+    async with ws:
+        frames = await generate(ws, prompt="x", max_tokens=3)
+    assert re.fullmatch(r"[0-9a-f]{32}", frames[-1]["trace_id"])
+    async with httpx.AsyncClient(base_url=server.http_url) as client:
+        body = {"model": "synthetic", "messages": [{"role": "user", "content": "x"}]}
+        reply = await client.post("/v1/chat/completions", json=body)
+    assert HEX_TRACEPARENT.fullmatch(reply.headers["traceparent"])
+    assert reply.headers["traceparent"].endswith("-00")  # not sampled
+    await asyncio.sleep(0.2)
+    assert exporter.get_finished_spans() == ()
 
 
 # --------------------------------------------------------------------------- HTTP API

@@ -714,7 +714,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="rounds per contender (default 2)")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks.md"))
     parser.add_argument(
-        "--suites", default="1,2,3,4,5,6,7", help="which suites to run (default all: 1-7)"
+        "--suites", default="1,2,3,4,5,6,7,8", help="which suites to run (default all: 1-8)"
     )
     args = parser.parse_args(argv)
     if _cores() < 2:
@@ -722,6 +722,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from seedance.bench.gateway_suite import gateway_suite
     from seedance.bench.http_suite import http_suite
     from seedance.bench.llama_suite import llama_suite
+    from seedance.bench.observability_suite import observability_suite
 
     report = Report(args.quick, args.rounds, args.out)
     started = time.time()
@@ -734,6 +735,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "5": functools.partial(llama_suite, report),
         "6": functools.partial(http_suite, report),
         "7": functools.partial(gateway_suite, report),
+        "8": functools.partial(observability_suite, report),
     }
     for key in sorted(chosen):
         suites[key]()

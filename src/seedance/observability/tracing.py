@@ -135,6 +135,8 @@ class Tracing:
             links=links,
             start_time=clock.ns(received),
         )
+        if not span.is_recording():  # not sampled: ids only
+            return RequestTrace(None, None, None, _ids(span.get_span_context()))
         token_times: list[tuple[float, int]] | None = [] if self.trace_tokens else None
         return RequestTrace.of_span(self._tracer, span, clock, token_times)
 
