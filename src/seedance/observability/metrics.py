@@ -221,14 +221,17 @@ class RequestMeter:
         metrics.prompt_tokens.labels(*labels).inc(prompt_tokens)
 
     def tokens(self, now: float, count: int) -> None:
-        """``count`` tokens were sent at ``now``."""
+        """``count`` tokens were sent at ``now`` (called per token delta: the two series are
+        updated inline, a method call each costs as much as the update)."""
+        last, self._last = self._last, now
         if self._first is None:
             self._first = now
             self._metrics.ttft.labels(*self._labels).observe(now - self.received)
         elif count > 0:
-            self._itl.observe((now - self._last) / count, count)
-        self._last = now
-        self._tokens.inc(count)
+            itl, gap = self._itl, (now - last) / count
+            itl.counts[bisect_left(LATENCY_BUCKETS, gap)] += count
+            itl.sum += gap * count
+        self._tokens.value += count
 
     def ended(self, now: float, outcome: str) -> None:
         self._e2e.observe(now - self.received)
