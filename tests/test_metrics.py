@@ -32,6 +32,8 @@ def value(samples: Samples, name: str, **labels: str) -> float:
 
 
 MODEL = {"model": "synthetic", "engine": "synthetic"}
+#: Series observed per request also name the tenant ("default" without tenants).
+REQUEST = {**MODEL, "tenant": "default"}
 
 
 async def test_a_stream_moves_the_counters_and_histograms(server: RunningServer) -> None:
@@ -46,13 +48,13 @@ async def test_a_stream_moves_the_counters_and_histograms(server: RunningServer)
     def delta(name: str, **labels: str) -> float:
         return value(after, name, **labels) - value(before, name, **labels)
 
-    assert delta("seedance_requests_total", **MODEL, outcome="length") == 1
-    assert delta("seedance_generation_tokens_total", **MODEL) == 5
-    assert delta("seedance_prompt_tokens_total", **MODEL) == done.usage.prompt_tokens
-    assert delta("seedance_time_to_first_token_seconds_count", **MODEL) == 1
-    assert delta("seedance_inter_token_latency_seconds_count", **MODEL) == 4
-    assert delta("seedance_e2e_request_latency_seconds_count", **MODEL) == 1
-    assert delta("seedance_request_queue_time_seconds_count", **MODEL) == 1
+    assert delta("seedance_requests_total", **REQUEST, outcome="length") == 1
+    assert delta("seedance_generation_tokens_total", **REQUEST) == 5
+    assert delta("seedance_prompt_tokens_total", **REQUEST) == done.usage.prompt_tokens
+    assert delta("seedance_time_to_first_token_seconds_count", **REQUEST) == 1
+    assert delta("seedance_inter_token_latency_seconds_count", **REQUEST) == 4
+    assert delta("seedance_e2e_request_latency_seconds_count", **REQUEST) == 1
+    assert delta("seedance_request_queue_time_seconds_count", **REQUEST) == 1
     assert delta("seedance_connections_opened_total") == 1
     assert delta("seedance_connections_closed_total", code="1000") == 1
     assert value(during, "seedance_connections") == value(before, "seedance_connections") + 1
@@ -81,7 +83,7 @@ async def test_running_waiting_and_cancelled(make_server: Callable[..., RunningS
         await second.cancel()
         await waiting
     after, _ = scrape(server)
-    assert value(after, "seedance_requests_total", **MODEL, outcome="cancelled") == 2
+    assert value(after, "seedance_requests_total", **REQUEST, outcome="cancelled") == 2
     assert value(after, "seedance_requests_running", **MODEL) == 0
 
 
@@ -94,10 +96,10 @@ async def test_the_openai_api_is_counted_too(server: RunningServer) -> None:
         model="synthetic", messages=[{"role": "user", "content": "hi"}], max_tokens=3
     )
     after, _ = scrape(server)
-    key = ("seedance_requests_total", tuple(sorted({**MODEL, "outcome": "length"}.items())))
+    key = ("seedance_requests_total", tuple(sorted({**REQUEST, "outcome": "length"}.items())))
     assert after[key] - before.get(key, 0.0) == 1
     ttft = "seedance_time_to_first_token_seconds_count"
-    assert value(after, ttft, **MODEL) - value(before, ttft, **MODEL) == 1
+    assert value(after, ttft, **REQUEST) - value(before, ttft, **REQUEST) == 1
 
 
 async def test_heartbeat_round_trips_are_measured(

@@ -33,6 +33,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run(args)
     if args.command == "engines":
         return _engines()
+    if args.command == "keys":
+        return _keys(args)
+    if args.command == "audit":
+        return _audit(args)
     parser.print_help()
     return 2
 
@@ -88,6 +92,50 @@ def _parser() -> argparse.ArgumentParser:
     add_bench_arguments(bench)
 
     commands.add_parser("engines", help="list installed engines")
+
+    audit = commands.add_parser("audit", help="check an audit log")
+    audit_commands = audit.add_subparsers(dest="audit_command", metavar="ACTION", required=True)
+    verify = audit_commands.add_parser(
+        "verify",
+        help="report the first broken, missing or reordered record, or ok with the count",
+        description="Checks FILE and its rotated siblings (FILE.<time>) as one chain.",
+    )
+    verify.add_argument("file", metavar="FILE")
+    verify.add_argument(
+        "--public-key",
+        metavar="PEM",
+        default=None,
+        help="Ed25519 key (public, or the signing key itself) to check checkpoint signatures",
+    )
+    verify.add_argument(
+        "--allow-unsealed",
+        action="store_true",
+        help="accept a log without a seal at its end (a running or killed server's)",
+    )
+
+    keys = commands.add_parser(
+        "keys",
+        help="add, revoke and list tenants' API keys in a config file",
+        description="API keys live in the TOML config file as hashes; a running server "
+        "picks up changes within a second.",
+    )
+    key_commands = keys.add_subparsers(dest="keys_command", metavar="ACTION", required=True)
+    config_help = "the server's TOML config file (env SEEDANCE_CONFIG)"
+    add = key_commands.add_parser(
+        "add", help="make a key for TENANT (created if needed); prints the key once"
+    )
+    add.add_argument("tenant", metavar="TENANT")
+    add.add_argument("--role", choices=("user", "admin"), default="user")
+    revoke = key_commands.add_parser("revoke", help="revoke a key by its id")
+    revoke.add_argument("key_id", metavar="KEY_ID")
+    listing = key_commands.add_parser("list", help="list the keys (ids, never the keys)")
+    for command in (add, revoke, listing):
+        command.add_argument(
+            "--config",
+            metavar="FILE.toml",
+            default=os.environ.get("SEEDANCE_CONFIG"),
+            help=config_help,
+        )
     return parser
 
 
@@ -121,6 +169,54 @@ def _serve(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # uvicorn re-raises the signal once it has shut down
         return 130
     return 0 if server.started else 1
+
+
+def _keys(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from seedance.tenants.keys import add_key, list_keys, revoke_key
+
+    if not args.config:
+        print("seedance keys: error: --config FILE is required", file=sys.stderr)
+        return 2
+    path = Path(args.config)
+    try:
+        if args.keys_command == "add":
+            new = add_key(path, args.tenant, args.role)
+            print(
+                f"added key {new.id} (role {new.role}) for tenant {new.tenant} to {path}; "
+                "it is shown once, here:"
+            )
+            print(new.key)
+        elif args.keys_command == "revoke":
+            tenant = revoke_key(path, args.key_id)
+            print(f"revoked key {args.key_id} of tenant {tenant} in {path}")
+        else:
+            for key in list_keys(path):
+                state = "revoked" if key["revoked"] else "active"
+                print(f"{key['tenant']}\t{key['id']}\t{key['role']}\t{key['created']}\t{state}")
+    except ConfigError as exc:
+        print(f"seedance keys: error: {exc.message}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _audit(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from seedance.observability.audit.records import load_public_key
+    from seedance.observability.audit.verify import verify
+
+    key = None
+    if args.public_key:
+        try:
+            key = load_public_key(Path(args.public_key))
+        except (OSError, ValueError) as exc:
+            print(f"seedance audit: error: --public-key: {exc}", file=sys.stderr)
+            return 2
+    verdict = verify(Path(args.file), key, allow_unsealed=args.allow_unsealed)
+    print(verdict.message if verdict.ok else f"broken: {verdict.message}")
+    return 0 if verdict.ok else 1
 
 
 def _engines() -> int:

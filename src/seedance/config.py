@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from seedance.protocol.errors import SeedanceError
 
@@ -22,6 +22,9 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
+
+if TYPE_CHECKING:
+    from seedance.tenants.config import AccessConfig
 
 ENV_PREFIX = "SEEDANCE_"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -72,6 +75,27 @@ class ServerConfig:
     upstream_cooldown_s: float = 10.0
     synthetic_ttft_ms: float = 0.0
     synthetic_tokens_per_s: float = 0.0
+    allowed_origins: tuple[str, ...] = ()
+    labels: tuple[tuple[str, str], ...] = ()
+    audit_file: str | None = None
+    audit_fsync: str = "record"
+    audit_fsync_interval_s: float = 1.0
+    audit_signing_key: str | None = None
+    audit_checkpoint_interval_s: float = 60.0
+    audit_rotate_bytes: int = 0
+    audit_rotate_interval_s: float = 0.0
+    audit_required: bool = True
+    # Not settings of their own: the file the settings came from, and its [tenants] and
+    # [auth] tables (None: no tenant, the server is open).
+    config_file: str | None = None
+    access: AccessConfig | None = None
+
+
+#: ServerConfig fields that are not options (read from the TOML file's tables).
+TABLE_FIELDS = ("config_file", "access")
+#: Top-level TOML tables that hold more than one setting.
+TABLES = ("tenants", "auth", "audit")
+AUDIT_FSYNC = ("record", "interval")
 
 
 @dataclass(frozen=True)
@@ -118,6 +142,29 @@ def _url(text: str) -> str:
     if not url.startswith(("http://", "https://")):
         raise ValueError(url)
     return url
+
+
+def _origins(text: str) -> tuple[str, ...]:
+    """Origins as browsers send them (``https://app.example.com``), comma-separated."""
+    origins = tuple(o.strip().rstrip("/") for o in text.split(",") if o.strip())
+    for origin in origins:
+        scheme, sep, rest = origin.partition("://")
+        if scheme not in ("http", "https") or not sep or not rest or "/" in rest:
+            raise ValueError(origin)
+    return origins
+
+
+def _labels(text: str) -> tuple[tuple[str, str], ...]:
+    """``name=value`` pairs, comma-separated: ``region=eu-west,environment=prod``."""
+    pairs = []
+    for item in text.split(","):
+        if not item.strip():
+            continue
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip() or not value.strip():
+            raise ValueError(item)
+        pairs.append((name.strip(), value.strip()))
+    return tuple(pairs)
 
 
 def _positive(v: float) -> bool:
@@ -367,6 +414,79 @@ OPTIONS: tuple[Option, ...] = (
         "positive",
     ),
     Option(
+        "allowed_origins",
+        "--allowed-origin",
+        _origins,
+        "browser origins allowed on /v2/infer, comma-separated (https://app.example.com); a "
+        "handshake from another origin is refused with forbidden (none set: any origin)",
+    ),
+    Option(
+        "labels",
+        "--labels",
+        _labels,
+        "where this server runs, for tenants' policies: name=value pairs, comma-separated "
+        "(region=eu-west,environment=prod; in TOML a table)",
+    ),
+    Option(
+        "audit_file",
+        "--audit-file",
+        str,
+        "write the audit log (hash-chained JSON Lines) to this file; [audit] path in TOML",
+    ),
+    Option(
+        "audit_fsync",
+        "--audit-fsync",
+        str.lower,
+        "record: each request's record is on disk before its reply ends; interval: fsync "
+        "every --audit-fsync-interval seconds",
+        lambda v: v in AUDIT_FSYNC,
+        "one of " + ", ".join(AUDIT_FSYNC),
+    ),
+    Option(
+        "audit_fsync_interval_s",
+        "--audit-fsync-interval",
+        float,
+        "seconds between fsyncs with --audit-fsync interval",
+        _positive,
+        "positive",
+    ),
+    Option(
+        "audit_signing_key",
+        "--audit-signing-key",
+        str,
+        "Ed25519 private key (PEM) that signs the audit log's checkpoints and seal",
+    ),
+    Option(
+        "audit_checkpoint_interval_s",
+        "--audit-checkpoint-interval",
+        float,
+        "seconds between signed checkpoints (also every 1000 records)",
+        _positive,
+        "positive",
+    ),
+    Option(
+        "audit_rotate_bytes",
+        "--audit-rotate-bytes",
+        int,
+        "start a new audit file past this size (0: never); the chain runs on across files",
+        _non_negative,
+        "0 or more",
+    ),
+    Option(
+        "audit_rotate_interval_s",
+        "--audit-rotate-interval",
+        float,
+        "start a new audit file after this many seconds (0: never)",
+        _non_negative,
+        "0 or more",
+    ),
+    Option(
+        "audit_required",
+        "--audit-required",
+        _bool,
+        "refuse new requests while the audit log cannot be written (default on)",
+    ),
+    Option(
         "synthetic_ttft_ms",
         "--synthetic-ttft-ms",
         float,
@@ -426,7 +546,17 @@ def load_config(
 
     path = flags.get("config") or env.get(ENV_PREFIX + "CONFIG")
     if path:
-        for key, raw in _read_toml(Path(path)).items():
+        data = _read_toml(Path(path))
+        values["config_file"] = str(path)
+        values["access"] = read_access(data, Path(path))
+        audit = data.get("audit", {})
+        if not isinstance(audit, dict):
+            raise ConfigError(f"{path}: audit: expected a table")
+        # [audit] path = ... is audit_file; its other keys are audit_<key>.
+        table = [("audit_file" if k == "path" else f"audit_{k}", v) for k, v in audit.items()]
+        for key, raw in [*data.items(), *table]:
+            if key in TABLES:
+                continue
             opt = _BY_KEY.get(key)
             if opt is None:
                 raise ConfigError(f"{path}: unknown setting {key!r}")
@@ -441,6 +571,20 @@ def load_config(
     return dataclasses.replace(ServerConfig(), **values)
 
 
+def read_access(data: Mapping[str, Any], path: Path) -> AccessConfig | None:
+    """The ``[tenants]`` and ``[auth]`` tables of a config file (None when it has neither)."""
+    if not any(table in data for table in TABLES):
+        return None
+    from seedance.tenants.config import parse_access
+
+    return parse_access(data, str(path), path.parent)
+
+
+def load_access(path: Path) -> AccessConfig | None:
+    """Read the access tables again (a running server reloads them when the file changes)."""
+    return read_access(_read_toml(path), path)
+
+
 def _convert(opt: Option, raw: Any, source: str) -> Any:
     """Parse a string (flag, env, TOML string) or check a typed TOML value."""
     try:
@@ -448,8 +592,14 @@ def _convert(opt: Option, raw: Any, source: str) -> Any:
             value = opt.parse(raw)
         elif opt.parse is _bool and isinstance(raw, bool):
             value = raw
-        elif opt.parse is _urls and isinstance(raw, list) and all(isinstance(u, str) for u in raw):
-            value = _urls(",".join(raw))
+        elif opt.parse is _labels and isinstance(raw, dict):
+            if not all(isinstance(v, str) for v in raw.values()):
+                raise TypeError(raw)
+            value = tuple((str(k), v) for k, v in raw.items())
+        elif opt.parse in (_urls, _origins) and isinstance(raw, list):
+            if not all(isinstance(u, str) for u in raw):
+                raise TypeError(raw)
+            value = opt.parse(",".join(raw))
         elif opt.parse is int and isinstance(raw, int) and not isinstance(raw, bool):
             value = raw
         elif opt.parse is float and isinstance(raw, int | float) and not isinstance(raw, bool):

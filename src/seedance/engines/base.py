@@ -27,6 +27,8 @@ class ModelInfo:
     engine: str
     context_length: int
     max_output_tokens: int
+    #: What exactly is served, for audit records: a model file's name, an upstream's model.
+    version: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -98,6 +98,7 @@ class OpenAIUpstreamEngine(Engine):
             engine="openai",
             context_length=context,
             max_output_tokens=context,
+            version=upstream_model,
         )
         self._session: aiohttp.ClientSession | None = None
         self._prober: asyncio.Task[None] | None = None

@@ -36,6 +36,8 @@ LATENCY_BUCKETS: Final = (
 )  # fmt: skip
 CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
 MODEL_LABELS: Final = ("model", "engine")
+#: Labels of the series observed per request: the model, its engine, and the tenant.
+REQUEST_LABELS: Final = ("model", "engine", "tenant")
 S = TypeVar("S")
 #: Exported only where they mean something: GPU memory (a GPU and NVML), KV usage (engines
 #: that know it).
@@ -53,7 +55,7 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
 
-        def histogram(name: str, doc: str, labels: Iterable[str] = MODEL_LABELS) -> Histogram:
+        def histogram(name: str, doc: str, labels: Iterable[str] = REQUEST_LABELS) -> Histogram:
             return Histogram(name, doc, list(labels), buckets=LATENCY_BUCKETS, registry=r)
 
         self.ttft = histogram(
@@ -82,13 +84,13 @@ class Metrics:
         self.requests = Counter(
             "seedance_requests",
             "Requests ended, by outcome (a finish reason, an error code, cancelled, aborted).",
-            [*MODEL_LABELS, "outcome"],
+            [*REQUEST_LABELS, "outcome"],
             registry=r,
         )
         self.prompt_tokens = Counter(
             "seedance_prompt_tokens",
             "Prompt tokens of admitted requests.",
-            MODEL_LABELS,
+            REQUEST_LABELS,
             registry=r,
         )
         self.generation_tokens = TokenCounter(
@@ -104,6 +106,16 @@ class Metrics:
             ["code"],
             registry=r,
         )
+        self.refused_calls = Counter(
+            "seedance_refused",
+            "WebSocket connections and HTTP requests refused before they started, by API and "
+            "error code (unauthorized, forbidden, quota_exceeded, overloaded, ...).",
+            ["api", "code"],
+            registry=r,
+        )
+
+    def refused(self, code: str, api: str = "websocket") -> None:
+        self.refused_calls.labels(api, code).inc()
 
     def add_collector(self, collect: Callable[[], Iterable[Metric]]) -> None:
         """Figures read at scrape time: ``collect`` yields metric families."""
@@ -129,17 +141,19 @@ def gauge(name: str, doc: str, labels: Iterable[str] = ()) -> GaugeMetricFamily:
 
 
 class _TokenSeries(Collector, Generic[S]):
-    """Series by model and engine, updated from the event loop's thread only (no locks)."""
+    """Series by model, engine and tenant, updated from the event loop's thread only (no
+    locks)."""
 
     def __init__(self, name: str, doc: str, new: Callable[[], S]) -> None:
         self.name, self.doc = name, doc
         self._new = new
-        self._series: dict[tuple[str, str], S] = {}
+        self._series: dict[tuple[str, str, str], S] = {}
 
-    def labels(self, model: str, engine: str) -> S:
-        series = self._series.get((model, engine))
+    def labels(self, model: str, engine: str, tenant: str) -> S:
+        key = (model, engine, tenant)
+        series = self._series.get(key)
         if series is None:
-            series = self._series[(model, engine)] = self._new()
+            series = self._series[key] = self._new()
         return series
 
 
@@ -162,7 +176,7 @@ class TokenHistogram(_TokenSeries[TokenHistogramSeries]):
         super().__init__(name, doc, TokenHistogramSeries)
 
     def collect(self) -> Iterator[Metric]:
-        family = HistogramMetricFamily(self.name, self.doc, labels=list(MODEL_LABELS))
+        family = HistogramMetricFamily(self.name, self.doc, labels=list(REQUEST_LABELS))
         for labels, series in list(self._series.items()):
             counts, total = list(series.counts), series.sum
             cumulative, running = [], 0
@@ -194,7 +208,7 @@ class TokenCounter(_TokenSeries[TokenCounterSeries]):
         super().__init__(name, doc, TokenCounterSeries)
 
     def collect(self) -> Iterator[Metric]:
-        family = CounterMetricFamily(self.name, self.doc, labels=list(MODEL_LABELS))
+        family = CounterMetricFamily(self.name, self.doc, labels=list(REQUEST_LABELS))
         for labels, series in list(self._series.items()):
             family.add_metric(list(labels), series.value)
         yield family
@@ -205,15 +219,17 @@ class RequestMeter:
 
     __slots__ = ("_e2e", "_first", "_itl", "_labels", "_last", "_metrics", "_tokens", "received")
 
-    def __init__(self, metrics: Metrics, model: str, engine: str, received: float) -> None:
+    def __init__(
+        self, metrics: Metrics, model: str, engine: str, tenant: str, received: float
+    ) -> None:
         self._metrics = metrics
-        self._labels = (model, engine)
+        self._labels = (model, engine, tenant)
         self.received = received
         self._first: float | None = None
         self._last = received
-        self._itl = metrics.itl.labels(model, engine)
-        self._tokens = metrics.generation_tokens.labels(model, engine)
-        self._e2e = metrics.e2e.labels(model, engine)
+        self._itl = metrics.itl.labels(model, engine, tenant)
+        self._tokens = metrics.generation_tokens.labels(model, engine, tenant)
+        self._e2e = metrics.e2e.labels(model, engine, tenant)
 
     def admitted(self, now: float, prompt_tokens: int) -> None:
         metrics, labels = self._metrics, self._labels

@@ -35,6 +35,7 @@ from seedance.protocol.messages import (
 
 MAX_SEED: Final = 2**64 - 1
 DEFAULT_MAX_TOKENS: Final = 256
+MAX_PRIORITY: Final = 10
 MAX_STOP_STRINGS: Final = 4
 MAX_ID_CHARS: Final = 128
 
@@ -59,6 +60,12 @@ class FrameLimits:
 
     max_frame_bytes: int = 1024 * 1024
     max_tokens: int = 4096
+    #: A lower cap for requests that do not set ``max_tokens`` (a tenant's quota).
+    default_cap: int | None = None
+
+    def default_max_tokens(self, default: int = DEFAULT_MAX_TOKENS) -> int:
+        """``max_tokens`` for a request that does not say: never over a limit."""
+        return min(default, self.max_tokens, self.default_cap or default)
 
 
 # --------------------------------------------------------------------------- client frames
@@ -98,7 +105,7 @@ def decode_client_text(data: str | bytes, limits: FrameLimits) -> ClientMessage:
         raise InvalidRequest(_describe(exc), request_id=request_id) from None
     if isinstance(message, Generate):
         if "max_tokens" not in obj:  # the default never exceeds the model's limit
-            message.max_tokens = min(DEFAULT_MAX_TOKENS, limits.max_tokens)
+            message.max_tokens = limits.default_max_tokens()
         validate_generate(message, limits, request_id)
     elif isinstance(message, Cancel) and message.request_id is not None:
         _check_id("request_id", message.request_id)
@@ -158,6 +165,8 @@ def validate_generate(msg: Generate, limits: FrameLimits, request_id: str | None
         raise bad("stop strings must not be empty")
     if msg.seed is not None and not 0 <= msg.seed <= MAX_SEED:
         raise bad(f"seed must be an integer between 0 and {MAX_SEED}")
+    if not -MAX_PRIORITY <= msg.priority <= MAX_PRIORITY:
+        raise bad(f"priority must be between -{MAX_PRIORITY} and {MAX_PRIORITY}")
     if msg.request_id is not None:
         _check_id("request_id", msg.request_id)
 

@@ -51,6 +51,8 @@ class Generate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     reset: bool = False
     #: W3C trace context for browsers, which cannot set handshake headers.
     traceparent: str | None = None
+    #: -10 .. 10, higher first in the admission queue (a tenant may ask up to its maximum).
+    priority: int = 0
 
     def turns(self) -> list[ChatMessage]:
         """The turns this request appends to the session context."""

@@ -14,7 +14,7 @@ from typing import Any, Final, Literal
 
 import msgspec
 
-from seedance.protocol.codec import DEFAULT_MAX_TOKENS, FrameLimits, validate_generate
+from seedance.protocol.codec import FrameLimits, validate_generate
 from seedance.protocol.errors import InvalidJSON, InvalidRequest
 from seedance.protocol.messages import ChatMessage, Generate
 
@@ -50,6 +50,7 @@ class _Common(msgspec.Struct, kw_only=True):
     top_p: float | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
+    priority: int = 0  # -10 .. 10, higher first, up to the tenant's maximum
     stream: bool = False
     stream_options: _StreamOptions | None = None
     n: int = 1
@@ -102,7 +103,7 @@ def decode_completion(body: bytes, limits: FrameLimits) -> OpenAIRequest:
         if len(prompt) != 1:
             raise InvalidRequest("prompt: one prompt per request is supported")
         prompt = prompt[0]
-    max_tokens = parsed.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
+    max_tokens = parsed.max_tokens or limits.default_max_tokens(COMPLETIONS_DEFAULT_MAX_TOKENS)
     return _request("completion", parsed, limits, max_tokens, prompt=prompt)
 
 
@@ -140,11 +141,12 @@ def _request(
     if body.n != 1:
         raise InvalidRequest("n: only 1 choice per request is supported")
     fields: dict[str, Any] = {
-        "max_tokens": max_tokens or min(DEFAULT_MAX_TOKENS, limits.max_tokens),
+        "max_tokens": max_tokens or limits.default_max_tokens(),
         "temperature": 1.0 if body.temperature is None else body.temperature,
         "top_p": 1.0 if body.top_p is None else body.top_p,
         "stop": body.stop,
         "seed": body.seed,
+        "priority": body.priority,
         "stream": body.stream,
     }
     generate = Generate(**fields, **text)

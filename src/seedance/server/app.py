@@ -23,10 +23,13 @@ from seedance.engines.base import Engine
 from seedance.engines.registry import create_engine
 from seedance.observability.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from seedance.observability.tracing import Tracing
+from seedance.protocol.errors import SeedanceError
+from seedance.server.admin import admin_routes
 from seedance.server.endpoint import InferEndpoint
-from seedance.server.openai_api import OpenAIEndpoint
+from seedance.server.openai_api import OpenAIEndpoint, authenticate_http, error_response
 from seedance.server.state import ServerState
 from seedance.sessions.store import SessionStore
+from seedance.tenants.policy import may_use
 
 _STARTED = int(time.time())
 
@@ -86,6 +89,10 @@ def create_app(
         return Response(state.metrics.render(), headers={"content-type": METRICS_CONTENT_TYPE})
 
     async def models(request: Request) -> Response:
+        try:
+            principal = authenticate_http(state, request.scope)
+        except SeedanceError as exc:
+            return error_response(exc)
         data = [
             {
                 "id": name,
@@ -96,6 +103,7 @@ def create_app(
                 "engine": model.engine.info.engine,
             }
             for name, model in state.models.items()
+            if may_use(principal, name)
         ]
         return json_response({"object": "list", "data": data})
 
@@ -131,6 +139,7 @@ def create_app(
             Route("/v1/models", models),
             Route("/v1/chat/completions", OpenAIEndpoint(state, "chat"), methods=["POST"]),
             Route("/v1/completions", OpenAIEndpoint(state, "completion"), methods=["POST"]),
+            *admin_routes(state),
         ],
         lifespan=lifespan,
     )

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import functools
 import logging
 import secrets
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from seedance.observability.audit.records import utc_now
 from seedance.observability.tracing import Attributes, Tracing
 from seedance.protocol.codec import (
     check_frame_size,
@@ -46,6 +49,8 @@ from seedance.server.generation import Generation, new_request_id
 from seedance.server.transport import AsgiWebSocket, Outbound
 from seedance.sessions.context import fit_context
 from seedance.sessions.session import Session, Turn
+from seedance.tenants.auth import OPEN_PRINCIPAL, Principal
+from seedance.tenants.policy import check_priority
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context
@@ -67,8 +72,14 @@ class Connection:
         model: ServedModel,
         peer: str,
         trace_parent: Context | None = None,
+        principal: Principal = OPEN_PRINCIPAL,
     ) -> None:
         self.state = state
+        self.principal = principal
+        self.tenant = principal.name
+        self.quotas = principal.tenant.quotas
+        #: The model's frame limits; requests without max_tokens get at most the tenant's.
+        self.limits = dataclasses.replace(model.limits, default_cap=self.quotas.max_tokens)
         self.config = state.config
         self.ws = ws
         self.session = session
@@ -106,9 +117,11 @@ class Connection:
         self.state.metrics.connections_opened.inc()
         self._arm_timer()
         logger.info(
-            "conn %s open peer=%s session=%s model=%s",
+            "conn %s open peer=%s tenant=%s credential=%s session=%s model=%s",
             self.id,
             self.peer,
+            self.tenant,
+            self.principal.credential,
             self.session.session_id,
             self.model.name,
         )
@@ -152,7 +165,7 @@ class Connection:
             if not is_text:
                 self._on_binary(data)
                 return True
-            message = decode_client_text(data, self.model.limits)
+            message = decode_client_text(data, self.limits)
             if isinstance(message, EndSession):
                 self._deferred = 1
                 return False
@@ -167,7 +180,7 @@ class Connection:
             if isinstance(data, bytes):
                 self._on_binary(data)
                 return
-            message = decode_client_text(data, self.model.limits)
+            message = decode_client_text(data, self.limits)
             if isinstance(message, EndSession):
                 await self._end_session()
             else:
@@ -175,11 +188,15 @@ class Connection:
         except Exception as exc:
             self._on_error(exc)
 
+    def fail(self, error: SeedanceError) -> None:
+        """Send ``error``; close the connection if the error closes it."""
+        self.out.put(encode_error(error))
+        if error.close_code is not None:
+            self.close(error.close_code, error.code)
+
     def _on_error(self, exc: Exception) -> None:
         if isinstance(exc, SeedanceError):
-            self.out.put(encode_error(exc))
-            if exc.close_code is not None:
-                self.close(exc.close_code, exc.code)
+            self.fail(exc)
             return
         reference = self.id + "-" + secrets.token_hex(3)
         logger.error("conn %s: failed on a frame (ref %s)", self.id, reference, exc_info=exc)
@@ -194,6 +211,7 @@ class Connection:
         code = "1006" if self.close_code is None else str(self.close_code)
         self.state.metrics.connections_closed.labels(code).inc()
         self.trace.end(self.close_code, self.requests)
+        self.state.audit_submit(lambda: self._audit_record(duration))
         logger.info(
             "conn %s closed code=%s duration_s=%.1f requests=%d",
             self.id,
@@ -230,8 +248,39 @@ class Connection:
     def _on_overflow(self) -> None:
         self._abort(f"client not reading: over {self.config.max_pending_bytes} bytes held")
 
+    def _audit_record(self, duration_s: float) -> dict[str, Any]:
+        return {
+            "kind": "connection",
+            "time": utc_now(),
+            "tenant": self.tenant,
+            "credential": self.principal.credential,
+            "connection": self.id,
+            "peer": self.peer,
+            "session": self.session.session_id,
+            "model": self.model.name,
+            "duration_ms": round(duration_s * 1000, 3),
+            "close_code": 1006 if self.close_code is None else self.close_code,
+            "requests": self.requests,
+        }
+
+    def _refusal_record(self, request_id: RequestId, error: SeedanceError) -> dict[str, Any]:
+        """The record of a request refused before it started."""
+        return {
+            "kind": "request",
+            "time": utc_now(),
+            "api": "websocket",
+            "tenant": self.tenant,
+            "credential": self.principal.credential,
+            "connection": self.id,
+            "session": self.session.session_id,
+            "request_id": request_id,
+            "model": self.model.name,
+            "outcome": error.code,
+        }
+
     def _span_attributes(self) -> Attributes:
         return {
+            "seedance.tenant": self.tenant,
             "seedance.connection_id": self.id,
             "seedance.session_id": self.session.session_id,
             "gen_ai.request.model": self.model.name,
@@ -266,6 +315,12 @@ class Connection:
         logger.info("session %s ended by client (conn %s)", self.session.session_id, self.id)
         self.close(CLOSE_NORMAL, "session ended")
 
+    async def end_session_by_admin(self) -> None:
+        """An administrator ended the session: what runs is cancelled (its ``done`` says so),
+        then the connection closes with 1000."""
+        await self._stop_generation(silent=False)
+        self.close(CLOSE_NORMAL, "session ended by an administrator")
+
     # ------------------------------------------------------------------ generations
 
     def _start_generation(self, message: Generate) -> None:
@@ -278,8 +333,11 @@ class Connection:
         except SeedanceError as exc:
             exc.request_id = request_id
             model = self.model
-            self.state.metrics.requests.labels(model.name, model.engine.info.engine, exc.code).inc()
+            self.state.metrics.requests.labels(
+                model.name, model.engine.info.engine, self.tenant, exc.code
+            ).inc()
             self._trace_refusal(message, request_id, received, exc)
+            self.state.audit_submit(functools.partial(self._refusal_record, request_id, exc))
             raise
         except Exception as exc:
             logger.exception("request %s failed to start", request_id)
@@ -291,12 +349,14 @@ class Connection:
         """Check the request against the session and the context window, then start it."""
         if self.state.draining:
             raise Overloaded("the server is shutting down; retry on another server")
+        self.state.check_audit()
         session = self.session
         if session.active_request is not None:
             raise SessionBusy(
                 f"request {session.active_request} is still running on this session; "
                 "cancel it or wait for its done frame"
             )
+        check_priority(self.principal, message.priority)
         engine = self.model.engine
         name = self.model.name
         new_turns = [Turn(m, engine.count_message_tokens(m), name) for m in message.turns()]
@@ -305,12 +365,19 @@ class Connection:
         )
         history = [] if message.reset else self._history()
         context, prompt_tokens = self._fit(history, new_turns, message.max_tokens)
+        usage = self.state.usage
+        usage.start_request(self.tenant, self.quotas, prompt_tokens, message.max_tokens)
+        try:
+            generation = Generation(
+                self, message, request_id, new_turns, context, prompt_tokens, received, trace_parent
+            )
+        except BaseException:
+            usage.end_request(self.tenant, 0)
+            raise
         session.begin(request_id)
-        self._generation = Generation(
-            self, message, request_id, new_turns, context, prompt_tokens, received, trace_parent
-        )
+        self._generation = generation
         self.requests += 1
-        self._generation.start()
+        generation.start()
 
     def _trace_refusal(
         self, message: Generate, request_id: RequestId, received: float, error: SeedanceError

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 from urllib.parse import parse_qs
@@ -14,11 +15,10 @@ from seedance.protocol.messages import SUBPROTOCOL, SessionFrame, SessionId, Ten
 from seedance.server.connection import Connection
 from seedance.server.state import ServerState
 from seedance.server.transport import AsgiWebSocket
+from seedance.tenants.auth import refusal_record
+from seedance.tenants.policy import check_labels, check_model
 
 logger = logging.getLogger(__name__)
-
-# Sessions are keyed by tenant; until tenants exist every client belongs to this one.
-DEFAULT_TENANT = TenantId("default")
 
 
 class InferEndpoint:
@@ -39,20 +39,38 @@ class InferEndpoint:
             await ws.accept(subprotocol)
             await ws.close(CLOSE_GOING_AWAY, "server shutting down")
             return
+        principal = None
+        counted = False  # the connection counts against its tenant's quota
         try:
             params = parse_qs(
                 scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True
             )
+            # The door first: nothing else is looked at for a caller that is not let in.
+            state.access.check_origin(scope.get("headers", ()))
+            principal = state.access.authenticate(scope)
             if len(state.connections) >= state.config.max_connections:
                 raise Overloaded(
                     f"the server holds {state.config.max_connections} connections; retry later"
                 )
+            check_labels(principal, state.config.labels)
             model = state.resolve_model(_param(params, "model"))
+            check_model(principal, model.name, state.models)
             raw_id = _param(params, "session_id")
             session_id = SessionId(validate_session_id(raw_id)) if raw_id is not None else None
-            session, created = await state.sessions.attach(DEFAULT_TENANT, session_id)
+            quotas = principal.tenant.quotas
+            state.usage.open_connection(principal.name, quotas)
+            counted = True
+            session, created = await state.sessions.attach(
+                TenantId(principal.name), session_id, max_for_tenant=quotas.sessions
+            )
         except SeedanceError as exc:
+            if counted and principal is not None:
+                state.usage.close_connection(principal.name)
             logger.info("connect refused peer=%s: %s %s", peer, exc.code, exc.message)
+            state.metrics.refused(exc.code)
+            state.audit_submit(
+                functools.partial(refusal_record, "websocket", scope, principal, exc)
+            )
             await ws.accept(subprotocol)
             await ws.send(encode_error(exc))
             await ws.close(exc.connect_close_code, exc.code)
@@ -75,7 +93,7 @@ class InferEndpoint:
                 )
             )
             parent = Tracing.from_headers(scope.get("headers", ()))
-            connection = Connection(state, ws, session, model, peer, parent)
+            connection = Connection(state, ws, session, model, peer, parent, principal)
             state.connections.add(connection)
             try:
                 await connection.run()
@@ -84,6 +102,8 @@ class InferEndpoint:
         except OSError:
             pass  # the client left during the handshake
         finally:
+            assert principal is not None
+            state.usage.close_connection(principal.name)
             await state.sessions.detach(session)
 
 

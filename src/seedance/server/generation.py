@@ -11,14 +11,16 @@ import asyncio
 import logging
 import secrets
 import time
-from typing import TYPE_CHECKING
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
 
 from seedance.engines.base import GenerationRequest, SamplingParams
+from seedance.observability.audit.records import json_text, text_sha256, utc_now
 from seedance.observability.logs import bind_request
 from seedance.observability.metrics import RequestMeter
 from seedance.observability.tracing import Attributes, request_attributes
 from seedance.protocol.codec import encode_error, encode_frame
-from seedance.protocol.errors import EngineError, InternalError, SeedanceError
+from seedance.protocol.errors import EngineError, InternalError, Overloaded, SeedanceError
 from seedance.protocol.messages import (
     ChatMessage,
     DoneFrame,
@@ -74,7 +76,11 @@ class Generation:
         self.task: asyncio.Task[None] | None = None
         model = connection.model
         self.meter = RequestMeter(
-            connection.state.metrics, model.name, model.engine.info.engine, received
+            connection.state.metrics,
+            model.name,
+            model.engine.info.engine,
+            connection.tenant,
+            received,
         )
         self.trace = connection.state.tracing.request(
             f"chat {model.name}", trace_parent, received, self._span_attributes, connection.trace
@@ -96,13 +102,18 @@ class Generation:
         out = connection.out
         model = connection.model
         outcome = ""
+        terminal = ""  # the done or error frame, sent once the audit record is written
+        audited: Future[None] | None = None
         bind_request(self.request_id, self.trace_id)
         if connection.config.log_prompts:
             logger.debug(
                 "request %s prompt=%r", self.request_id, [t.message for t in self.new_turns]
             )
         try:
-            await model.admission.acquire()
+            tenant = connection.principal.tenant
+            await model.admission.acquire(
+                self.message.priority, tenant=tenant.name, weight=tenant.tier
+            )
             self.admitted_at = time.monotonic()
             self.meter.admitted(self.admitted_at, self.prompt_tokens)
             out.put_soon(  # shares a write with the first token when that comes at once
@@ -125,8 +136,7 @@ class Generation:
                 turns, reset=self.message.reset, max_tokens=model.engine.info.context_length
             )
             await connection.state.sessions.save(connection.session)
-            out.put(self._done(finish))
-            outcome = finish
+            outcome, terminal = finish, self._done(finish)
         except asyncio.CancelledError:
             if not self.cancel_requested:
                 outcome = "aborted"
@@ -134,24 +144,33 @@ class Generation:
             task = asyncio.current_task()
             if task is not None and hasattr(task, "uncancel"):  # Python >= 3.11
                 task.uncancel()  # the cancel was ours and is handled here
-            outcome = "cancelled"
-            out.put(self._done("cancelled"))
+            outcome, terminal = "cancelled", self._done("cancelled")
         except SeedanceError as exc:
             outcome = exc.code
             self.error = exc
-            out.put(encode_error(exc, self.request_id))
+            terminal = encode_error(exc, self.request_id)
         except Exception:
             outcome = "internal_error"
             logger.exception("request %s failed", self.request_id)
             self.error = InternalError(f"internal error on request {self.request_id}")
-            out.put(encode_error(self.error, self.request_id))
+            terminal = encode_error(self.error, self.request_id)
         finally:
             if self.admitted_at is not None:
                 model.admission.release()
+            connection.state.usage.end_request(connection.tenant, self.completion_tokens)
             connection.generation_ended(self)
             self.meter.ended(time.monotonic(), outcome or "aborted")
             self._end_trace(outcome or "aborted")
             self._log(outcome)
+            audited = connection.state.audit_submit(lambda: self._audit_record(outcome))
+        if audited is not None:  # the reply ends once its record is on disk
+            try:
+                await asyncio.wrap_future(audited)
+            except OSError as exc:
+                if connection.state.audit_required and self.error is None:  # not a done
+                    error = Overloaded(f"request {self.request_id} could not be audited: {exc}")
+                    terminal = encode_error(error, self.request_id)
+        out.put(terminal)
 
     async def _stream(self) -> FinishReason:
         """Run the engine and send its tokens; returns the finish reason."""
@@ -164,6 +183,7 @@ class Generation:
             messages=tuple(t.message for t in self.context),
             params=SamplingParams.of(message),
             prompt_tokens=self.prompt_tokens,
+            priority=message.priority,
         )
         tokens = TokenStream(self.request_id) if message.stream else None
         stream = connection.model.engine.generate(request)
@@ -196,6 +216,34 @@ class Generation:
         finally:
             await stream.aclose()
 
+    def _audit_record(self, outcome: str) -> dict[str, Any]:
+        connection = self.connection
+        model = connection.model
+        messages = [{"role": t.message.role, "content": t.message.content} for t in self.context]
+        timing = self._timing()
+        return {
+            "kind": "request",
+            "time": utc_now(),
+            "api": "websocket",
+            "tenant": connection.tenant,
+            "credential": connection.principal.credential,
+            "connection": connection.id,
+            "session": connection.session.session_id,
+            "request_id": self.request_id,
+            "trace_id": self.trace_id,
+            "model": model.name,
+            "model_version": model.engine.info.version,
+            "engine": model.engine.info.engine,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "prompt_sha256": text_sha256(json_text(messages)),
+            "completion_sha256": text_sha256("".join(self.parts)),
+            "outcome": outcome,
+            "queue_ms": timing.queue_ms,
+            "ttft_ms": timing.ttft_ms,
+            "total_ms": timing.total_ms,
+        }
+
     def _span_attributes(self) -> Attributes:
         """The request span's attributes when it opens (OpenTelemetry's GenAI names)."""
         connection, message = self.connection, self.message
@@ -205,6 +253,7 @@ class Generation:
             **request_attributes(message),
             "seedance.engine": connection.model.engine.info.engine,
             "seedance.request_id": self.request_id,
+            "seedance.tenant": connection.tenant,
             "seedance.session_id": connection.session.session_id,
             "seedance.connection_id": connection.id,
             "gen_ai.usage.input_tokens": self.prompt_tokens,
@@ -263,10 +312,11 @@ class Generation:
             return
         timing = self._timing()
         logger.info(
-            "request %s conn=%s session=%s model=%s outcome=%s prompt_tokens=%d "
+            "request %s conn=%s tenant=%s session=%s model=%s outcome=%s prompt_tokens=%d "
             "completion_tokens=%d queue_ms=%.1f ttft_ms=%s total_ms=%.1f",
             self.request_id,
             connection.id,
+            connection.tenant,
             connection.session.session_id,
             connection.model.name,
             outcome,

@@ -12,15 +12,20 @@ status each Seedance error names (``http_status``); ``code`` is the Seedance err
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import logging
+import math
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
+from starlette.responses import Response
 
 from seedance.engines.base import GenerationRequest, SamplingParams, TokenDelta
+from seedance.observability.audit.records import json_text, text_sha256, utc_now
 from seedance.observability.logs import bind_request
 from seedance.observability.metrics import RequestMeter
 from seedance.observability.tracing import Attributes, Tracing, request_attributes
@@ -32,13 +37,16 @@ from seedance.protocol.errors import (
     Overloaded,
     PayloadTooLarge,
     SeedanceError,
+    Unauthorized,
 )
 from seedance.protocol.messages import FinishReason, RequestId
 from seedance.protocol.openai import OpenAIRequest, decode_chat, decode_completion
 from seedance.server.state import ServedModel, ServerState
+from seedance.tenants.auth import OPEN_PRINCIPAL, Principal, refusal_record
+from seedance.tenants.policy import check_model, check_priority
 
 if TYPE_CHECKING:
-    from opentelemetry.context import Context
+    pass
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +80,22 @@ def error_body(error: SeedanceError) -> bytes:
     )
 
 
+def error_headers(error: SeedanceError) -> list[tuple[bytes, bytes]]:
+    """``Retry-After`` for retryable errors that say when; ``WWW-Authenticate`` for 401."""
+    headers = []
+    if error.retry_after_s is not None:
+        headers.append((b"retry-after", str(max(1, math.ceil(error.retry_after_s))).encode()))
+    if isinstance(error, Unauthorized):
+        headers.append((b"www-authenticate", b'Bearer realm="seedance"'))
+    return headers
+
+
+def error_response(error: SeedanceError) -> Response:
+    """A Starlette response for the routes that are not plain ASGI."""
+    headers = {k.decode(): v.decode() for k, v in error_headers(error)}
+    return Response(error_body(error), error.http_status, headers, "application/json")
+
+
 class _Disconnected(Exception):
     """The client went away."""
 
@@ -95,14 +119,19 @@ class OpenAIEndpoint:
         request_id = RequestId(
             ("chatcmpl-" if self.kind == "chat" else "cmpl-") + secrets.token_hex(12)
         )
-        call = _Call(self, request_id, send, Tracing.from_headers(scope.get("headers", ())))
+        call = _Call(self, request_id, scope, send)
         bind_request(request_id, call.trace.trace_id)  # for this task and those it starts
         try:
+            # The door first: a caller that is not let in costs no body read and no parse.
+            call.principal = authenticate_http(self.state, scope)
+            call.authenticated = True
             body = await _read_body(receive, self.state.config.max_frame_bytes)
         except _Disconnected:
+            call.ended()
             return
         except SeedanceError as exc:
             await call.fail(exc)
+            call.ended()
             return
         work = asyncio.create_task(call.run(body))
         watcher = asyncio.create_task(_wait_disconnect(receive))
@@ -123,10 +152,14 @@ class _Call:
         self,
         endpoint: OpenAIEndpoint,
         request_id: RequestId,
+        scope: Scope,
         send: Send,
-        trace_parent: Context | None,
     ) -> None:
         self.endpoint = endpoint
+        self.scope = scope
+        self.authenticated = False
+        self.parts: list[str] = []  # the reply, for its hash in the audit record
+        self._audited = False
         self.state = endpoint.state
         self.request_id = request_id
         self.send = send
@@ -142,33 +175,57 @@ class _Call:
         self.outcome = ""
         self.error: SeedanceError | None = None
         self.meter: RequestMeter | None = None
+        self.principal = OPEN_PRINCIPAL
         self.trace = self.state.tracing.request(
-            endpoint.operation, trace_parent, self.received, self._span_attributes
+            endpoint.operation,
+            Tracing.from_headers(scope.get("headers", ())),
+            self.received,
+            self._span_attributes,
         )
         self._trace_header = (b"traceparent", self.trace.traceparent.encode())
 
     async def run(self, body: bytes) -> None:
         try:
-            self.request = request = self.endpoint._decode(body, self.endpoint.limits)
+            tenant = self.principal.tenant
+            limits = self.endpoint.limits
+            if tenant.quotas.max_tokens is not None:
+                limits = dataclasses.replace(limits, default_cap=tenant.quotas.max_tokens)
+            self.request = request = self.endpoint._decode(body, limits)
             self.model = model = self.state.resolve_model(request.model)
+            check_model(self.principal, model.name, self.state.models)
+            check_priority(self.principal, request.generate.priority)
             self.meter = RequestMeter(
-                self.state.metrics, model.name, model.engine.info.engine, self.received
+                self.state.metrics,
+                model.name,
+                model.engine.info.engine,
+                self.principal.name,
+                self.received,
             )
             if model.limits.max_tokens < request.generate.max_tokens:
                 raise InvalidRequest(f"max_tokens must be between 1 and {model.limits.max_tokens}")
             if self.state.draining:
                 raise Overloaded("the server is shutting down; retry on another server")
+            self.state.check_audit()
             engine = model.engine
             messages = request.messages
             raw = request.kind == "completion"
             self.prompt_tokens = engine.prompt_tokens(messages, raw=raw)
-            await model.admission.acquire()
-            self.admitted_at = time.monotonic()
-            self.meter.admitted(self.admitted_at, self.prompt_tokens)
+            usage = self.state.usage
+            usage.start_request(
+                tenant.name, tenant.quotas, self.prompt_tokens, request.generate.max_tokens
+            )
             try:
-                await self._generate(model, request)
+                await model.admission.acquire(
+                    request.generate.priority, tenant=tenant.name, weight=tenant.tier
+                )
+                self.admitted_at = time.monotonic()
+                self.meter.admitted(self.admitted_at, self.prompt_tokens)
+                try:
+                    await self._generate(model, request)
+                finally:
+                    model.admission.release()
             finally:
-                model.admission.release()
+                usage.end_request(tenant.name, self.completion_tokens)
         except asyncio.CancelledError:
             raise
         except SeedanceError as exc:
@@ -184,10 +241,11 @@ class _Call:
             messages=request.messages,
             params=SamplingParams.of(message),
             prompt_tokens=self.prompt_tokens,
+            priority=message.priority,
             raw=request.kind == "completion",
         )
         chunks = _Chunks(request, self.request_id, model.name)
-        parts: list[str] = []
+        parts = self.parts
         finish: FinishReason = "stop"
         stream = model.engine.generate(generation)
         meter = self.meter
@@ -204,10 +262,9 @@ class _Call:
                     if token_times is not None:
                         token_times.append((now, delta.tokens))
                 self.completion_tokens += delta.tokens
+                parts.append(delta.text)
                 if request.stream:
                     await self._stream_delta(chunks, delta)
-                else:
-                    parts.append(delta.text)
                 if delta.finish_reason is not None:
                     finish = delta.finish_reason
                     break
@@ -224,6 +281,7 @@ class _Call:
             "total_tokens": self.prompt_tokens + self.completion_tokens,
         }
         self.outcome = finish
+        await self._audit()  # the reply ends once its record is on disk
         if request.stream:
             await self._stream_end(chunks, finish, usage)
         else:
@@ -248,10 +306,10 @@ class _Call:
     async def fail(self, error: SeedanceError) -> None:
         self.outcome = error.code
         self.error = error
+        with contextlib.suppress(Overloaded):  # an error goes out audited or not
+            await self._audit()
         if not self.started:
-            headers = list(_JSON_HEADERS)
-            if error.retry_after_s is not None:
-                headers.append((b"retry-after", str(max(1, round(error.retry_after_s))).encode()))
+            headers = [*_JSON_HEADERS, *error_headers(error)]
             await self._respond(error.http_status, headers, error_body(error))
             return
         # Mid-stream: the status is already 200; the error travels as an event, then the end.
@@ -273,8 +331,57 @@ class _Call:
         await self._start(status, [*headers, (b"content-length", str(len(body)).encode())])
         await self.send({"type": "http.response.body", "body": body})
 
+    async def _audit(self) -> None:
+        """Write this request's record; with ``--audit-fsync record``, wait until it is on
+        disk (when it cannot be written and the log is required: ``overloaded``)."""
+        if self._audited:
+            return
+        self._audited = True
+        future = self.state.audit_submit(self._audit_record)
+        if future is None:
+            return
+        try:
+            await asyncio.wrap_future(future)
+        except OSError as exc:
+            if self.state.audit_required:
+                raise Overloaded(f"request {self.request_id} could not be audited: {exc}") from exc
+
+    def _audit_record(self) -> dict[str, Any]:
+        if not self.authenticated:
+            error = self.error or InternalError("refused")
+            return refusal_record("http", self.scope, None, error)
+        model, request = self.model, self.request
+        prompt: Any = None
+        if request is not None:
+            prompt = [{"role": m.role, "content": m.content} for m in request.messages]
+        timing_end = time.monotonic()
+        return {
+            "kind": "request",
+            "time": utc_now(),
+            "api": "http",
+            "tenant": self.principal.name,
+            "credential": self.principal.credential,
+            "request_id": self.request_id,
+            "trace_id": self.trace.trace_id,
+            "model": model.name if model is not None else None,
+            "model_version": model.engine.info.version if model is not None else None,
+            "engine": model.engine.info.engine if model is not None else None,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "prompt_sha256": text_sha256(json_text(prompt)) if prompt is not None else None,
+            "completion_sha256": text_sha256("".join(self.parts)),
+            "outcome": self.outcome or "aborted",
+            "queue_ms": _ms(self.admitted_at, self.received),
+            "ttft_ms": _ms(self.first_token_at, self.received),
+            "total_ms": _ms(timing_end, self.received),
+        }
+
     def ended(self) -> None:
-        """The response is over: metrics and the log line."""
+        """The response is over: metrics, the trace, the log line, and the audit record if
+        the request ended without one (the client left)."""
+        if not self._audited:
+            self._audited = True
+            self.state.audit_submit(self._audit_record)
         if self.meter is not None:
             self.meter.ended(time.monotonic(), self.outcome or "aborted")
         self._end_trace()
@@ -283,6 +390,7 @@ class _Call:
     def _span_attributes(self) -> Attributes:
         return {
             "gen_ai.operation.name": self.endpoint.operation,
+            "seedance.tenant": self.principal.name,
             "seedance.request_id": self.request_id,
             "http.request.method": "POST",
             "url.path": self.endpoint.path,
@@ -326,10 +434,11 @@ class _Call:
             else f"{(self.first_token_at - self.received) * 1000:.1f}"
         )
         logger.info(
-            "request %s http=%s model=%s outcome=%s prompt_tokens=%d completion_tokens=%d "
-            "ttft_ms=%s total_ms=%.1f",
+            "request %s http=%s tenant=%s model=%s outcome=%s prompt_tokens=%d "
+            "completion_tokens=%d ttft_ms=%s total_ms=%.1f",
             self.request_id,
             self.endpoint.kind,
+            self.principal.name,
             self.model.name if self.model else "-",
             self.outcome or "aborted",
             self.prompt_tokens,
@@ -381,6 +490,19 @@ class _Chunks:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
             kind = "text_completion"
         return _encode({**self.head, "object": kind, "choices": [choice], "usage": usage})
+
+
+def authenticate_http(state: ServerState, scope: Mapping[str, Any]) -> Principal:
+    """The caller of an HTTP request; refusals are counted."""
+    try:
+        return state.access.authenticate(scope)
+    except SeedanceError as exc:
+        state.metrics.refused(exc.code, "http")
+        raise
+
+
+def _ms(at: float | None, since: float) -> float | None:
+    return None if at is None else round((at - since) * 1000.0, 3)
 
 
 async def _read_body(receive: Receive, limit: int) -> bytes:

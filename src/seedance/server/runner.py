@@ -54,6 +54,8 @@ class SeedanceServer(uvicorn.Server):
                     host,
                     port,
                 )
+            access = self.state.access
+            (logger.warning if access.open else logger.info)("access: %s", access.describe())
 
     def bound_addresses(self) -> list[tuple[str, int]]:
         addresses = []

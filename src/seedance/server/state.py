@@ -4,20 +4,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from seedance.config import ConfigError, ServerConfig
 from seedance.engines.base import Engine
+from seedance.observability.audit import audit_log
+from seedance.observability.audit.records import utc_now
 from seedance.observability.gpu import open_gpu_memory
 from seedance.observability.metrics import Metrics, state_metrics
 from seedance.observability.tracing import Tracing
 from seedance.protocol.codec import FrameLimits
-from seedance.protocol.errors import ModelNotFound
+from seedance.protocol.errors import ModelNotFound, Overloaded, Unauthorized
 from seedance.server.admission import Admission
 from seedance.server.transport import FrameMerger
 from seedance.sessions.store import MemorySessionStore, SessionStore
+from seedance.tenants.access import Access
+from seedance.tenants.usage import Usage
 
 if TYPE_CHECKING:
     from seedance.server.connection import Connection
@@ -75,6 +80,10 @@ class ServerState:
         self.draining = False
         self._started = False
         self.metrics = Metrics()
+        self.access = Access(config)
+        self.usage = Usage()
+        self.audit = audit_log(config)
+        self.access.on_revoked = self._close_revoked
         self.tracing = tracing or Tracing.from_config(config)
         gpu = open_gpu_memory()
         self.metrics.add_collector(lambda: state_metrics(self, gpu))
@@ -91,6 +100,10 @@ class ServerState:
         return sum(m.admission.running + m.admission.waiting for m in self.models.values())
 
     def healthy(self) -> tuple[bool, str]:
+        if self.audit is not None:
+            ok, detail = self.audit.health()
+            if not ok:
+                return False, detail
         for model in self.models.values():
             health = model.engine.health()
             if not health.ok:
@@ -101,9 +114,14 @@ class ServerState:
         if self._started:
             return
         self._started = True
+        if self.audit is not None:
+            self.audit.start()
+            if self.audit.error is not None and self.config.audit_required:
+                logger.error("requests are refused until the audit log can be written")
         for model in self.models.values():
             await model.engine.start()
         await self.sessions.start()
+        await self.access.start()
         if self.merger is not None:
             self.merger.start()
 
@@ -114,10 +132,57 @@ class ServerState:
         if self.merger is not None:
             self.merger.stop()
         await self.drain(0)
+        await self.access.close()
         await self.sessions.close()
         for model in self.models.values():
             await model.engine.close()
         await asyncio.to_thread(self.tracing.shutdown)  # exports what is buffered
+        if self.audit is not None:
+            await asyncio.to_thread(self.audit.close)  # every record accepted, then the seal
+
+    # ------------------------------------------------------------------ audit
+
+    @property
+    def audit_required(self) -> bool:
+        return self.audit is not None and self.config.audit_required
+
+    def check_audit(self) -> None:
+        """Refuse a new request while the audit log cannot be written (when required)."""
+        if self.audit is not None and self.audit.error is not None and self.audit_required:
+            raise Overloaded(
+                f"the audit log cannot be written ({self.audit.error}); requests are refused "
+                "until it can"
+            )
+
+    def audit_submit(self, record: Callable[[], dict[str, Any]]) -> Future[None] | None:
+        """Queue the record ``record()`` builds (built only when there is a log); a future
+        that completes once it is on disk (``--audit-fsync record``), else None."""
+        if self.audit is None:
+            return None
+        return self.audit.submit(record())
+
+    async def audited(self, record: Callable[[], dict[str, Any]]) -> None:
+        """Write a record and wait until it is on disk (``overloaded`` when it cannot be and
+        the log is required)."""
+        future = self.audit_submit(record)
+        if future is None:
+            return
+        try:
+            await asyncio.wrap_future(future)
+        except OSError as exc:
+            if self.audit_required:
+                raise Overloaded(f"the audit log cannot be written ({exc})") from exc
+
+    def _close_revoked(self, key_ids: set[str]) -> None:
+        """Close the connections of credentials that no longer pass (4401)."""
+        self.audit_submit(
+            lambda: {"kind": "keys_revoked", "time": utc_now(), "keys": sorted(key_ids)}
+        )
+        for connection in list(self.connections):
+            if connection.principal.credential in key_ids:
+                credential = connection.principal.credential
+                logger.info("conn %s closed: credential %s revoked", connection.id, credential)
+                connection.fail(Unauthorized(f"credential {credential} has been revoked"))
 
     async def drain(self, timeout_s: float) -> None:
         """Refuse new generations, let running ones finish for ``timeout_s``, then close

@@ -14,7 +14,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Protocol
 
-from seedance.protocol.errors import Overloaded
+from seedance.protocol.errors import Overloaded, QuotaExceeded
 from seedance.protocol.messages import SessionId, TenantId
 from seedance.sessions.session import Session, SessionKey
 
@@ -34,10 +34,14 @@ class SessionStore(Protocol):
 
     async def close(self) -> None: ...
 
-    async def attach(self, tenant: TenantId, session_id: SessionId | None) -> tuple[Session, bool]:
-        """Return the session (created when unknown or absent) and whether it was created.
+    async def attach(
+        self, tenant: TenantId, session_id: SessionId | None, max_for_tenant: int | None = None
+    ) -> tuple[Session, bool]:
+        """The session ``session_id`` of ``tenant`` (a new one if unknown or None) and whether
+        it was created.
 
-        Raises :class:`Overloaded` when the store is full of sessions in use.
+        Raises :class:`Overloaded` when the store is full of sessions in use, and
+        :class:`QuotaExceeded` when creating one would pass ``max_for_tenant``.
         """
         ...
 
@@ -52,6 +56,10 @@ class SessionStore(Protocol):
     async def delete(self, session: Session) -> None: ...
 
     def __len__(self) -> int: ...
+
+    def count(self, tenant: TenantId) -> int: ...
+
+    def get(self, tenant: TenantId, session_id: SessionId) -> Session | None: ...
 
 
 class MemorySessionStore:
@@ -72,6 +80,7 @@ class MemorySessionStore:
         self.max_sessions = max_sessions
         self._clock = clock
         self._sessions: OrderedDict[SessionKey, Session] = OrderedDict()
+        self._per_tenant: dict[TenantId, int] = {}
         self._reaper: asyncio.Task[None] | None = None
         self.expired_total = 0
         self.evicted_total = 0
@@ -89,7 +98,9 @@ class MemorySessionStore:
             await asyncio.gather(self._reaper, return_exceptions=True)
             self._reaper = None
 
-    async def attach(self, tenant: TenantId, session_id: SessionId | None) -> tuple[Session, bool]:
+    async def attach(
+        self, tenant: TenantId, session_id: SessionId | None, max_for_tenant: int | None = None
+    ) -> tuple[Session, bool]:
         now = self._clock()
         key: SessionKey = (tenant, session_id or new_session_id())
         session = self._sessions.get(key)
@@ -99,10 +110,16 @@ class MemorySessionStore:
             self.expired_total += 1
             session = None
         if session is None:
+            if max_for_tenant is not None and self.count(tenant) >= max_for_tenant:
+                raise QuotaExceeded(
+                    f"tenant {tenant} has {max_for_tenant} live sessions, its limit; end one "
+                    "(end_session) or wait for one to expire"
+                )
             if len(self._sessions) >= self.max_sessions:
                 self._evict_one()
             session = Session(key, now)
             self._sessions[key] = session
+            self._per_tenant[tenant] = self._per_tenant.get(tenant, 0) + 1
             created = True
         else:
             self._sessions.move_to_end(key)
@@ -124,6 +141,10 @@ class MemorySessionStore:
         session.last_active = self._clock()
         if session.key in self._sessions:
             self._sessions.move_to_end(session.key)
+
+    def count(self, tenant: TenantId) -> int:
+        """Live sessions of ``tenant``."""
+        return self._per_tenant.get(tenant, 0)
 
     def get(self, tenant: TenantId, session_id: SessionId) -> Session | None:
         return self._sessions.get((tenant, session_id))
@@ -157,7 +178,13 @@ class MemorySessionStore:
         raise Overloaded(f"the server holds {self.max_sessions} sessions, all in use; retry later")
 
     def _remove(self, key: SessionKey) -> None:
-        self._sessions.pop(key, None)
+        if self._sessions.pop(key, None) is not None:
+            tenant = key[0]
+            left = self._per_tenant[tenant] - 1
+            if left:
+                self._per_tenant[tenant] = left
+            else:
+                del self._per_tenant[tenant]
 
     async def _reap_forever(self) -> None:
         interval = min(max(self.ttl_s / 4, 0.05), 5.0)

@@ -215,7 +215,11 @@ class TransformersEngine(BatchedEngine):
         context = context_per_sequence(n_ctx, parallel, trained)
         self.max_concurrency = parallel
         self._info = ModelInfo(
-            name=name, engine="transformers", context_length=context, max_output_tokens=context
+            name=name,
+            engine="transformers",
+            context_length=context,
+            max_output_tokens=context,
+            version=Path(model_path).name,
         )
         self._use_prompts(tokenizer_prompts(loaded.tokenizer, context))
         self.loop = TorchLoop(loaded, parallel)

@@ -56,6 +56,7 @@ class LlamaCppEngine(BatchedEngine):
             engine="llamacpp",
             context_length=self.context.n_ctx_seq,
             max_output_tokens=self.context.n_ctx_seq,
+            version=Path(model_path).name,
         )
         self._use_prompts(
             Prompts(

@@ -1,0 +1,36 @@
+"""The audit log: one hash-chained record per connection, request and administrative action."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from seedance.config import ConfigError, ServerConfig
+from seedance.observability.audit.records import load_private_key
+from seedance.observability.audit.writer import AuditLog, AuditSettings, AuditUnavailable
+
+__all__ = ["AuditLog", "AuditSettings", "AuditUnavailable", "audit_log"]
+
+
+def audit_log(config: ServerConfig) -> AuditLog | None:
+    """The log ``config`` asks for (None without ``audit_file``)."""
+    if not config.audit_file:
+        return None
+    key = None
+    if config.audit_signing_key:
+        path = Path(config.audit_signing_key).expanduser()
+        try:
+            key = load_private_key(path)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"--audit-signing-key: cannot load {path}: {exc}") from None
+    return AuditLog(
+        AuditSettings(
+            path=Path(config.audit_file).expanduser(),
+            fsync=config.audit_fsync,
+            fsync_interval_s=config.audit_fsync_interval_s,
+            signing_key=key,
+            checkpoint_interval_s=config.audit_checkpoint_interval_s,
+            rotate_bytes=config.audit_rotate_bytes or None,
+            rotate_interval_s=config.audit_rotate_interval_s or None,
+            required=config.audit_required,
+        )
+    )

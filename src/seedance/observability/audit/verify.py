@@ -1,0 +1,130 @@
+"""``seedance audit verify FILE``: check an audit log's chain, across its rotated files.
+
+Reports the first record that is broken (edited: its hash; removed or reordered: ``seq`` and
+``prev``; a cut-off line), a checkpoint whose signature fails (with ``--public-key``), or a log
+that ends without its seal (records removed from the end, or a server that was killed or is
+still running: ``--allow-unsealed`` accepts that). Otherwise ``ok`` with the count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from seedance.observability.audit.records import GENESIS, digest, signature_ok
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+CHECKPOINTS = ("checkpoint", "rotate", "seal")
+
+
+@dataclass
+class Verdict:
+    ok: bool
+    message: str
+    records: int = 0
+
+
+class _Broken(Exception):
+    pass
+
+
+def log_files(path: Path) -> list[Path]:
+    """The live file and its rotated siblings (``FILE.<time>``), oldest first."""
+    rotated = sorted(p for p in path.parent.glob(path.name + ".*") if p.is_file())
+    return [*rotated, path] if path.exists() else rotated
+
+
+def verify(
+    path: Path, public_key: Ed25519PublicKey | None = None, *, allow_unsealed: bool = False
+) -> Verdict:
+    files = log_files(path)
+    if not files:
+        return Verdict(False, f"no audit log at {path}")
+    expected_seq, prev = 0, GENESIS
+    last: dict[str, Any] | None = None
+    checkpoints = signed = 0
+    try:
+        for file in files:
+            data = file.read_bytes()
+            if data and not data.endswith(b"\n"):
+                lines = data.split(b"\n")
+                raise _Broken(
+                    f"{file.name}:{len(lines)}: the last record is cut off (the file was "
+                    "truncated inside it)"
+                )
+            lines = data.splitlines()
+            for number, line in enumerate(lines, 1):
+                where = f"{file.name}:{number}"
+                record = _record(line, where)
+                seq = record.get("seq")
+                if seq != expected_seq:
+                    if _seq_later(lines[number:], expected_seq):
+                        raise _Broken(
+                            f"{where}: seq {seq} comes before seq {expected_seq}: records are "
+                            "out of order"
+                        )
+                    if isinstance(seq, int) and seq > expected_seq:
+                        raise _Broken(f"{where}: records {_span(expected_seq, seq)} are missing")
+                    raise _Broken(
+                        f"{where}: seq {seq} comes after seq {expected_seq - 1}: records are "
+                        "out of order or repeated"
+                    )
+                if record.get("prev") != prev:
+                    raise _Broken(f"{where}: seq {seq} does not follow the record before it")
+                if digest(record) != record.get("hash"):
+                    raise _Broken(f"{where}: seq {seq} was altered (its hash does not match)")
+                if record.get("kind") in CHECKPOINTS:
+                    checkpoints += 1
+                    signature = record.get("signature")
+                    if public_key is not None:
+                        if not signature or not signature_ok(public_key, prev, signature):
+                            raise _Broken(f"{where}: checkpoint seq {seq}: bad signature")
+                        signed += 1
+                prev, expected_seq, last = str(record["hash"]), expected_seq + 1, record
+    except _Broken as exc:
+        return Verdict(False, str(exc), expected_seq)
+    count = expected_seq
+    sealed = last is not None and last.get("kind") == "seal"
+    signatures = (
+        f"{signed} signature(s) verified" if public_key is not None else "signatures not checked"
+    )
+    summary = f"{count} records in {len(files)} file(s), {checkpoints} checkpoint(s), {signatures}"
+    if not sealed:
+        message = (
+            f"the log ends at seq {count - 1} without a seal: the server is running or was "
+            "stopped without closing it, or records were removed from its end"
+        )
+        if not allow_unsealed:
+            return Verdict(False, message, count)
+        return Verdict(True, f"ok: {summary} (unsealed: {message})", count)
+    return Verdict(True, f"ok: {summary}, sealed", count)
+
+
+def _record(line: bytes, where: str) -> dict[str, Any]:
+    try:
+        record = msgspec.json.decode(line)
+    except msgspec.DecodeError:
+        raise _Broken(f"{where}: not a JSON record (edited or cut)") from None
+    if not isinstance(record, dict) or "hash" not in record or "seq" not in record:
+        raise _Broken(f"{where}: not an audit record")
+    return record
+
+
+def _seq_later(lines: list[bytes], seq: int) -> bool:
+    """Whether a later line holds record ``seq`` (then the records were reordered)."""
+    for line in lines:
+        try:
+            if msgspec.json.decode(line).get("seq") == seq:
+                return True
+        except (msgspec.DecodeError, AttributeError):
+            continue
+    return False
+
+
+def _span(first: int, after: int) -> str:
+    return f"seq {first}" if after == first + 1 else f"seq {first} to {after - 1}"

@@ -1,0 +1,346 @@
+"""The audit log's writer: a thread of its own, fed by a queue, so the event loop never waits
+on the disk while tokens flow.
+
+With ``fsync = "record"`` a request's record is on disk (written and fsynced) before its
+``done`` frame or HTTP response ends: what a client was told is what the log holds, even if
+the server is killed the next moment. Records that arrive together share one write and one
+fsync (group commit). With ``fsync = "interval"`` the writer fsyncs at most that often and
+nothing waits.
+
+The writer also signs a checkpoint now and then (with a key), seals the log when the server
+stops, rotates the file by size or age (the chain runs on across files), and picks the chain up
+again from the file's last record when the server starts. When a write fails (a full disk, a
+file that cannot be opened), the log says so on ``/healthz`` and in the server log, and with
+``audit_required`` the server refuses new requests until a retry succeeds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import queue
+import stat
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
+
+import msgspec
+
+from seedance import __version__
+from seedance.observability.audit.records import GENESIS, seal, sign, utc_now
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+logger = logging.getLogger(__name__)
+
+RETRY_S: Final = 2.0
+_STOP: Final = object()
+
+
+@dataclass(frozen=True)
+class AuditSettings:
+    path: Path
+    fsync: str = "record"  # or "interval"
+    fsync_interval_s: float = 1.0
+    signing_key: Ed25519PrivateKey | None = None
+    checkpoint_interval_s: float = 60.0
+    checkpoint_records: int = 1000
+    rotate_bytes: int | None = None
+    rotate_interval_s: float | None = None
+    required: bool = True
+
+
+class AuditUnavailable(Exception):
+    """The audit log cannot be written."""
+
+
+class AuditLog:
+    def __init__(self, settings: AuditSettings, clock: Callable[[], float] = time.monotonic):
+        self.settings = settings
+        self.clock = clock
+        self.error: str | None = None
+        self.records = 0  # written by this process
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._fd = -1
+        self._seq = 0
+        self._prev = GENESIS
+        self._since_checkpoint = 0
+        self._checkpoint_at = clock()
+        self._synced_at = clock()
+        self._dirty = False
+        self._opened_at = clock()
+        self._chained = False  # the chain was picked up from the file
+
+    # ------------------------------------------------------------------ event loop side
+
+    def start(self) -> None:
+        """Open the file and write from a thread of its own. A file that cannot be opened
+        leaves the log failed (and retried), not the server stopped."""
+        try:
+            self._open(recover=True)
+        except OSError as exc:
+            self._fail(exc)
+        self._thread = threading.Thread(target=self._run, name="audit-writer", daemon=True)
+        self._thread.start()
+
+    def health(self) -> tuple[bool, str]:
+        if self.error is None:
+            return True, ""
+        return False, f"audit log {self.settings.path}: {self.error}"
+
+    def check(self) -> None:
+        """Raise when new requests must be refused (the log cannot be written)."""
+        if self.error is not None and self.settings.required:
+            raise AuditUnavailable(self.error)
+
+    def submit(self, record: dict[str, Any]) -> Future[None] | None:
+        """Queue a record; with ``fsync = "record"`` the future completes once it is on
+        disk."""
+        future: Future[None] | None = Future() if self.settings.fsync == "record" else None
+        self._queue.put((record, future))
+        return future
+
+    async def write(self, record: dict[str, Any]) -> None:
+        """Queue a record and, with ``fsync = "record"``, wait until it is on disk. A record
+        that cannot be written is logged; it raises only when the log is required."""
+        future = self.submit(record)
+        if future is None:
+            return
+        try:
+            await asyncio.wrap_future(future)
+        except OSError as exc:
+            if self.settings.required:
+                raise AuditUnavailable(str(exc)) from exc
+
+    def close(self) -> None:
+        """Write what is queued, seal the log, and stop (blocking: call it from a thread)."""
+        if self._thread is None:
+            return
+        self._queue.put(_STOP)
+        self._thread.join()
+        self._thread = None
+
+    # ------------------------------------------------------------------ writer thread
+
+    def _run(self) -> None:
+        stop = False
+        while not stop:
+            batch, stop = self._take()
+            if self.error is not None and not self._recover():
+                for _, future in batch:
+                    if future is not None:
+                        future.set_exception(OSError(self.error))
+                continue
+            try:
+                self._write_batch(batch)
+                self._maintain()
+                if stop:
+                    self._append(self._checkpoint("seal"))
+                    self._sync()
+            except OSError as exc:
+                self._fail(exc)
+                for _, future in batch:
+                    if future is not None and not future.done():
+                        future.set_exception(exc)
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def _take(self) -> tuple[list[tuple[dict[str, Any], Future[None] | None]], bool]:
+        """What is queued (waiting at most until an fsync, checkpoint or retry is due)."""
+        wait = RETRY_S if self.error is not None else self._next_due()
+        batch: list[tuple[dict[str, Any], Future[None] | None]] = []
+        try:
+            item = self._queue.get(timeout=max(wait, 0.001))
+        except queue.Empty:
+            return batch, False
+        while True:
+            if item is _STOP:
+                return batch, True
+            batch.append(item)
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return batch, False
+
+    def _next_due(self) -> float:
+        s, now = self.settings, self.clock()
+        due = [60.0]
+        if self._dirty:
+            due.append(self._synced_at + s.fsync_interval_s - now)
+        if s.signing_key is not None and self._since_checkpoint:
+            due.append(self._checkpoint_at + s.checkpoint_interval_s - now)
+        if s.rotate_interval_s is not None:
+            due.append(self._opened_at + s.rotate_interval_s - now)
+        return min(due)
+
+    def _write_batch(self, batch: list[tuple[dict[str, Any], Future[None] | None]]) -> None:
+        if not batch:
+            return
+        self._append_many([record for record, _ in batch])
+        if self.settings.fsync == "record":
+            self._sync()
+        for _, future in batch:
+            if future is not None:
+                future.set_result(None)
+
+    def _maintain(self) -> None:
+        """Interval fsyncs, checkpoints and rotation, when due."""
+        s, now = self.settings, self.clock()
+        if self._dirty and now - self._synced_at >= s.fsync_interval_s:
+            self._sync()
+        if (
+            s.signing_key is not None
+            and self._since_checkpoint
+            and (
+                self._since_checkpoint >= s.checkpoint_records
+                or now - self._checkpoint_at >= s.checkpoint_interval_s
+            )
+        ):
+            self._append(self._checkpoint("checkpoint"))
+            self._sync()
+        if self._rotation_due(now):
+            self._rotate()
+
+    def _rotation_due(self, now: float) -> bool:
+        s = self.settings
+        if not self._regular():
+            return False
+        if s.rotate_interval_s is not None and now - self._opened_at >= s.rotate_interval_s:
+            return True
+        if s.rotate_bytes is not None:
+            return os.fstat(self._fd).st_size >= s.rotate_bytes
+        return False
+
+    def _rotate(self) -> None:
+        path = self.settings.path
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
+        rotated = path.with_name(f"{path.name}.{stamp}")
+        self._append(self._checkpoint("rotate", {"next_file": path.name}))
+        self._sync()
+        os.close(self._fd)
+        self._fd = -1
+        os.rename(path, rotated)
+        self._open(recover=False)
+        self._append({"kind": "continue", "time": utc_now(), "previous_file": rotated.name})
+        self._sync()
+        logger.info("audit log rotated: %s", rotated)
+
+    def _checkpoint(self, kind: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        """A checkpoint (``checkpoint``, ``rotate``, ``seal``): signs the chain's head."""
+        record: dict[str, Any] = {"kind": kind, "time": utc_now(), "records": self._seq}
+        key = self.settings.signing_key
+        record["signature"] = sign(key, self._prev) if key is not None else None
+        record.update(extra or {})
+        self._since_checkpoint = 0
+        self._checkpoint_at = self.clock()
+        return record
+
+    def _append(self, record: dict[str, Any]) -> None:
+        self._append_many([record])
+
+    def _append_many(self, records: list[dict[str, Any]]) -> None:
+        lines = []
+        seq, prev = self._seq, self._prev
+        for record in records:
+            lines.append(seal(record, seq, prev))
+            seq, prev = seq + 1, record["hash"]
+        data = b"".join(lines)
+        regular = self._regular()
+        size = os.fstat(self._fd).st_size if regular else 0
+        try:
+            view = memoryview(data)
+            while view:
+                written = os.write(self._fd, view)
+                view = view[written:]
+        except OSError:
+            if regular:  # no partial line may stay: the next record would follow it
+                with contextlib.suppress(OSError):
+                    os.ftruncate(self._fd, size)
+            raise
+        self._seq, self._prev = seq, prev  # only once the bytes are written
+        self._since_checkpoint += len(records)
+        self.records += len(records)
+        self._dirty = True
+
+    def _regular(self) -> bool:
+        return stat.S_ISREG(os.fstat(self._fd).st_mode)
+
+    def _sync(self) -> None:
+        os.fsync(self._fd)
+        self._dirty = False
+        self._synced_at = self.clock()
+
+    # ------------------------------------------------------------------ files
+
+    def _open(self, *, recover: bool) -> None:
+        path = self.settings.path
+        start: dict[str, Any] = {"kind": "start", "time": utc_now(), "server": __version__}
+        if recover:
+            start.update(self._recover_chain(path))
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        self._opened_at = self.clock()
+        if recover:
+            self._chained = True
+            self._append(start)
+            self._sync()
+
+    def _recover_chain(self, path: Path) -> dict[str, Any]:
+        """Continue the chain of an existing log: seq and hash of its last whole record (a
+        partial last line, never acknowledged, is cut off and noted in the start record)."""
+        if not path.is_file():
+            return {}
+        size = path.stat().st_size
+        if size == 0:
+            return {}
+        with path.open("rb") as fh:
+            chunk = min(size, 1 << 20)
+            fh.seek(size - chunk)
+            tail = fh.read()
+        notes: dict[str, Any] = {}
+        if not tail.endswith(b"\n"):
+            cut = tail.rfind(b"\n") + 1
+            partial = len(tail) - cut
+            os.truncate(path, size - partial)
+            notes["discarded_partial_bytes"] = partial
+            logger.warning(
+                "audit log %s: cut off an incomplete last record (%d bytes)", path, partial
+            )
+            tail = tail[:cut]
+        lines = tail.rstrip(b"\n").rsplit(b"\n", 1)
+        last = msgspec.json.decode(lines[-1]) if lines and lines[-1] else None
+        if last is None:
+            return notes
+        self._seq, self._prev = int(last["seq"]) + 1, str(last["hash"])
+        notes["previous_end"] = "sealed" if last.get("kind") == "seal" else "unsealed"
+        return notes
+
+    # ------------------------------------------------------------------ failures
+
+    def _fail(self, exc: OSError) -> None:
+        if self.error is None:
+            logger.error("audit log %s cannot be written: %s", self.settings.path, exc)
+        self.error = exc.strerror or str(exc)
+
+    def _recover(self) -> bool:
+        """After a failure: try again to write (a record of the failure itself)."""
+        try:
+            if self._fd < 0:
+                self._open(recover=not self._chained)
+            self._append({"kind": "writer_recovered", "time": utc_now(), "error": self.error})
+            self._sync()
+        except OSError as exc:
+            self._fail(exc)
+            return False
+        logger.warning("audit log %s writable again", self.settings.path)
+        self.error = None
+        return True

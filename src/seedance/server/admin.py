@@ -1,0 +1,150 @@
+"""Administrative HTTP endpoints, for credentials with the ``admin`` role.
+
+- ``GET /admin/tenants``: every tenant, its policy and quotas, its keys (ids and roles, never
+  hashes) and its live usage;
+- ``POST /admin/keys/{key_id}/revoke``: refuse a key from now on (also in the config file) and
+  close the connections that hold it;
+- ``DELETE /admin/sessions/{tenant}/{session_id}``: end a session: its running reply is
+  cancelled, its connections closed, its context dropped.
+
+A server without tenants has no administrators: these endpoints answer 403 there.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from seedance.config import ConfigError
+from seedance.observability.audit.records import utc_now
+from seedance.protocol.errors import Forbidden, SeedanceError
+from seedance.protocol.messages import SessionId, TenantId
+from seedance.server.openai_api import authenticate_http, error_response
+from seedance.server.state import ServerState
+from seedance.tenants.auth import Principal
+
+logger = logging.getLogger(__name__)
+
+
+class NotFound(SeedanceError):
+    code = "not_found"
+    http_status = 404
+
+
+class Conflict(SeedanceError):
+    code = "conflict"
+    http_status = 409
+
+
+def admin_routes(state: ServerState) -> list[Route]:
+    async def tenants(request: Request) -> Response:
+        _admin(state, request)
+        access = state.access.authenticator.access
+        body = []
+        for tenant in access.tenants.values():
+            name = TenantId(tenant.name)
+            usage = state.usage.snapshot(tenant.name)
+            usage["sessions"] = state.sessions.count(name)
+            usage["waiting"] = sum(
+                m.admission.waiting_of(tenant.name) for m in state.models.values()
+            )
+            body.append(
+                {
+                    "name": tenant.name,
+                    "tier": tenant.tier,
+                    "models": tenant.models,
+                    "max_priority": tenant.max_priority,
+                    "labels": tenant.labels,
+                    "quotas": msgspec.to_builtins(tenant.quotas),
+                    "keys": [
+                        {"id": k.id, "role": k.role, "revoked": k.revoked} for k in tenant.keys
+                    ],
+                    "usage": usage,
+                }
+            )
+        return _json({"tenants": body})
+
+    async def revoke(request: Request) -> Response:
+        principal = _admin(state, request)
+        key_id = request.path_params["key_id"]
+        state.check_audit()
+        try:
+            tenant = state.access.revoke(key_id)
+        except KeyError:
+            raise NotFound(f"no key {key_id}") from None
+        except ConfigError as exc:
+            raise Conflict(exc.message) from None
+        logger.info("key %s of tenant %s revoked by %s", key_id, tenant, principal.credential)
+        await state.audited(lambda: _admin_record(principal, "revoke_key", tenant, key=key_id))
+        return _json({"revoked": key_id, "tenant": tenant})
+
+    async def end_session(request: Request) -> Response:
+        principal = _admin(state, request)
+        state.check_audit()
+        tenant = TenantId(request.path_params["tenant"])
+        session_id = SessionId(request.path_params["session_id"])
+        session = state.sessions.get(tenant, session_id)
+        if session is None:
+            raise NotFound(f"no session {session_id} of tenant {tenant}")
+        ended = [c for c in state.connections if c.session is session]
+        for connection in ended:
+            await connection.end_session_by_admin()
+        await state.sessions.delete(session)
+        await state.audited(
+            lambda: _admin_record(principal, "end_session", tenant, session=session_id)
+        )
+        logger.info(
+            "session %s of tenant %s ended by %s (%d connection(s) closed)",
+            session_id,
+            tenant,
+            principal.credential,
+            len(ended),
+        )
+        return _json({"ended": session_id, "tenant": tenant, "connections": len(ended)})
+
+    return [
+        Route("/admin/tenants", _errors(tenants)),
+        Route("/admin/keys/{key_id}/revoke", _errors(revoke), methods=["POST"]),
+        Route("/admin/sessions/{tenant}/{session_id}", _errors(end_session), methods=["DELETE"]),
+    ]
+
+
+def _admin_record(principal: Principal, action: str, tenant: str, **target: str) -> dict[str, Any]:
+    return {
+        "kind": "admin",
+        "time": utc_now(),
+        "action": action,
+        "actor_tenant": principal.name,
+        "actor_credential": principal.credential,
+        "tenant": tenant,
+        **target,
+    }
+
+
+def _admin(state: ServerState, request: Request) -> Principal:
+    principal = authenticate_http(state, request.scope)
+    if state.access.open:
+        raise Forbidden("this server has no tenants, so no administrators: configure an admin key")
+    if principal.role != "admin":
+        raise Forbidden(f"credential {principal.credential} is not an admin's")
+    return principal
+
+
+def _errors(handler: Any) -> Any:
+    async def wrapped(request: Request) -> Response:
+        try:
+            response: Response = await handler(request)
+            return response
+        except SeedanceError as exc:
+            return error_response(exc)
+
+    return wrapped
+
+
+def _json(body: Any) -> Response:
+    return Response(msgspec.json.encode(body), media_type="application/json")

@@ -1,0 +1,143 @@
+"""The server's door: origins, credentials, and the tenant tables, reloaded as the file changes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any, Final
+
+from seedance.config import ConfigError, ServerConfig, load_access
+from seedance.protocol.errors import Forbidden
+from seedance.tenants.auth import (
+    OPEN_PRINCIPAL,
+    Authenticator,
+    Principal,
+    client_address,
+    credential_of,
+)
+from seedance.tenants.config import AccessConfig
+from seedance.tenants.keys import revoke_key
+
+logger = logging.getLogger(__name__)
+
+#: How often the config file is checked for changed tenants and keys.
+RELOAD_INTERVAL_S: Final = 1.0
+
+
+class Access:
+    """Who may connect: the browser origins allowed, and the tenants' credentials.
+
+    ``on_revoked`` is called with the ids of keys that stopped passing (revoked or removed from
+    the file), so that the connections holding them are closed at once.
+    """
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config_file = Path(config.config_file) if config.config_file else None
+        self.authenticator = Authenticator(config.access or AccessConfig())
+        self.allowed_origins = frozenset(config.allowed_origins)
+        self.on_revoked: Callable[[set[str]], None] | None = None
+        self._stamp = self._file_stamp()
+        self._watcher: asyncio.Task[None] | None = None
+
+    @property
+    def open(self) -> bool:
+        return self.authenticator.open
+
+    def describe(self) -> str:
+        """One line for the startup log."""
+        access = self.authenticator.access
+        if access.open:
+            return (
+                "no tenants configured: the server is open to anyone who can reach it "
+                "(add one with: seedance keys add TENANT --config FILE)"
+            )
+        keys = sum(1 for t in access.tenants.values() for k in t.keys if not k.revoked)
+        jwt = access.auth.jwt
+        tokens = f", JWTs ({', '.join(self.authenticator.jwt_algorithms)})" if jwt else ""
+        return f"{len(access.tenants)} tenant(s), {keys} API key(s){tokens}"
+
+    def check_origin(self, headers: Iterable[tuple[bytes, bytes]]) -> None:
+        """Refuse a browser handshake from an origin not on the allow-list (when there is one);
+        clients that send no ``Origin`` (not browsers) pass."""
+        if not self.allowed_origins:
+            return
+        for name, value in headers:
+            if name == b"origin":
+                origin = value.decode("latin-1").rstrip("/")
+                if origin not in self.allowed_origins:
+                    raise Forbidden(f"origin {origin[:200]} is not allowed")
+                return
+
+    def authenticate(self, scope: Mapping[str, Any]) -> Principal:
+        """The caller of an ASGI request (WebSocket or HTTP)."""
+        if self.authenticator.open:
+            return OPEN_PRINCIPAL
+        return self.authenticator.authenticate(credential_of(scope), client_address(scope))
+
+    # ------------------------------------------------------------------ reloads
+
+    async def start(self) -> None:
+        if self.config_file is not None and self._watcher is None:
+            self._watcher = asyncio.create_task(self._watch(), name="access-reload")
+
+    async def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watcher
+            self._watcher = None
+
+    def _file_stamp(self) -> tuple[int, int] | None:
+        if self.config_file is None:
+            return None
+        try:
+            stat = os.stat(self.config_file)
+        except OSError:
+            return None
+        return stat.st_mtime_ns, stat.st_size
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(RELOAD_INTERVAL_S)
+            stamp = self._file_stamp()
+            if stamp != self._stamp and stamp is not None:
+                self._stamp = stamp
+                self.reload()
+
+    def revoke(self, key_id: str) -> str:
+        """Revoke a key now: in the config file when there is one (so that it stays revoked),
+        and in memory; its connections are closed. Returns the key's tenant."""
+        tenants = self.authenticator.access.tenants.values()
+        tenant = next((t.name for t in tenants for k in t.keys if k.id == key_id), None)
+        if tenant is None:
+            raise KeyError(key_id)
+        if self.config_file is not None:
+            revoke_key(self.config_file, key_id)
+            self._stamp = self._file_stamp()
+            self.reload()
+        else:
+            before = self.authenticator.key_ids()
+            self.authenticator.revoke(key_id)
+            if self.on_revoked is not None and key_id in before:
+                self.on_revoked({key_id})
+        return tenant
+
+    def reload(self) -> bool:
+        """Read the tenants and keys again; a bad file is logged and the old tables kept."""
+        assert self.config_file is not None
+        try:
+            access = load_access(self.config_file) or AccessConfig()
+        except ConfigError as exc:
+            logger.error("tenants not reloaded, the old ones stay: %s", exc.message)
+            return False
+        before = self.authenticator.key_ids()
+        self.authenticator.load(access)
+        gone = before - self.authenticator.key_ids()
+        logger.info("tenants reloaded from %s: %s", self.config_file, self.describe())
+        if gone and self.on_revoked is not None:
+            self.on_revoked(gone)
+        return True
