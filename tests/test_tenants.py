@@ -352,6 +352,19 @@ async def test_rate_and_size_quotas(
         assert used <= 60 < used + prompt  # refused: its prompt no longer fits the window
 
 
+async def flood_of(
+    server: RunningServer, key: str, count: int, max_tokens: int, pause: float = 0.0
+) -> list[Any]:
+    """``count`` connections of the key's tenant, each sending one request."""
+    sockets = [
+        (await open_session(server.url, additional_headers=auth(key)))[0] for _ in range(count)
+    ]
+    for ws in sockets:
+        await ws.send(json.dumps({"prompt": "flood", "max_tokens": max_tokens}))
+        await asyncio.sleep(pause)
+    return sockets
+
+
 async def test_one_tenants_flood_does_not_starve_another(
     make_server: Callable[..., RunningServer], two_tenants: tuple[Path, str, str]
 ) -> None:
@@ -359,9 +372,7 @@ async def test_one_tenants_flood_does_not_starve_another(
     server = tenant_server(
         make_server, path, [slow_engine(tokens_per_s=100)], max_running=2, max_waiting=64
     )
-    flood = [(await open_session(server.url, additional_headers=auth(acme)))[0] for _ in range(16)]
-    for ws in flood:
-        await ws.send(json.dumps({"prompt": "flood", "max_tokens": 20}))
+    flood = await flood_of(server, acme, 16, max_tokens=20)
     await asyncio.sleep(0.2)  # the flood is queued
     ws, _ = await open_session(server.url, additional_headers=auth(globex))
     async with ws:
@@ -382,10 +393,8 @@ async def test_the_queue_is_shared_fairly_when_full(
     server = tenant_server(
         make_server, path, [slow_engine(tokens_per_s=200)], max_running=1, max_waiting=3
     )
-    flood = [(await open_session(server.url, additional_headers=auth(acme)))[0] for _ in range(5)]
-    for ws in flood:  # half a second each: the queue stays full while globex comes
-        await ws.send(json.dumps({"prompt": "flood", "max_tokens": 100}))
-        await asyncio.sleep(0.02)  # in this order
+    # Half a second each, sent in this order: the queue stays full while globex comes.
+    flood = await flood_of(server, acme, 5, max_tokens=100, pause=0.02)
     ends = [(await collect(f))[-1] for f in flood[-1:]]  # 1 running + 3 waiting: the 5th out
     assert ends[0]["error"]["code"] == "overloaded"
     ws, _ = await open_session(server.url, additional_headers=auth(globex))

@@ -18,6 +18,8 @@ the OpenAI-compatible API::
     ├── PayloadTooLarge                 payload_too_large   closes 1009         HTTP 413
     ├── EngineError                     engine_error        (retryable)         HTTP 503
     ├── InternalError                   internal_error                          HTTP 500
+    ├── NotFound                        not_found           (admin API only)    HTTP 404
+    ├── Conflict                        conflict            (admin API only)    HTTP 409
     └── ConnectionClosed                (client side only: the socket closed)
 
 Messages are written for the client: they name the field and the rule, never internal detail.
@@ -146,6 +148,20 @@ class EngineError(SeedanceError):
 class InternalError(SeedanceError):
     code = "internal_error"
     connect_close_code = CLOSE_INTERNAL_ERROR
+
+
+class NotFound(SeedanceError):
+    """An administrative endpoint's target (a key, a session) does not exist."""
+
+    code = "not_found"
+    http_status = 404
+
+
+class Conflict(SeedanceError):
+    """An administrative action that was already done (a key already revoked)."""
+
+    code = "conflict"
+    http_status = 409
 
 
 class ConnectionClosed(SeedanceError):

@@ -22,23 +22,13 @@ from starlette.routing import Route
 
 from seedance.config import ConfigError
 from seedance.observability.audit.records import utc_now
-from seedance.protocol.errors import Forbidden, SeedanceError
+from seedance.protocol.errors import Conflict, Forbidden, NotFound, SeedanceError
 from seedance.protocol.messages import SessionId, TenantId
 from seedance.server.openai_api import authenticate_http, error_response
 from seedance.server.state import ServerState
 from seedance.tenants.auth import Principal
 
 logger = logging.getLogger(__name__)
-
-
-class NotFound(SeedanceError):
-    code = "not_found"
-    http_status = 404
-
-
-class Conflict(SeedanceError):
-    code = "conflict"
-    http_status = 409
 
 
 def admin_routes(state: ServerState) -> list[Route]:
@@ -80,7 +70,9 @@ def admin_routes(state: ServerState) -> list[Route]:
         except ConfigError as exc:
             raise Conflict(exc.message) from None
         logger.info("key %s of tenant %s revoked by %s", key_id, tenant, principal.credential)
-        await state.audited(lambda: _admin_record(principal, "revoke_key", tenant, key=key_id))
+        await state.audited(
+            lambda: _admin_record(principal, "revoke_key", tenant, key=key_id), "the revocation"
+        )
         return _json({"revoked": key_id, "tenant": tenant})
 
     async def end_session(request: Request) -> Response:
@@ -96,7 +88,8 @@ def admin_routes(state: ServerState) -> list[Route]:
             await connection.end_session_by_admin()
         await state.sessions.delete(session)
         await state.audited(
-            lambda: _admin_record(principal, "end_session", tenant, session=session_id)
+            lambda: _admin_record(principal, "end_session", tenant, session=session_id),
+            "the session's end",
         )
         logger.info(
             "session %s of tenant %s ended by %s (%d connection(s) closed)",

@@ -163,13 +163,11 @@ class Generation:
             self._end_trace(outcome or "aborted")
             self._log(outcome)
             audited = connection.state.audit_submit(lambda: self._audit_record(outcome))
-        if audited is not None:  # the reply ends once its record is on disk
-            try:
-                await asyncio.wrap_future(audited)
-            except OSError as exc:
-                if connection.state.audit_required and self.error is None:  # not a done
-                    error = Overloaded(f"request {self.request_id} could not be audited: {exc}")
-                    terminal = encode_error(error, self.request_id)
+        try:  # the reply ends once its record is on disk
+            await connection.state.audit_wait(audited, f"request {self.request_id}")
+        except Overloaded as unaudited:
+            if self.error is None:  # a reply that cannot be audited is not confirmed
+                terminal = encode_error(unaudited, self.request_id)
         out.put(terminal)
 
     async def _stream(self) -> FinishReason:

@@ -337,14 +337,7 @@ class _Call:
         if self._audited:
             return
         self._audited = True
-        future = self.state.audit_submit(self._audit_record)
-        if future is None:
-            return
-        try:
-            await asyncio.wrap_future(future)
-        except OSError as exc:
-            if self.state.audit_required:
-                raise Overloaded(f"request {self.request_id} could not be audited: {exc}") from exc
+        await self.state.audited(self._audit_record, f"request {self.request_id}")
 
     def _audit_record(self) -> dict[str, Any]:
         if not self.authenticated:

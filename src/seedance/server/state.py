@@ -161,17 +161,20 @@ class ServerState:
             return None
         return self.audit.submit(record())
 
-    async def audited(self, record: Callable[[], dict[str, Any]]) -> None:
-        """Write a record and wait until it is on disk (``overloaded`` when it cannot be and
-        the log is required)."""
-        future = self.audit_submit(record)
+    async def audit_wait(self, future: Future[None] | None, what: str) -> None:
+        """Wait until a submitted record is on disk; ``overloaded`` when it could not be
+        written and the log is required (``what`` names what was not audited)."""
         if future is None:
             return
         try:
             await asyncio.wrap_future(future)
         except OSError as exc:
             if self.audit_required:
-                raise Overloaded(f"the audit log cannot be written ({exc})") from exc
+                raise Overloaded(f"{what} could not be audited: {exc}") from exc
+
+    async def audited(self, record: Callable[[], dict[str, Any]], what: str) -> None:
+        """Write a record and wait until it is on disk (see :meth:`audit_wait`)."""
+        await self.audit_wait(self.audit_submit(record), what)
 
     def _close_revoked(self, key_ids: set[str]) -> None:
         """Close the connections of credentials that no longer pass (4401)."""

@@ -6,9 +6,9 @@ from pathlib import Path
 
 from seedance.config import ConfigError, ServerConfig
 from seedance.observability.audit.records import load_private_key
-from seedance.observability.audit.writer import AuditLog, AuditSettings, AuditUnavailable
+from seedance.observability.audit.writer import AuditLog, AuditSettings
 
-__all__ = ["AuditLog", "AuditSettings", "AuditUnavailable", "audit_log"]
+__all__ = ["AuditLog", "AuditSettings", "audit_log"]
 
 
 def audit_log(config: ServerConfig) -> AuditLog | None:

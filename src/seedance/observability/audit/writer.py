@@ -16,7 +16,6 @@ file that cannot be opened), the log says so on ``/healthz`` and in the server l
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import os
@@ -58,10 +57,6 @@ class AuditSettings:
     required: bool = True
 
 
-class AuditUnavailable(Exception):
-    """The audit log cannot be written."""
-
-
 class AuditLog:
     def __init__(self, settings: AuditSettings, clock: Callable[[], float] = time.monotonic):
         self.settings = settings
@@ -97,29 +92,12 @@ class AuditLog:
             return True, ""
         return False, f"audit log {self.settings.path}: {self.error}"
 
-    def check(self) -> None:
-        """Raise when new requests must be refused (the log cannot be written)."""
-        if self.error is not None and self.settings.required:
-            raise AuditUnavailable(self.error)
-
     def submit(self, record: dict[str, Any]) -> Future[None] | None:
         """Queue a record; with ``fsync = "record"`` the future completes once it is on
         disk."""
         future: Future[None] | None = Future() if self.settings.fsync == "record" else None
         self._queue.put((record, future))
         return future
-
-    async def write(self, record: dict[str, Any]) -> None:
-        """Queue a record and, with ``fsync = "record"``, wait until it is on disk. A record
-        that cannot be written is logged; it raises only when the log is required."""
-        future = self.submit(record)
-        if future is None:
-            return
-        try:
-            await asyncio.wrap_future(future)
-        except OSError as exc:
-            if self.settings.required:
-                raise AuditUnavailable(str(exc)) from exc
 
     def close(self) -> None:
         """Write what is queued, seal the log, and stop (blocking: call it from a thread)."""
