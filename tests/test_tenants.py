@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import statistics
 import subprocess
 import time
@@ -511,3 +512,27 @@ async def test_admin_endpoints_are_closed_without_tenants(server: RunningServer)
     async with httpx.AsyncClient(base_url=server.http_url) as client:
         reply = await client.get("/admin/tenants")
     assert reply.status_code == 403 and "no tenants" in reply.text
+
+
+async def test_the_python_client_and_chat_command_send_their_key(
+    make_server: Callable[..., RunningServer], two_tenants: tuple[Path, str, str]
+) -> None:
+    from seedance.client import connect
+    from seedance.protocol.errors import Unauthorized
+
+    path, acme, _ = two_tenants
+    server = tenant_server(make_server, path)
+    async with connect(server.url, api_key=acme) as session:
+        done = await session.complete("hello", max_tokens=3)
+    assert done.usage.completion_tokens == 3
+    with pytest.raises(Unauthorized):
+        async with connect(server.url, api_key="sd_00000000_nope"):
+            pass
+    chat = await asyncio.to_thread(
+        subprocess.run,
+        [SEEDANCE, "chat", "--url", server.url, "--once", "hi", "--max-tokens", "3"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "SEEDANCE_API_KEY": acme},
+    )
+    assert chat.returncode == 0 and chat.stdout.strip(), chat.stderr
