@@ -6,6 +6,7 @@ import hashlib
 import json
 import signal
 import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -288,3 +289,16 @@ async def test_interval_fsync(tmp_path: Path, make_server: Callable[..., Running
     server.stop()
     assert sum(r["kind"] == "request" for r in records(log)) == 3
     assert verify(log).ok
+
+
+def test_rotation_by_age(tmp_path: Path) -> None:
+    log = AuditLog(AuditSettings(path=tmp_path / "audit.log", rotate_interval_s=0.3))
+    log.start()
+    for i in range(3):
+        written = log.submit({"kind": "request", "time": "t", "request_id": f"r{i}"})
+        assert written is not None
+        written.result(timeout=5)
+        time.sleep(0.4)
+    log.close()
+    assert len(list(tmp_path.glob("audit.log.*"))) >= 2
+    assert verify(tmp_path / "audit.log").ok
