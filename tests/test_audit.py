@@ -197,14 +197,20 @@ def test_a_rewritten_chain_fails_its_signatures(sealed_log: tuple[Path, Path]) -
     assert not verdict.ok and "bad signature" in verdict.message
 
 
-def test_rotation_keeps_one_chain(tmp_path: Path) -> None:
-    log = AuditLog(AuditSettings(path=tmp_path / "audit.log", rotate_bytes=1500))
+def write_records(settings: AuditSettings, count: int, pause_s: float = 0.0) -> None:
+    """``count`` records, each on disk before the next, then a clean close."""
+    log = AuditLog(settings)
     log.start()
-    for i in range(40):
+    for i in range(count):
         written = log.submit({"kind": "request", "time": "t", "request_id": f"r{i}"})
         assert written is not None
         written.result(timeout=5)
+        time.sleep(pause_s)
     log.close()
+
+
+def test_rotation_keeps_one_chain(tmp_path: Path) -> None:
+    write_records(AuditSettings(path=tmp_path / "audit.log", rotate_bytes=1500), 40)
     files = sorted(tmp_path.glob("audit.log*"))
     assert len(files) >= 3
     verdict = verify(tmp_path / "audit.log")
@@ -292,13 +298,6 @@ async def test_interval_fsync(tmp_path: Path, make_server: Callable[..., Running
 
 
 def test_rotation_by_age(tmp_path: Path) -> None:
-    log = AuditLog(AuditSettings(path=tmp_path / "audit.log", rotate_interval_s=0.3))
-    log.start()
-    for i in range(3):
-        written = log.submit({"kind": "request", "time": "t", "request_id": f"r{i}"})
-        assert written is not None
-        written.result(timeout=5)
-        time.sleep(0.4)
-    log.close()
+    write_records(AuditSettings(path=tmp_path / "audit.log", rotate_interval_s=0.3), 3, 0.4)
     assert len(list(tmp_path.glob("audit.log.*"))) >= 2
     assert verify(tmp_path / "audit.log").ok
