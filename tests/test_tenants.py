@@ -88,6 +88,12 @@ def test_keys_command_adds_lists_and_revokes(tmp_path: Path) -> None:
     assert again.returncode == 1 and "already revoked" in again.stderr
     bad = keys("add", "no spaces")
     assert bad.returncode == 1 and "tenant" in bad.stderr
+    good = path.read_text()
+    path.write_text(good + "\n[tenants.broken]\nkeys = 5\n")  # refused with a line, as read
+    broken = keys("add", "acme")
+    assert broken.returncode == 1 and "tenants.broken.keys" in broken.stderr
+    assert "Traceback" not in broken.stderr
+    path.write_text(good)
     config = load_config({"config": str(path)}, {})
     assert config.port == 9000 and config.access is not None
     assert set(config.access.tenants) == {"acme", "initech"}

@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any, Final
 
 import tomlkit
-from tomlkit.items import AoT, Table
+from tomlkit.items import AoT
 
 from seedance.config import ConfigError
-from seedance.tenants.config import ROLES, TENANT_NAME, parse_access
+from seedance.tenants.config import ROLES, TENANT_NAME, AccessConfig, parse_access
 
 PREFIX: Final = "sd_"
 
@@ -63,7 +63,7 @@ def add_key(path: Path, tenant: str, role: str = "user") -> NewKey:
         raise ConfigError(f"tenant {tenant!r}: 1-64 characters of A-Z a-z 0-9 _ . -")
     if role not in ROLES:
         raise ConfigError(f"role {role!r}: one of {', '.join(ROLES)}")
-    doc = _read(path)
+    doc, _ = _read(path)
     tenants = doc.get("tenants")
     if tenants is None:
         tenants = tomlkit.table(is_super_table=True)
@@ -92,7 +92,7 @@ def add_key(path: Path, tenant: str, role: str = "user") -> NewKey:
 
 def revoke_key(path: Path, key_id: str) -> str:
     """Mark key ``key_id`` revoked in ``path``; returns its tenant."""
-    doc = _read(path)
+    doc, _ = _read(path)
     for tenant, table in (doc.get("tenants") or {}).items():
         for entry in table.get("keys") or ():
             if entry.get("id") == key_id:
@@ -107,7 +107,7 @@ def revoke_key(path: Path, key_id: str) -> str:
 
 def list_keys(path: Path) -> list[dict[str, Any]]:
     """Every key in ``path``: tenant, id, role, created, revoked."""
-    access = parse_access(_read(path).unwrap(), str(path), path.parent)
+    _, access = _read(path)
     return [
         {
             "tenant": tenant.name,
@@ -133,26 +133,34 @@ def _key_ids(doc: tomlkit.TOMLDocument) -> set[str]:
     }
 
 
-def _read(path: Path) -> tomlkit.TOMLDocument:
+def _read(path: Path) -> tuple[tomlkit.TOMLDocument, AccessConfig]:
+    """The file as tomlkit edits it, once it is known to be a valid config."""
     try:
-        return tomlkit.parse(path.read_text())
+        doc = tomlkit.parse(path.read_text())
     except FileNotFoundError:
-        return tomlkit.document()
+        doc = tomlkit.document()
     except OSError as exc:
         raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
     except tomlkit.exceptions.ParseError as exc:
         raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+    return doc, _check(path, doc)
+
+
+def _check(path: Path, doc: tomlkit.TOMLDocument) -> AccessConfig:
+    """The document's access tables; its keys must be arrays of tables (which tomlkit can
+    extend), not inline arrays."""
+    access = parse_access(doc.unwrap(), str(path), path.parent)
+    for name, table in (doc.get("tenants") or {}).items():
+        if not isinstance(table.get("keys", AoT([])), AoT):
+            raise ConfigError(
+                f"{path}: tenants.{name}.keys: write each key as [[tenants.{name}.keys]]"
+            )
+    return access
 
 
 def _write(path: Path, doc: tomlkit.TOMLDocument) -> None:
     """Check the result, then replace ``path`` atomically (new files are private: 0600)."""
-    tenants = doc.get("tenants")
-    if tenants is not None and not isinstance(tenants, Table):
-        raise ConfigError(f"{path}: tenants: expected a table")
-    for table in (tenants or {}).values():
-        if not isinstance(table.get("keys", AoT([])), AoT):
-            raise ConfigError(f"{path}: tenants.*.keys: expected an array of tables")
-    parse_access(doc.unwrap(), str(path), path.parent)
+    _check(path, doc)
     text = tomlkit.dumps(doc)
     mode = path.stat().st_mode & 0o777 if path.exists() else 0o600
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
