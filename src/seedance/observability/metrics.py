@@ -215,18 +215,37 @@ class TokenCounter(_TokenSeries[TokenCounterSeries]):
 
 
 class RequestMeter:
-    """One request's observations, with its labelled series looked up once."""
+    """One request's observations, with its labelled series looked up once. It keeps the
+    times of the request's first and last token, and appends each token delta's time and count
+    to ``record`` when given one (the trace's, with ``--trace-tokens``)."""
 
-    __slots__ = ("_e2e", "_first", "_itl", "_labels", "_last", "_metrics", "_tokens", "received")
+    __slots__ = (
+        "_e2e",
+        "_itl",
+        "_labels",
+        "_metrics",
+        "_tokens",
+        "first_token",
+        "last_token",
+        "received",
+        "record",
+    )
 
     def __init__(
-        self, metrics: Metrics, model: str, engine: str, tenant: str, received: float
+        self,
+        metrics: Metrics,
+        model: str,
+        engine: str,
+        tenant: str,
+        received: float,
+        record: list[tuple[float, int]] | None = None,
     ) -> None:
         self._metrics = metrics
         self._labels = (model, engine, tenant)
         self.received = received
-        self._first: float | None = None
-        self._last = received
+        self.record = record
+        self.first_token: float | None = None
+        self.last_token: float | None = None
         self._itl = metrics.itl.labels(model, engine, tenant)
         self._tokens = metrics.generation_tokens.labels(model, engine, tenant)
         self._e2e = metrics.e2e.labels(model, engine, tenant)
@@ -239,15 +258,17 @@ class RequestMeter:
     def tokens(self, now: float, count: int) -> None:
         """``count`` tokens were sent at ``now`` (called per token delta: the two series are
         updated inline, a method call each costs as much as the update)."""
-        last, self._last = self._last, now
-        if self._first is None:
-            self._first = now
+        last, self.last_token = self.last_token, now
+        if last is None:
+            self.first_token = now
             self._metrics.ttft.labels(*self._labels).observe(now - self.received)
         elif count > 0:
             itl, gap = self._itl, (now - last) / count
             itl.counts[bisect_left(LATENCY_BUCKETS, gap)] += count
             itl.sum += gap * count
         self._tokens.value += count
+        if self.record is not None:
+            self.record.append((now, count))
 
     def ended(self, now: float, outcome: str) -> None:
         self._e2e.observe(now - self.received)

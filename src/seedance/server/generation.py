@@ -68,24 +68,23 @@ class Generation:
         self.prompt_tokens = prompt_tokens
         self.received = received
         self.admitted_at: float | None = None
-        self.first_token_at: float | None = None
-        self.last_token_at: float | None = None
         self.completion_tokens = 0
         self.parts: list[str] = []
         self.cancel_requested = False
         self.task: asyncio.Task[None] | None = None
         model = connection.model
+        self.trace = connection.state.tracing.request(
+            f"chat {model.name}", trace_parent, received, self._span_attributes, connection.trace
+        )
+        self.trace_id = self.trace.trace_id
         self.meter = RequestMeter(
             connection.state.metrics,
             model.name,
             model.engine.info.engine,
             connection.tenant,
             received,
+            self.trace.token_times,
         )
-        self.trace = connection.state.tracing.request(
-            f"chat {model.name}", trace_parent, received, self._span_attributes, connection.trace
-        )
-        self.trace_id = self.trace.trace_id
         self.error: SeedanceError | None = None
 
     def start(self) -> None:
@@ -186,17 +185,10 @@ class Generation:
         tokens = TokenStream(self.request_id) if message.stream else None
         stream = connection.model.engine.generate(request)
         meter = self.meter
-        token_times = self.trace.token_times  # a list with --trace-tokens
         try:
             async for delta in stream:
                 if delta.tokens:
-                    now = clock()
-                    if self.first_token_at is None:
-                        self.first_token_at = now
-                    self.last_token_at = now
-                    meter.tokens(now, delta.tokens)
-                    if token_times is not None:
-                        token_times.append((now, delta.tokens))
+                    meter.tokens(clock(), delta.tokens)
                     self.parts.append(delta.text)
                     if tokens is not None:
                         out.put_token(tokens, delta.text, delta.tokens)
@@ -265,7 +257,7 @@ class Generation:
             received=self.received,
             admitted=self.admitted_at,
             first_token=self.first_token_at,
-            last_token=self.last_token_at,
+            last_token=self.meter.last_token,
             outcome=outcome,
             error=None if error is None else (error.code, error.message),
             attributes={
@@ -274,6 +266,10 @@ class Generation:
                 "gen_ai.usage.output_tokens": self.completion_tokens,
             },
         )
+
+    @property
+    def first_token_at(self) -> float | None:
+        return self.meter.first_token
 
     def _timing(self) -> Timing:
         """Milliseconds from the moment the frame was read: queued, first token, total."""

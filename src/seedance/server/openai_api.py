@@ -170,8 +170,6 @@ class _Call:
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.admitted_at: float | None = None
-        self.first_token_at: float | None = None
-        self.last_token_at: float | None = None
         self.outcome = ""
         self.error: SeedanceError | None = None
         self.meter: RequestMeter | None = None
@@ -200,6 +198,7 @@ class _Call:
                 model.engine.info.engine,
                 self.principal.name,
                 self.received,
+                self.trace.token_times,
             )
             if model.limits.max_tokens < request.generate.max_tokens:
                 raise InvalidRequest(f"max_tokens must be between 1 and {model.limits.max_tokens}")
@@ -250,17 +249,10 @@ class _Call:
         stream = model.engine.generate(generation)
         meter = self.meter
         assert meter is not None
-        token_times = self.trace.token_times  # a list with --trace-tokens
         try:
             async for delta in stream:
                 if delta.tokens:
-                    now = time.monotonic()
-                    if self.first_token_at is None:
-                        self.first_token_at = now
-                    self.last_token_at = now
-                    meter.tokens(now, delta.tokens)
-                    if token_times is not None:
-                        token_times.append((now, delta.tokens))
+                    meter.tokens(time.monotonic(), delta.tokens)
                 self.completion_tokens += delta.tokens
                 parts.append(delta.text)
                 if request.stream:
@@ -330,6 +322,10 @@ class _Call:
     async def _respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
         await self._start(status, [*headers, (b"content-length", str(len(body)).encode())])
         await self.send({"type": "http.response.body", "body": body})
+
+    @property
+    def first_token_at(self) -> float | None:
+        return self.meter.first_token if self.meter is not None else None
 
     async def _audit(self) -> None:
         """Write this request's record; with ``--audit-fsync record``, wait until it is on
@@ -411,7 +407,7 @@ class _Call:
             received=self.received,
             admitted=self.admitted_at,
             first_token=self.first_token_at,
-            last_token=self.last_token_at,
+            last_token=self.meter.last_token if self.meter is not None else None,
             outcome=self.outcome or "aborted",
             error=None if error is None else (error.code, error.message),
             attributes=attributes,
