@@ -8,7 +8,7 @@ frame becomes a :class:`~seedance.protocol.errors.SeedanceError`, never another 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Final, Literal
 
 import msgspec
@@ -62,6 +62,10 @@ class FrameLimits:
     max_tokens: int = 4096
     #: A lower cap for requests that do not set ``max_tokens`` (a tenant's quota).
     default_cap: int | None = None
+
+    def capped(self, cap: int | None) -> FrameLimits:
+        """These limits, with requests that do not set ``max_tokens`` held to ``cap``."""
+        return self if cap is None else replace(self, default_cap=cap)
 
     def default_max_tokens(self, default: int = DEFAULT_MAX_TOKENS) -> int:
         """``max_tokens`` for a request that does not say: never over a limit."""

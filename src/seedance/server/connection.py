@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import logging
 import secrets
@@ -79,7 +78,7 @@ class Connection:
         self.tenant = principal.name
         self.quotas = principal.tenant.quotas
         #: The model's frame limits; requests without max_tokens get at most the tenant's.
-        self.limits = dataclasses.replace(model.limits, default_cap=self.quotas.max_tokens)
+        self.limits = model.limits.capped(self.quotas.max_tokens)
         self.config = state.config
         self.ws = ws
         self.session = session

@@ -15,7 +15,7 @@ from seedance.protocol.messages import SUBPROTOCOL, SessionFrame, SessionId, Ten
 from seedance.server.connection import Connection
 from seedance.server.state import ServerState
 from seedance.server.transport import AsgiWebSocket
-from seedance.tenants.auth import refusal_record
+from seedance.tenants.auth import peer_of, refusal_record
 from seedance.tenants.policy import check_labels, check_model
 
 logger = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ class InferEndpoint:
             return
         state = self.state
         subprotocol = SUBPROTOCOL if SUBPROTOCOL in scope.get("subprotocols", ()) else None
-        peer = _peer(scope)
+        peer = peer_of(scope)
         if state.draining:
             await ws.accept(subprotocol)
             await ws.close(CLOSE_GOING_AWAY, "server shutting down")
@@ -110,8 +110,3 @@ class InferEndpoint:
 def _param(params: dict[str, list[str]], name: str) -> str | None:
     values = params.get(name)
     return values[0] if values else None
-
-
-def _peer(scope: dict[str, Any]) -> str:
-    client = scope.get("client")
-    return f"{client[0]}:{client[1]}" if client else "-"

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import math
 import secrets
@@ -185,9 +184,7 @@ class _Call:
     async def run(self, body: bytes) -> None:
         try:
             tenant = self.principal.tenant
-            limits = self.endpoint.limits
-            if tenant.quotas.max_tokens is not None:
-                limits = dataclasses.replace(limits, default_cap=tenant.quotas.max_tokens)
+            limits = self.endpoint.limits.capped(tenant.quotas.max_tokens)
             self.request = request = self.endpoint._decode(body, limits)
             self.model = model = self.state.resolve_model(request.model)
             check_model(self.principal, model.name, self.state.models)

@@ -261,18 +261,23 @@ def refusal_record(
     api: str, scope: Mapping[str, Any], principal: Principal | None, error: SeedanceError
 ) -> dict[str, Any]:
     """The audit record of a connection or HTTP request refused before it started."""
-    client = scope.get("client")
     return {
         "kind": "refused",
         "time": utc_now(),
         "api": api,
-        "peer": f"{client[0]}:{client[1]}" if client else "-",
+        "peer": peer_of(scope),
         "path": scope.get("path", ""),
         "tenant": principal.name if principal is not None else None,
         "credential": principal.credential if principal is not None else None,
         "outcome": error.code,
         "message": error.message,
     }
+
+
+def peer_of(scope: Mapping[str, Any]) -> str:
+    """``host:port`` of the client, as logs and audit records name it."""
+    client = scope.get("client")
+    return f"{client[0]}:{client[1]}" if client else "-"
 
 
 def client_address(scope: Mapping[str, Any]) -> str:
