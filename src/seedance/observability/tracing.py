@@ -33,6 +33,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from seedance import __version__
 from seedance.config import OTLP_PROTOCOLS, ConfigError
 from seedance.protocol.errors import InvalidRequest
+from seedance.protocol.messages import ms
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
@@ -233,7 +234,7 @@ class RequestTrace:
         if first_token is not None:
             span.add_event(
                 "first_token",
-                {"seedance.ttft_ms": _ms(first_token - received)},
+                {"seedance.ttft_ms": ms(first_token - received)},
                 clock.ns(first_token),
             )
         span.add_event("end", {"seedance.outcome": outcome}, clock.ns(end))
@@ -271,12 +272,12 @@ def _token_attributes(times: list[tuple[float, int]], received: float) -> Attrib
     for at, count in times:
         if at - previous > slowest_gap:
             slowest_seq, slowest_gap = len(emit), at - previous
-        emit.extend([_ms(at - received)] * count)
+        emit.extend([ms(at - received)] * count)
         previous = at
     return {
         "seedance.token.emit_ms": emit,
         "seedance.token.slowest_seq": slowest_seq,
-        "seedance.token.slowest_gap_ms": _ms(slowest_gap),
+        "seedance.token.slowest_gap_ms": ms(slowest_gap),
     }
 
 
@@ -290,10 +291,6 @@ class _WallClock:
 
     def ns(self, monotonic: float) -> int:
         return self._offset + int(monotonic * 1e9)
-
-
-def _ms(seconds: float) -> float:
-    return round(seconds * 1000.0, 3)
 
 
 def _ids(context: SpanContext) -> tuple[str, str, bool]:

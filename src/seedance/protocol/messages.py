@@ -135,6 +135,11 @@ class Timing(msgspec.Struct):
     total_ms: float
 
 
+def ms(seconds: float) -> float:
+    """Seconds as the milliseconds frames, spans and records carry (to the microsecond)."""
+    return round(seconds * 1000.0, 3)
+
+
 class DoneFrame(_ServerFrame, tag="done"):
     done: bool
     request_id: str

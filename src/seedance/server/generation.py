@@ -30,6 +30,7 @@ from seedance.protocol.messages import (
     StartFrame,
     Timing,
     Usage,
+    ms,
 )
 from seedance.server.transport import TokenStream
 from seedance.sessions.session import Turn
@@ -275,11 +276,11 @@ class Generation:
         """Milliseconds from the moment the frame was read: queued, first token, total."""
         now = time.monotonic()
         return Timing(
-            queue_ms=_ms((self.admitted_at or now) - self.received),
+            queue_ms=ms((self.admitted_at or now) - self.received),
             ttft_ms=None
             if self.first_token_at is None
-            else _ms(self.first_token_at - self.received),
-            total_ms=_ms(now - self.received),
+            else ms(self.first_token_at - self.received),
+            total_ms=ms(now - self.received),
         )
 
     def _done(self, finish: FinishReason) -> str:
@@ -322,7 +323,3 @@ class Generation:
         )
         if connection.config.log_prompts and self.parts:
             logger.debug("request %s completion=%r", self.request_id, "".join(self.parts))
-
-
-def _ms(seconds: float) -> float:
-    return round(seconds * 1000.0, 3)

@@ -38,7 +38,7 @@ from seedance.protocol.errors import (
     SeedanceError,
     Unauthorized,
 )
-from seedance.protocol.messages import FinishReason, RequestId
+from seedance.protocol.messages import FinishReason, RequestId, ms
 from seedance.protocol.openai import OpenAIRequest, decode_chat, decode_completion
 from seedance.server.state import ServedModel, ServerState
 from seedance.tenants.auth import OPEN_PRINCIPAL, Principal, refusal_record
@@ -488,7 +488,7 @@ def authenticate_http(state: ServerState, scope: Mapping[str, Any]) -> Principal
 
 
 def _ms(at: float | None, since: float) -> float | None:
-    return None if at is None else round((at - since) * 1000.0, 3)
+    return None if at is None else ms(at - since)
 
 
 async def _read_body(receive: Receive, limit: int) -> bytes:
