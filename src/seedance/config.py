@@ -130,11 +130,7 @@ def _bool(text: str) -> bool:
 
 def _urls(text: str) -> tuple[str, ...]:
     """One URL or several, separated by commas."""
-    urls = tuple(u.strip().rstrip("/") for u in text.split(",") if u.strip())
-    for url in urls:
-        if not url.startswith(("http://", "https://")):
-            raise ValueError(url)
-    return urls
+    return tuple(_url(u).rstrip("/") for u in text.split(",") if u.strip())
 
 
 def _url(text: str) -> str:

@@ -62,7 +62,6 @@ class AuditLog:
         self.settings = settings
         self.clock = clock
         self.error: str | None = None
-        self.records = 0  # written by this process
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._fd = -1
@@ -247,7 +246,6 @@ class AuditLog:
             raise
         self._seq, self._prev = seq, prev  # only once the bytes are written
         self._since_checkpoint += len(records)
-        self.records += len(records)
         self._dirty = True
 
     def _regular(self) -> bool:
