@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -28,6 +29,10 @@ from seedance.server.runner import SeedanceServer, build_server
 from seedance.server.state import ServerState
 
 SEEDANCE = str(Path(sys.executable).with_name("seedance"))
+
+# The llamacpp engine caches its CPU probe's decision (--repack auto) here, not in the user's
+# cache; servers started by the tests, in process or not, share it.
+os.environ.setdefault("SEEDANCE_CACHE_DIR", tempfile.mkdtemp(prefix="seedance-tests-"))
 
 
 class RunningServer:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import logging
 import os
 import signal
@@ -155,6 +156,9 @@ def configure_logging(config: ServerConfig) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    # A fatal signal or an abort in native code (an engine's C library) leaves every thread's
+    # Python stack on stderr instead of a silent exit.
+    faulthandler.enable(file=sys.stderr, all_threads=True)
     try:
         config = load_config(vars(args), os.environ)
         configure_logging(config)

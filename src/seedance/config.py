@@ -48,6 +48,7 @@ class ServerConfig:
     n_ctx: int = 0
     threads: int = 0
     kv_reuse: bool = True
+    repack: str = "auto"
     device: str = "auto"
     tensor_parallel_size: int = 1
     gpu_memory_utilization: float = 0.9
@@ -220,6 +221,16 @@ OPTIONS: tuple[Option, ...] = (
         "--kv-reuse",
         _bool,
         "llamacpp: reuse the KV cache of earlier turns (off: every prompt is prefilled whole)",
+    ),
+    Option(
+        "repack",
+        "--repack",
+        str.lower,
+        "llamacpp: lay the weights out for this CPU's own kernels (llama.cpp's extra buffer "
+        "types, AMX included); auto: measured once per CPU, build and model by a probe in a "
+        "child process, off where it crashes or is not faster",
+        lambda v: v in ("auto", "on", "off"),
+        "auto, on or off",
     ),
     Option(
         "device",

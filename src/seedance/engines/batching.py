@@ -26,6 +26,7 @@ import contextlib
 import logging
 import secrets
 import threading
+import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -108,6 +109,9 @@ class DecodeLoop(abc.ABC):
     def __init__(self) -> None:
         self.stats = SchedulerStats()
         self.failure: str | None = None  # set when the decode loop died
+        # The batch of the step under way, set by _step before its forward pass: sequences
+        # decoding one token, sequences prefilling, tokens in all (for crash reports).
+        self.batch_shape: tuple[int, int, int] = (0, 0, 0)
         self._cond = threading.Condition()
         self._incoming: list[BatchJob] = []
         self._cancelled: list[BatchJob] = []
@@ -134,6 +138,35 @@ class DecodeLoop(abc.ABC):
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+
+    def thread_label(self) -> str:
+        """The decode thread as crash reports name it (faulthandler prints its ident)."""
+        thread = self._thread
+        ident = thread.ident if thread is not None else None
+        return f"{self.thread_name} (Thread 0x{ident or 0:016x} in a fatal error's stacks)"
+
+    def describe(self) -> str:
+        """What the thread is doing, for a crash report (read from any thread)."""
+        decoding, prefilling, tokens = self.batch_shape
+        stats = self.stats
+        return (
+            f"step {stats.steps + 1}: a batch of {tokens} token(s), {decoding} sequence(s) "
+            f"decoding and {prefilling} prefilling; {stats.waiting} request(s) waiting, "
+            f"{stats.requests_started} started since start"
+        )
+
+    def abort(self, reason: str, grace_s: float = 1.0) -> None:
+        """The process is about to die (a native abort, from any thread): fail every request,
+        report unhealthy, and give the event loop up to ``grace_s`` to tell the clients."""
+        self._die(reason)
+        loop = self._loop
+        if loop is None or grace_s <= 0:
+            return
+        told = threading.Event()
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(told.set)  # after the failure events, in order
+            told.wait(grace_s)
+            time.sleep(min(grace_s, 0.5))  # their tasks write the clients' error frames
 
     def submit(self, job: BatchJob) -> None:
         with self._cond:

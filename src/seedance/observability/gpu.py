@@ -43,7 +43,7 @@ class GpuMemory:
 def open_gpu_memory() -> GpuMemory | None:
     """NVML's devices, or ``None`` where there is no NVIDIA GPU (or no ``nvidia-ml-py``)."""
     try:
-        import pynvml  # type: ignore[import-not-found, unused-ignore]
+        import pynvml  # type: ignore[import-not-found, import-untyped, unused-ignore]
     except ImportError:
         return None
     try:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from seedance.engines.base import ModelInfo, SamplingParams
 from seedance.engines.batching import BatchedEngine
-from seedance.engines.llamacpp.native import ContextShape, LlamaContext, LlamaModel
+from seedance.engines.llamacpp.cpu import resolve_repack
+from seedance.engines.llamacpp.native import ContextShape, LlamaContext, LlamaModel, on_abort
 from seedance.engines.llamacpp.scheduler import Job, Scheduler
 from seedance.engines.local import (
     context_per_sequence,
@@ -19,6 +22,8 @@ from seedance.engines.template import ChatTemplate
 
 if TYPE_CHECKING:
     from seedance.config import ServerConfig
+
+logger = logging.getLogger(__name__)
 
 
 class LlamaCppEngine(BatchedEngine):
@@ -37,12 +42,14 @@ class LlamaCppEngine(BatchedEngine):
         n_batch: int = 512,
         state_cache_mb: float = 512.0,
         kv_reuse: bool = True,
+        repack: str = "auto",
     ) -> None:
-        self.model = model = LlamaModel(model_path)
+        threads = threads or machine_cores()
+        self.repack = resolve_repack(repack, model_path, threads)
+        logger.info("llama.cpp: %s", self.repack.describe())
+        self.model = model = LlamaModel(model_path, repack=self.repack.repack)
         n_ctx_seq = context_per_sequence(n_ctx, parallel, model.n_ctx_train)
-        shape = ContextShape(
-            n_seq=parallel, n_ctx_seq=n_ctx_seq, n_batch=n_batch, threads=threads or machine_cores()
-        )
+        shape = ContextShape(n_seq=parallel, n_ctx_seq=n_ctx_seq, n_batch=n_batch, threads=threads)
         self.context = LlamaContext(model, shape)
         self.loop = Scheduler(
             model,
@@ -51,6 +58,7 @@ class LlamaCppEngine(BatchedEngine):
             reuse=kv_reuse,
         )
         self.max_concurrency = parallel
+        self._remove_abort_hook: Callable[[], None] = lambda: None
         self._info = ModelInfo(
             name=name,
             engine="llamacpp",
@@ -66,10 +74,21 @@ class LlamaCppEngine(BatchedEngine):
             )
         )
 
+    async def start(self) -> None:
+        await super().start()
+        self._remove_abort_hook = on_abort(self._aborted)
+        logger.info("llama.cpp decode thread: %s", self.loop.thread_label())
+
     async def close(self) -> None:
+        self._remove_abort_hook()
         await super().close()
         self.context.close()
         self.model.close()
+
+    def _aborted(self, message: str) -> None:
+        """llama.cpp is aborting the process: say where the engine was, fail what runs."""
+        logger.critical("the llamacpp engine was at %s", self.loop.describe())
+        self.loop.abort(f"llama.cpp aborted ({message}); the server is going down")
 
     def kv_cache_usage(self) -> float:
         return self.loop.cells_in_use() / (self.context.shape.n_seq * self.context.n_ctx_seq)
@@ -99,4 +118,5 @@ def create_engine(config: ServerConfig) -> LlamaCppEngine:
         n_ctx=config.n_ctx,
         threads=config.threads,
         kv_reuse=config.kv_reuse,
+        repack=config.repack,
     )

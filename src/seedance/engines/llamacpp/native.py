@@ -6,6 +6,12 @@ samplers, removing a sequence's cells, saving and restoring a sequence's state).
 
 Every call that crosses into C releases the GIL (ctypes does), so the decode thread does not
 hold up the event loop while llama.cpp computes.
+
+Two process-wide hooks are set up with the backend: a build with runtime CPU dispatch
+(``GGML_BACKEND_DL``, one ``libggml-cpu-<variant>`` per instruction set) gets its best CPU variant
+loaded from the package's library folder, and a ``GGML_ABORT`` inside llama.cpp calls
+:func:`on_abort`'s handler (to log the cause and report the engine down) before the process
+aborts.
 """
 
 from __future__ import annotations
@@ -14,11 +20,13 @@ import ctypes
 import logging
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
 import llama_cpp as lc
+from llama_cpp.llama_cpp import _lib as libllama
 
 from seedance.config import ConfigError
 
@@ -39,11 +47,57 @@ def _log_to_python(level: int, text: bytes, _user_data: Any) -> None:
             logger.log(py_level, "llama.cpp: %s", line)
 
 
+#: llama-cpp-python's shared libraries (and, in a runtime-dispatch build, the CPU variants).
+LIBRARY_DIR: Final = Path(lc.__file__).parent / "lib"
+
+# ggml's own functions, looked up through libllama so that they are those of the ggml that
+# libllama uses (a wheel holds each library more than once, as copies, not links).
+_abort_type = ctypes.CFUNCTYPE(None, ctypes.c_char_p)
+_set_abort_callback = libllama.ggml_set_abort_callback
+_set_abort_callback.argtypes = [_abort_type]
+_set_abort_callback.restype = ctypes.c_void_p
+_load_backends = libllama.ggml_backend_load_all_from_path
+_load_backends.argtypes = [ctypes.c_char_p]
+_load_backends.restype = None
+_abort_handlers: list[Callable[[str], None]] = []
+
+
+@_abort_type  # type: ignore[untyped-decorator]
+def _on_ggml_abort(message: bytes | None) -> None:
+    """``GGML_ABORT`` was hit (in any thread): tell the handlers, then llama.cpp aborts."""
+    text = (message or b"").decode("utf-8", "replace")
+    logger.critical("llama.cpp aborted: %s", text)
+    for handler in list(_abort_handlers):
+        try:
+            handler(text)
+        except Exception:  # the process is going down: report, never raise into C
+            logger.exception("abort handler failed")
+
+
+def on_abort(handler: Callable[[str], None]) -> Callable[[], None]:
+    """Call ``handler(message)`` when llama.cpp aborts the process; returns the remover.
+
+    It runs in the aborting thread, with llama.cpp stopped there, just before ``abort()``: time
+    enough to fail the running requests and report the engine down, not to carry on.
+    """
+    _abort_handlers.append(handler)
+    return lambda: _abort_handlers.remove(handler) if handler in _abort_handlers else None
+
+
+def runtime_dispatch() -> bool:
+    """Whether this llama.cpp build picks its CPU code at run time (``GGML_BACKEND_DL``)."""
+    return any(LIBRARY_DIR.glob("*ggml-cpu-*"))
+
+
 def _init_backend() -> None:
     global _backend_ready
     with _backend_lock:
         if not _backend_ready:
             lc.llama_log_set(_log_to_python, ctypes.c_void_p(0))
+            _set_abort_callback(_on_ggml_abort)
+            if runtime_dispatch():
+                # llama.cpp looks beside the executable and in the working directory only.
+                _load_backends(str(LIBRARY_DIR).encode())
             lc.llama_backend_init()
             _backend_ready = True
 
@@ -62,17 +116,29 @@ class ContextShape:
     threads: int
 
 
-class LlamaModel:
-    """A loaded GGUF model and its vocabulary."""
+def require_model_file(path: Path) -> None:
+    """Refuse a model path that is not a readable file, before anything loads it."""
+    if not path.is_file():
+        raise ConfigError(f"model file not found: {path}")
+    if not os.access(path, os.R_OK):
+        raise ConfigError(f"model file is not readable: {path}")
 
-    def __init__(self, path: Path) -> None:
-        if not path.is_file():
-            raise ConfigError(f"model file not found: {path}")
-        if not os.access(path, os.R_OK):
-            raise ConfigError(f"model file is not readable: {path}")
+
+class LlamaModel:
+    """A loaded GGUF model and its vocabulary.
+
+    ``repack`` lets llama.cpp lay the weights out for the CPU's own kernels (its "extra buffer
+    types": interleaved blocks, AMX tiles); see :mod:`~seedance.engines.llamacpp.cpu` for when
+    that is safe and faster.
+    """
+
+    def __init__(self, path: Path, *, repack: bool = False) -> None:
+        require_model_file(path)
         _init_backend()
         params = lc.llama_model_default_params()
+        params.use_extra_bufts = repack
         self.path = path
+        self.repack = repack
         self._ptr = lc.llama_model_load_from_file(str(path).encode(), params)
         if not self._ptr:
             raise ConfigError(f"cannot load model file {path}: not a GGUF model llama.cpp reads")

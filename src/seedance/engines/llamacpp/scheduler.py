@@ -223,6 +223,7 @@ class Scheduler(DecodeLoop):
                 sampled.append((job, ctx.add(job.last, len(slot.tokens), slot.seq, True)))
                 fed.append((job, [job.last]))
         budget = self._n_batch - ctx.n_tokens
+        prefilling = 0
         for job in self._active:
             if budget <= 0:
                 break
@@ -239,7 +240,9 @@ class Scheduler(DecodeLoop):
             if len(chunk) == remaining:
                 sampled.append((job, index))
             fed.append((job, chunk))
+            prefilling += 1
             budget -= len(chunk)
+        self.batch_shape = (len(fed) - prefilling, prefilling, ctx.n_tokens)
         rc = ctx.decode()
         self.stats.steps += 1
         if rc != 0:
