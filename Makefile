@@ -13,12 +13,39 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
+# llama-cpp-python (the embedded engine) is built from source, once per version and flags, into
+# a cache of wheels shared by every checkout. On Linux with llama.cpp's runtime CPU dispatch:
+# one CPU backend per instruction-set level, the best one this CPU runs picked at start, so a
+# wheel built on one machine runs on any other (as fast as a -march=native build on the machine
+# measured: docs/engines.md). LLAMA_CMAKE_ARGS= (empty) builds for this CPU only.
+LLAMA_CPP_VERSION := $(shell sed -n 's/.*"llama-cpp-python==\([^"]*\)".*/\1/p' pyproject.toml | head -n 1)
+ifeq ($(shell uname -s),Linux)
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON \
+	-DCMAKE_INSTALL_BINDIR=llama_cpp/lib
+endif
+export LLAMA_CMAKE_ARGS
+SEEDANCE_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/seedance
+LLAMA_BUILD_ID := $(LLAMA_CPP_VERSION)-$(shell printf '%s' '$(LLAMA_CMAKE_ARGS)' | sha256sum | cut -c1-12)
+LLAMA_WHEELS   := $(SEEDANCE_CACHE)/wheels/llama-cpp-python-$(LLAMA_BUILD_ID)
+
+$(LLAMA_WHEELS)/.built: | $(BIN)/python
+	CMAKE_ARGS='$(LLAMA_CMAKE_ARGS)' $(BIN)/python -m pip wheel --quiet --no-deps --no-cache-dir \
+		--no-binary llama-cpp-python -w $(LLAMA_WHEELS) 'llama-cpp-python==$(LLAMA_CPP_VERSION)'
+	@touch $@
+
+# Replaces whatever llama-cpp-python the environment had (a build of pip's own cache, say).
+$(VENV)/.llama-cpp-$(LLAMA_BUILD_ID): $(LLAMA_WHEELS)/.built | $(BIN)/python
+	$(BIN)/python -m pip install --quiet --no-deps --force-reinstall --no-index \
+		--find-links $(LLAMA_WHEELS) 'llama-cpp-python==$(LLAMA_CPP_VERSION)'
+	@rm -f $(VENV)/.llama-cpp-*
+	@touch $@
+
 # Reinstall when the project's metadata changes.
-$(VENV)/.installed-%: pyproject.toml | $(BIN)/python
+$(VENV)/.installed-%: pyproject.toml $(VENV)/.llama-cpp-$(LLAMA_BUILD_ID) | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e '.[$*]'
 	@touch $@
 
-$(VENV)/.installed-base: pyproject.toml | $(BIN)/python
+$(VENV)/.installed-base: pyproject.toml $(VENV)/.llama-cpp-$(LLAMA_BUILD_ID) | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e .
 	@touch $@
 
