@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
+import queue
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -275,3 +279,96 @@ def test_bare_llama_loop_reports_its_rates() -> None:
     assert single["decode_tokens_per_s"] > 0 and single["prompt_tokens"] > 10
     batched = run("batch", "--sequences", "2", "--steps", "3")
     assert batched["sequences"] == 2 and batched["tokens_per_s"] > 0
+
+
+# --------------------------------------------------------------------------- unkind targets
+
+
+class ClosingSSEServer:
+    """An OpenAI-compatible streaming endpoint that closes each connection after its reply,
+    without saying so (no ``Connection: close``), as llama.cpp's ``llama-server`` does: a
+    client that reuses the connection finds it gone."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.connections = 0
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(
+            int(line.split(b":")[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        )
+        await reader.readexactly(length)
+        self.requests += 1
+        chunk = {"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}]}
+        last = {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}
+        body = b"".join(f"data: {json.dumps(c)}\n\n".encode() for c in (chunk, chunk, last))
+        body += b"data: [DONE]\n\n"
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        await writer.drain()
+        await asyncio.sleep(0.05)  # the client has the reply and pools the connection
+        writer.close()
+
+
+def test_a_server_that_closes_kept_alive_connections_loses_no_request(tmp_path: Path) -> None:
+    closing = ClosingSSEServer()
+    ready: queue.Queue[int] = queue.Queue()
+
+    async def serve() -> None:
+        server = await asyncio.start_server(closing.handle, "127.0.0.1", 0)
+        ready.put(server.sockets[0].getsockname()[1])
+        async with server:
+            await asyncio.sleep(60)
+
+    threading.Thread(target=asyncio.run, args=(serve(),), daemon=True).start()
+    base = f"http://127.0.0.1:{ready.get(timeout=10)}/v1"
+    result, data = bench_json(
+        tmp_path, "--openai", base, "--model", "m", "-c", "2", "-n", "20", "--warmup", "0"
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert data["summary"]["completed"] == 20 and data["summary"]["errors"] == {}
+    assert closing.requests == 20 and closing.connections == 20  # each on a live connection
+
+
+def test_http_failures_carry_their_cause(tmp_path: Path) -> None:
+    result, data = bench_json(
+        tmp_path,
+        *("--openai", "http://127.0.0.1:1/v1", "--model", "m", "-c", "1", "-d", "2"),
+        *("--give-up-after", "0.5", "--warmup", "0"),
+    )
+    assert result.returncode == 1
+    assert set(data["summary"]["errors"]) == {"http_failed: ClientConnectorError"}
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_a_target_that_goes_away_ends_the_run_with_a_clear_message(
+    server_process: Any, tmp_path: Path, reuse: bool
+) -> None:
+    target = server_process("--synthetic-tokens-per-s", "200")
+    out = tmp_path / "gone.json"
+    args = [f"{target.url}/v2/infer", "-c", "4", "-d", "60", "--max-tokens", "16"]
+    args += ["--give-up-after", "2", "--json", str(out), "-q"]
+    bench_proc = subprocess.Popen(
+        [SEEDANCE, "bench", *args, *([] if reuse else ["--new-connection"])],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(1.5)
+    target.stop()  # killed: every connection drops, nothing listens any more
+    started = time.monotonic()
+    stdout, stderr = bench_proc.communicate(timeout=30)
+    assert bench_proc.returncode == 1, stdout + stderr
+    assert time.monotonic() - started < 10  # 2 s of failures, then the end, not 60 s
+    assert "stopped answering" in stderr and "the run ends early" in stderr
+    data = json.loads(out.read_text())
+    assert data["client"]["stopped"] == stderr.strip().removeprefix("seedance bench: ")
+    # Backing off: a few dozen failures in 2 s, not millions.
+    assert sum(data["summary"]["errors"].values()) < 200, data["summary"]["errors"]

@@ -58,6 +58,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         help="closed loop: start the users spread over this many seconds (default 0)",
     )
+    load.add_argument(
+        "--give-up-after",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="end the run when the target has answered nothing but lost connections for S "
+        "seconds (default 10); users reconnect with a growing back-off meanwhile",
+    )
     load.add_argument("--seed", type=int, default=0, help="seed of prompts and arrival gaps")
     load.add_argument(
         "--temperature",
@@ -160,6 +168,7 @@ async def _main(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         new_connection=args.new_connection,
         ramp_up_s=args.ramp_up,
+        give_up_s=args.give_up_after,
         seed=args.seed,
     )
     result = await run_load(target, spec, progress_out=progress)
@@ -167,6 +176,9 @@ async def _main(args: argparse.Namespace) -> int:
     print(summary_table(target.name, spec, result, summary))
     if args.json is not None:
         write_json(args.json, result_json(target.name, spec, result, summary))
+    if result.stopped is not None:
+        print(f"seedance bench: {result.stopped}", file=sys.stderr)
+        return 1
     return 0 if summary.completed == summary.requests else 1
 
 

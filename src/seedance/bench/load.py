@@ -18,7 +18,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TextIO
+from typing import Final, TextIO
 
 from seedance.bench.metrics import Sample
 from seedance.bench.targets import BenchError, Clock, Conn, Target
@@ -45,6 +45,7 @@ class LoadSpec:
     max_tokens: int = 64
     new_connection: bool = False
     ramp_up_s: float = 0.0
+    give_up_s: float = 10.0  # nothing but lost connections for this long: the target is gone
     seed: int = 0
 
     def check(self) -> None:
@@ -64,6 +65,8 @@ class LoadSpec:
             raise ValueError("--duration must be above 0")
         if self.ramp_up_s < 0:
             raise ValueError("--ramp-up must be 0 or more")
+        if self.give_up_s <= 0:
+            raise ValueError("--give-up-after must be above 0")
         if self.warmup < 0 or self.prompt_tokens < 1 or self.max_tokens < 1:
             raise ValueError("--warmup must be >= 0, --prompt-tokens and --max-tokens >= 1")
 
@@ -75,6 +78,7 @@ class LoadResult:
     client_cpu_s: float
     connections_opened: int
     extra: dict[str, float] = field(default_factory=dict)
+    stopped: str | None = None  # why the run ended early (the target stopped answering)
 
 
 def make_prompt(rng: random.Random, tokens: int) -> str:
@@ -164,6 +168,15 @@ async def run_load(
         await target.close()
 
 
+#: Errors that mean the connection (or the target) is gone, not that one request failed.
+LOST: Final = ("disconnected", "connect_failed", "handshake_failed", "http_failed")
+_BACKOFF_S: Final = (0.05, 2.0)  # the first wait after a lost connection, and the longest
+
+
+def lost(error: str | None) -> bool:
+    return error is not None and error.startswith(LOST)
+
+
 class _Run:
     def __init__(self, target: Target, spec: LoadSpec, out: TextIO | None) -> None:
         self.target = target
@@ -176,10 +189,15 @@ class _Run:
         self.out = out
         self.connections_opened = 0
         self.deadline: float | None = None
+        self.failing_since: float | None = None  # first lost connection since a success
+        self.lost_in_a_row = 0
+        self.stopped: str | None = None
 
     def _next_sample(self, user: int) -> Sample | None:
         """The next request to run, or None when the run is over."""
         index = len(self.samples)
+        if self.stopped is not None:
+            return None
         if self.total is not None and index >= self.total:
             return None
         if self.deadline is not None and self.clock.now() >= self.deadline:
@@ -194,13 +212,49 @@ class _Run:
             await conn.request(sample, prompt, self.spec.max_tokens, self.clock)
         except BenchError as exc:
             sample.error = exc.code
+            self._lost(exc)
         except Exception as exc:  # a client-side failure is a result too, not a crash
             sample.error = type(exc).__name__
         if sample.error is None:
             self.progress.done += 1
             self.progress.tokens += sample.tokens
+            self.failing_since, self.lost_in_a_row = None, 0
         else:
             self.progress.errors += 1
+
+    def _lost(self, exc: BenchError) -> None:
+        """Note a lost connection; after ``give_up_s`` of nothing else, end the run."""
+        if not lost(exc.code):
+            return
+        now = self.clock.now()
+        self.lost_in_a_row += 1
+        if self.failing_since is None:
+            self.failing_since = now
+        elif now - self.failing_since >= self.spec.give_up_s and self.stopped is None:
+            self.stopped = (
+                f"{self.target.name} stopped answering: {self.lost_in_a_row} lost connections "
+                f"and no reply for {now - self.failing_since:.0f} s (last: {exc.code}, {exc}); "
+                "the run ends early"
+            )
+
+    async def _back_off(self) -> None:
+        """Wait before the next try after lost connections, longer each time in a row."""
+        if self.lost_in_a_row:
+            first, longest = _BACKOFF_S
+            await asyncio.sleep(min(longest, first * 2 ** min(self.lost_in_a_row - 1, 16)))
+
+    async def _reconnect(self) -> Conn | None:
+        """A new connection for a user whose connection was lost (None: the run is over)."""
+        while self.stopped is None and (self.deadline is None or self.clock.now() < self.deadline):
+            await self._back_off()
+            try:
+                conn = await self.target.connect()
+            except BenchError as exc:
+                self._lost(exc)
+                continue
+            self.connections_opened += 1
+            return conn
+        return None
 
     async def run(self) -> LoadResult:
         spec = self.spec
@@ -234,6 +288,7 @@ class _Run:
             wall_s=self.clock.now(),
             client_cpu_s=time.process_time() - cpu0,
             connections_opened=self.connections_opened,
+            stopped=self.stopped,
         )
 
     def _start_clock(self) -> None:
@@ -249,6 +304,8 @@ class _Run:
         except BenchError as exc:
             sample.error = exc.code
             self.progress.errors += 1
+            self._lost(exc)
+            await self._back_off()
             return None
         self.connections_opened += 1
         return conn
@@ -267,8 +324,15 @@ class _Run:
                         await self._one(fresh, sample)
                     finally:
                         await fresh.close()
+                    if lost(sample.error):
+                        await self._back_off()
                 else:
                     await self._one(conn, sample)
+                    if lost(sample.error):  # the connection is gone: a new one, in a while
+                        await conn.close()
+                        conn = await self._reconnect()
+                        if conn is None:
+                            break
         finally:
             if conn is not None:
                 await conn.close()

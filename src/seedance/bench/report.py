@@ -82,6 +82,7 @@ def result_json(
             "wall_s": round(result.wall_s, 4),
             "cpu_s": round(result.client_cpu_s, 4),
             "connections_opened": result.connections_opened,
+            "stopped": result.stopped,
         },
         "summary": summary.to_json(),
     }

@@ -282,9 +282,7 @@ class OpenAIConn(Conn):
             sample.sent = clock.now()
         usage: ChunkUsage | None = None
         try:
-            async with self.session.post(
-                f"{target.base_url}/chat/completions", data=_encode(body), headers=target.headers
-            ) as response:
+            async with await self._post(_encode(body)) as response:
                 if response.status != 200:
                     raise BenchError(await _http_error_code(response), f"HTTP {response.status}")
                 async for data in sse_data(response.content):
@@ -297,7 +295,7 @@ class OpenAIConn(Conn):
                         if choice.finish_reason is not None:
                             sample.finish_reason = choice.finish_reason
         except aiohttp.ClientError as exc:
-            raise BenchError("http_failed", str(exc)) from exc
+            raise BenchError(f"http_failed: {type(exc).__name__}", str(exc)) from exc
         sample.end = clock.now()
         if usage is not None:
             sample.prompt_tokens = usage.prompt_tokens
@@ -305,6 +303,18 @@ class OpenAIConn(Conn):
                 # Servers may pack several tokens into one event: trust the usage count.
                 sample.chunk_tokens[-1] += usage.completion_tokens - sample.tokens
                 sample.tokens = usage.completion_tokens
+
+    async def _post(self, body: bytes) -> aiohttp.ClientResponse:
+        target = self.target
+        url = f"{target.base_url}/chat/completions"
+        try:
+            return await self.session.post(url, data=body, headers=target.headers)
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            if target.new_connection or isinstance(exc, aiohttp.ClientConnectorError):
+                raise  # a new connection failed: nothing was kept alive
+            # The server closed a kept-alive connection before taking the request (llama.cpp's
+            # server does after each stream): send it once more on a connection of its own.
+            return await target.one_off().post(url, data=body, headers=target.headers)
 
     async def close(self) -> None:
         if self.session is not self.target.shared:
@@ -339,6 +349,16 @@ class OpenAITarget(Target):
             self.headers["Authorization"] = f"Bearer {api_key}"
         self.new_connection = new_connection
         self.shared: aiohttp.ClientSession | None = None
+        self._one_off: aiohttp.ClientSession | None = None
+
+    def one_off(self) -> aiohttp.ClientSession:
+        """A session whose every request opens a connection of its own (for retries)."""
+        if self._one_off is None:
+            self._one_off = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, force_close=True),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=30),
+            )
+        return self._one_off
 
     async def prepare(self) -> None:
         connector = aiohttp.TCPConnector(limit=0, force_close=self.new_connection)
@@ -362,5 +382,6 @@ class OpenAITarget(Target):
         return OpenAIConn(self, self.shared)
 
     async def close(self) -> None:
-        if self.shared is not None:
-            await self.shared.close()
+        for session in (self.shared, self._one_off):
+            if session is not None:
+                await session.close()

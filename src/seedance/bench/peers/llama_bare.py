@@ -5,10 +5,14 @@ Two measurements, each printed as one JSON line:
 - ``generate``: one sequence, prefill then sample-and-decode ``--tokens`` tokens (end-of-text
   ignored), as any generation does; tokens/s of the decode (the first token excluded);
 - ``batch``: ``--sequences`` sequences decoded together, ``--steps`` steps of one token each with
-  logits but no sampling: llama.cpp's batched decode alone.
+  logits but no sampling: llama.cpp's batched decode alone;
+- ``prefill``: a prompt of ``--tokens`` tokens in batches of 512: prefill tokens/s.
+
+``--repack on|off`` chooses llama.cpp's weight layout (default off: the layout every CPU runs).
 
     python -m seedance.bench.peers.llama_bare generate --tokens 200 --threads 2
     python -m seedance.bench.peers.llama_bare batch --sequences 8 --steps 40 --threads 2
+    python -m seedance.bench.peers.llama_bare prefill --tokens 1024 --threads 2
 """
 
 from __future__ import annotations
@@ -81,22 +85,41 @@ def batch(model: LlamaModel, threads: int, sequences: int, steps: int) -> dict[s
     return {"sequences": sequences, "tokens_per_s": sequences * steps / elapsed}
 
 
+def prefill(model: LlamaModel, threads: int, tokens: int) -> dict[str, float]:
+    shape = ContextShape(n_seq=1, n_ctx_seq=tokens + 16, n_batch=512, threads=threads)
+    ctx = LlamaContext(model, shape)
+    words = model.tokenize(f"{PROMPT} " * (tokens // 4 + 1), special=False)[:tokens]
+    start = time.perf_counter()
+    for begin in range(0, tokens, 512):
+        ctx.clear_batch()
+        chunk = words[begin : begin + 512]
+        for i, token in enumerate(chunk):
+            ctx.add(token, begin + i, 0, begin + i == tokens - 1)
+        assert ctx.decode() == 0
+    elapsed = time.perf_counter() - start
+    ctx.close()
+    return {"prompt_tokens": tokens, "prefill_s": elapsed, "tokens_per_s": tokens / elapsed}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("mode", choices=("generate", "batch"))
+    parser.add_argument("mode", choices=("generate", "batch", "prefill"))
     parser.add_argument("--model-path", type=Path, default=None)
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--tokens", type=int, default=200)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--sequences", type=int, default=8)
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--repack", choices=("on", "off"), default="off")
     args = parser.parse_args(argv)
-    model = LlamaModel(args.model_path or default_model_path())
+    model = LlamaModel(args.model_path or default_model_path(), repack=args.repack == "on")
     threads = args.threads or machine_cores()
     if args.mode == "generate":
         result = generate(model, threads, args.tokens, args.temperature)
-    else:
+    elif args.mode == "batch":
         result = batch(model, threads, args.sequences, args.steps)
+    else:
+        result = prefill(model, threads, args.tokens)
     model.close()
     print(json.dumps(result))
     return 0
