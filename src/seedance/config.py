@@ -49,6 +49,7 @@ class ServerConfig:
     threads: int = 0
     kv_reuse: bool = True
     repack: str = "auto"
+    flash_attn: str = "auto"
     device: str = "auto"
     tensor_parallel_size: int = 1
     gpu_memory_utilization: float = 0.9
@@ -229,6 +230,16 @@ OPTIONS: tuple[Option, ...] = (
         "llamacpp: lay the weights out for this CPU's own kernels (llama.cpp's extra buffer "
         "types, AMX included); auto: measured once per CPU, build and model by a probe in a "
         "child process, off where it crashes or is not faster",
+        lambda v: v in ("auto", "on", "off"),
+        "auto, on or off",
+    ),
+    Option(
+        "flash_attn",
+        "--flash-attn",
+        str.lower,
+        "llamacpp: llama.cpp's flash attention (auto: on where the backend has it, the CPU "
+        "included); off makes a short message after a long history faster and batches and "
+        "long prompts slower",
         lambda v: v in ("auto", "on", "off"),
         "auto, on or off",
     ),

@@ -25,6 +25,7 @@ import codecs
 import contextlib
 import logging
 import secrets
+import sys
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable
@@ -39,6 +40,9 @@ from seedance.protocol.errors import EngineError
 from seedance.protocol.messages import FinishReason, RequestId
 
 logger = logging.getLogger(__name__)
+
+#: The longest a thread keeps the GIL while another waits (Python's default: 5 ms).
+GIL_SWITCH_INTERVAL_S = 0.0005
 
 #: What a job receives, in order: ``(text, tokens, finish_reason, error)``.
 Event = tuple[str, int, FinishReason | None, str | None]
@@ -353,6 +357,10 @@ class BatchedEngine(PromptedEngine):
         return self.loop.stats
 
     async def start(self) -> None:
+        # After each forward pass the decode thread needs the GIL back; a busy event loop
+        # keeps it for up to the switch interval (5 ms by default, a fifth of a SmolLM2 step
+        # at 8 streams). Measured: 4 streams went from 0.92x to 0.99x llama-server's tokens/s.
+        sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
         self.loop.start(asyncio.get_running_loop())
 
     async def close(self) -> None:

@@ -43,13 +43,14 @@ class LlamaCppEngine(BatchedEngine):
         state_cache_mb: float = 512.0,
         kv_reuse: bool = True,
         repack: str = "auto",
+        flash_attn: str = "auto",
     ) -> None:
         threads = threads or machine_cores()
         self.repack = resolve_repack(repack, model_path, threads)
         logger.info("llama.cpp: %s", self.repack.describe())
         self.model = model = LlamaModel(model_path, repack=self.repack.repack)
         n_ctx_seq = context_per_sequence(n_ctx, parallel, model.n_ctx_train)
-        shape = ContextShape(n_seq=parallel, n_ctx_seq=n_ctx_seq, n_batch=n_batch, threads=threads)
+        shape = ContextShape(parallel, n_ctx_seq, n_batch, threads, flash_attn)
         self.context = LlamaContext(model, shape)
         self.loop = Scheduler(
             model,
@@ -119,4 +120,5 @@ def create_engine(config: ServerConfig) -> LlamaCppEngine:
         threads=config.threads,
         kv_reuse=config.kv_reuse,
         repack=config.repack,
+        flash_attn=config.flash_attn,
     )

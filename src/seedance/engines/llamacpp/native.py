@@ -50,6 +50,16 @@ def _log_to_python(level: int, text: bytes, _user_data: Any) -> None:
 #: llama-cpp-python's shared libraries (and, in a runtime-dispatch build, the CPU variants).
 LIBRARY_DIR: Final = Path(lc.__file__).parent / "lib"
 
+# Calls too short to be worth releasing the GIL for: a ctypes call releases and takes it back,
+# and taking it back waits for the event loop's thread to let go (up to the switch interval).
+_held = ctypes.PyDLL(libllama._name)
+_sample = _held.llama_sampler_sample
+_sample.argtypes = [lc.llama_sampler_p_ctypes, lc.llama_context_p_ctypes, ctypes.c_int32]
+_sample.restype = lc.llama_token
+_is_eog = _held.llama_vocab_is_eog
+_is_eog.argtypes = [lc.llama_vocab_p_ctypes, lc.llama_token]
+_is_eog.restype = ctypes.c_bool
+
 # ggml's own functions, looked up through libllama so that they are those of the ggml that
 # libllama uses (a wheel holds each library more than once, as copies, not links).
 _abort_type = ctypes.CFUNCTYPE(None, ctypes.c_char_p)
@@ -114,6 +124,14 @@ class ContextShape:
     n_ctx_seq: int
     n_batch: int
     threads: int
+    flash_attn: str = "auto"  # "auto" (llama.cpp decides: on for the CPU), "on" or "off"
+
+
+_FLASH_ATTN: Final = {
+    "auto": lc.LLAMA_FLASH_ATTN_TYPE_AUTO,
+    "on": lc.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+    "off": lc.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+}
 
 
 def require_model_file(path: Path) -> None:
@@ -191,7 +209,7 @@ class LlamaModel:
         return piece
 
     def is_eog(self, token: int) -> bool:
-        return bool(lc.llama_vocab_is_eog(self._vocab, token))
+        return bool(_is_eog(self._vocab, token))
 
     def _render(self, token: int, *, special: bool) -> bytes:
         buf = self._piece_buf
@@ -218,6 +236,7 @@ class LlamaContext:
         params.n_threads_batch = shape.threads
         params.kv_unified = False  # each sequence attends over its own cells only
         params.no_perf = True
+        params.flash_attn_type = _FLASH_ATTN[shape.flash_attn]
         self.model = model
         self.shape = shape
         self._ptr = lc.llama_init_from_model(model.ptr, params)
@@ -284,7 +303,7 @@ class LlamaContext:
 
     def sample(self, sampler: Sampler, index: int) -> int:
         """Sample from the logits of batch entry ``index`` (and accept the token)."""
-        return int(lc.llama_sampler_sample(sampler.ptr, self._ptr, index))
+        return int(_sample(sampler.ptr, self._ptr, index))
 
 
 class Sampler:

@@ -2,15 +2,16 @@
 
 One thread owns the context. Each step it builds one batch: the last sampled token of every
 sequence that is generating, then prompt chunks of sequences being prefilled, up to
-``n_batch`` tokens; it calls ``llama_decode`` once, samples each sequence that has logits, and
-hands the step's text to the event loop in one ``call_soon_threadsafe``. Requests join and leave
-between steps.
+``n_batch`` tokens, laid out in sequence order; it calls ``llama_decode`` once, samples each
+sequence that has logits, and hands the step's text to the event loop in one
+``call_soon_threadsafe``. Requests join and leave between steps.
 
 The context holds ``n_seq`` sequences ("slots"). A slot remembers which tokens its cells hold,
 so a request whose prompt starts with those tokens (the next turn of a conversation) only
 prefills the rest. When no slot is free, a request waits; when a request needs a slot, it takes
-the free one sharing the longest prefix with its prompt, else the least recently used. Before a
-slot's cells are overwritten, its state is saved to a host-memory cache (LRU, bounded in bytes)
+the free one sharing the longest prefix with its prompt (at least 64 tokens), else the lowest
+free one, which keeps the running sequences' ids together. Before a slot's cells are
+overwritten, its state is saved to a host-memory cache (LRU, bounded in bytes)
 from which a later turn of that conversation restores it. Reuse is by exact token prefix, so a
 reused cell always holds what a fresh prefill would compute.
 """
@@ -18,7 +19,6 @@ reused cell always holds what a fresh prefill would compute.
 from __future__ import annotations
 
 import logging
-import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -55,7 +55,6 @@ class Slot:
     seq: int
     tokens: list[int]
     job: Job | None = None
-    last_used: float = 0.0
 
 
 class StateCache:
@@ -93,6 +92,16 @@ class StateCache:
         tokens, state = self._entries.pop(key)
         self.bytes -= len(state)
         return tokens, state
+
+
+def _kept(pair: tuple[Slot, int]) -> int:
+    return pair[1]
+
+
+def _seq_of(entry: tuple[Job, list[int]]) -> int:
+    slot = entry[0].slot
+    assert slot is not None
+    return slot.seq
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -139,7 +148,6 @@ class Scheduler(DecodeLoop):
         slot = job.slot
         if slot is not None:
             slot.job = None
-            slot.last_used = time.monotonic()
             job.slot = None
 
     def cells_in_use(self) -> int:
@@ -161,18 +169,20 @@ class Scheduler(DecodeLoop):
                 return
             job = self._waiting[0]  # stays listed until placed: a failure here reaches it
             prompt = job.prompt
-            # The longest cached prefix in a free slot; then empty slots; then the least
-            # recently used.
-            slot, keep = max(
-                ((s, common_prefix(s.tokens, prompt)) for s in free),
-                key=lambda pair: (pair[1], not pair[0].tokens, -pair[0].last_used),
-            )
+            # The free slot holding the longest prefix of the prompt when it is worth keeping
+            # (the next turn of its conversation); otherwise the lowest free one, so that the
+            # running sequences keep consecutive ids (llama.cpp decodes a run of consecutive
+            # sequences in one pass: 4 streams spread over 8 slots ran at 0.8x llama-server).
+            slot, keep = max(((s, common_prefix(s.tokens, prompt)) for s in free), key=_kept)
+            if keep < _MIN_SAVED_TOKENS:
+                slot = free[0]
+                keep = common_prefix(slot.tokens, prompt)
             if not self._reuse:
                 keep = 0
             cached_key, cached_len = self.cache.best(prompt)
             if cached_len > keep:  # a saved conversation beats what the slots hold
                 tokens, state = self.cache.take(cached_key)  # before _evict adds to the cache
-                slot = min(free, key=lambda s: (len(s.tokens) > 0, s.last_used))
+                slot = free[0]
                 self._evict(slot)
                 if self.ctx.load_state(slot.seq, state):
                     slot.tokens = tokens
@@ -212,37 +222,38 @@ class Scheduler(DecodeLoop):
     # -- one step ----------------------------------------------------------------------------
 
     def _step(self) -> None:
-        ctx = self.ctx
-        ctx.clear_batch()
-        sampled: list[tuple[Job, int]] = []
-        fed: list[tuple[Job, list[int]]] = []
-        for job in self._active:
-            if job.fed == len(job.prompt):
-                slot = job.slot
-                assert slot is not None
-                sampled.append((job, ctx.add(job.last, len(slot.tokens), slot.seq, True)))
-                fed.append((job, [job.last]))
-        budget = self._n_batch - ctx.n_tokens
-        prefilling = 0
+        # What each job feeds: its last sampled token, or the next chunk of its prompt while
+        # the batch has room (prompts in admission order).
+        fed: list[tuple[Job, list[int]]] = [
+            (job, [job.last]) for job in self._active if job.fed == len(job.prompt)
+        ]
+        decoding = len(fed)
+        budget = self._n_batch - decoding
         for job in self._active:
             if budget <= 0:
                 break
-            remaining = len(job.prompt) - job.fed
-            if remaining == 0:
-                continue
+            if job.fed < len(job.prompt):
+                chunk = job.prompt[job.fed : job.fed + budget]
+                fed.append((job, chunk))
+                budget -= len(chunk)
+        # llama.cpp runs a batch over separate sequence caches as micro-batches of sequences
+        # with consecutive ids, taken in batch order. In sequence order a step is one forward
+        # pass where it can be; in admission order it was up to one pass per sequence (8
+        # streams: 0.7x the tokens/s of llama-server).
+        fed.sort(key=_seq_of)
+        ctx = self.ctx
+        ctx.clear_batch()
+        sampled: list[tuple[Job, int]] = []
+        for job, tokens in fed:
             slot = job.slot
             assert slot is not None
-            chunk = job.prompt[job.fed : job.fed + budget]
-            pos = len(slot.tokens)
-            last = len(chunk) - 1
-            for i, token in enumerate(chunk):
-                index = ctx.add(token, pos + i, slot.seq, i == last and len(chunk) == remaining)
-            if len(chunk) == remaining:
+            pos, last = len(slot.tokens), len(tokens) - 1
+            ends = job.fed + len(tokens) >= len(job.prompt)  # logits for its next token
+            for i, token in enumerate(tokens):
+                index = ctx.add(token, pos + i, slot.seq, ends and i == last)
+            if ends:
                 sampled.append((job, index))
-            fed.append((job, chunk))
-            prefilling += 1
-            budget -= len(chunk)
-        self.batch_shape = (len(fed) - prefilling, prefilling, ctx.n_tokens)
+        self.batch_shape = (decoding, len(fed) - decoding, ctx.n_tokens)
         rc = ctx.decode()
         self.stats.steps += 1
         if rc != 0:
