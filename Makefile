@@ -56,9 +56,11 @@ serve: $(VENV)/.installed-base
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# Comparison suites (raw websockets and picows servers; llama-cpp-python's server and a bare
-# llama.cpp loop; WebSocket vs HTTP; LiteLLM's proxy); rewrites docs/benchmarks.md (~35 min).
-# BENCH_ARGS=--quick for a short run, BENCH_ARGS="--suites 5" for one suite.
+# Comparison suites (raw websockets and picows servers; llama.cpp's llama-server, built from the
+# vendored source with LLAMA_CMAKE_ARGS and cached, llama-cpp-python's server and a bare llama.cpp
+# loop; WebSocket vs HTTP; LiteLLM's proxy); rewrites docs/benchmarks.md (~45 min, and about 9
+# more the first time, to build llama-server). BENCH_ARGS=--quick for a short run,
+# BENCH_ARGS="--suites 5" for one suite.
 bench: $(VENV)/.installed-bench $(LITELLM_VENV)/.installed
 	$(BIN)/python -m seedance.bench.suites $(BENCH_ARGS)
 

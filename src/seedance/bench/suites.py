@@ -64,6 +64,7 @@ class Contender:
     pinned: bool = True  # on the server core (off: the server may use every core)
     core: int = SERVER_CORE  # the core it is pinned to
     env: dict[str, str] = field(default_factory=dict)  # added to the environment
+    cwd: str | None = None  # where it runs (default: here)
 
     def command(self, port: int | str) -> list[str]:
         return [a.replace("{port}", str(port)) for a in self.argv]
@@ -109,6 +110,7 @@ class Server:
             stderr=self.log,
             preexec_fn=_pin(contender.core) if contender.pinned else None,
             env={**os.environ, **contender.env} if contender.env else None,
+            cwd=contender.cwd,
         )
         deadline = time.monotonic() + 180  # LiteLLM takes a while to import
         while time.monotonic() < deadline:

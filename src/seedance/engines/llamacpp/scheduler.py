@@ -10,10 +10,10 @@ The context holds ``n_seq`` sequences ("slots"). A slot remembers which tokens i
 so a request whose prompt starts with those tokens (the next turn of a conversation) only
 prefills the rest. When no slot is free, a request waits; when a request needs a slot, it takes
 the free one sharing the longest prefix with its prompt (at least 64 tokens), else the lowest
-free one, which keeps the running sequences' ids together. Before a slot's cells are
-overwritten, its state is saved to a host-memory cache (LRU, bounded in bytes)
-from which a later turn of that conversation restores it. Reuse is by exact token prefix, so a
-reused cell always holds what a fresh prefill would compute.
+free one with nothing to save, else the lowest: the running sequences' ids stay together.
+Before a slot's cells are overwritten, its state is saved to a host-memory cache (LRU, bounded
+in bytes) from which a later turn of that conversation restores it. Reuse is by exact token
+prefix, so a reused cell always holds what a fresh prefill would compute.
 """
 
 from __future__ import annotations
@@ -98,6 +98,12 @@ def _kept(pair: tuple[Slot, int]) -> int:
     return pair[1]
 
 
+def _cheapest(pair: tuple[Slot, int]) -> tuple[bool, int]:
+    """Taking this free slot saves its cells first (see ``_evict``); then its id."""
+    slot, keep = pair
+    return len(slot.tokens) - keep >= _MIN_SAVED_TOKENS, slot.seq
+
+
 def _seq_of(entry: tuple[Job, list[int]]) -> int:
     slot = entry[0].slot
     assert slot is not None
@@ -170,13 +176,15 @@ class Scheduler(DecodeLoop):
             job = self._waiting[0]  # stays listed until placed: a failure here reaches it
             prompt = job.prompt
             # The free slot holding the longest prefix of the prompt when it is worth keeping
-            # (the next turn of its conversation); otherwise the lowest free one, so that the
-            # running sequences keep consecutive ids (llama.cpp decodes a run of consecutive
-            # sequences in one pass: 4 streams spread over 8 slots ran at 0.8x llama-server).
-            slot, keep = max(((s, common_prefix(s.tokens, prompt)) for s in free), key=_kept)
+            # (the next turn of its conversation). Otherwise the lowest free one whose cells
+            # need no saving, else the lowest: the running sequences keep consecutive ids
+            # (llama.cpp decodes a run of consecutive sequences in one pass: 4 streams spread
+            # over 8 slots ran at 0.8x llama-server), and a first turn does not wait for a
+            # long conversation to be saved when an empty slot is there.
+            kept = [(s, common_prefix(s.tokens, prompt)) for s in free]
+            slot, keep = max(kept, key=_kept)
             if keep < _MIN_SAVED_TOKENS:
-                slot = free[0]
-                keep = common_prefix(slot.tokens, prompt)
+                slot, keep = min(kept, key=_cheapest)
             if not self._reuse:
                 keep = 0
             cached_key, cached_len = self.cache.best(prompt)
