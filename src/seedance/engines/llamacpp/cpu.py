@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Final, Literal
+from typing import Final
 
 from seedance.config import ConfigError
 from seedance.engines.llamacpp.native import (
@@ -41,8 +41,6 @@ from seedance.engines.llamacpp.native import (
 
 logger = logging.getLogger(__name__)
 
-RepackMode = Literal["auto", "on", "off"]
-REPACK_MODES: Final = ("auto", "on", "off")
 #: Repacking must beat the plain layout by this much: the plain layout is the safe one.
 MIN_GAIN: Final = 0.05
 PROBE_TIMEOUT_S: Final = 120.0
