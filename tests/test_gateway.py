@@ -27,6 +27,7 @@ from starlette.routing import Route
 from seedance.bench.peers.openai_sse import create_app as openai_app
 from seedance.client import connect
 from seedance.engines.llamacpp import default_model_path
+from seedance.engines.llamacpp.native import backend_cwd
 from seedance.engines.openai_upstream import OpenAIUpstreamEngine
 from seedance.engines.synthetic import SyntheticEngine
 from seedance.protocol.errors import SeedanceError
@@ -51,6 +52,7 @@ def llama_upstream() -> Iterator[str]:
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        cwd=backend_cwd(),  # where a runtime-dispatch build's CPU backends are found
     )
     url = f"http://127.0.0.1:{port}/v1"
     deadline = time.monotonic() + 60

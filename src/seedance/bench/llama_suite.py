@@ -39,7 +39,7 @@ from seedance.bench.suites import (
 from seedance.bench.svg import bar_chart
 from seedance.client import connect
 from seedance.engines.llamacpp.cpu import resolve_repack
-from seedance.engines.llamacpp.native import LIBRARY_DIR, runtime_dispatch
+from seedance.engines.llamacpp.native import backend_cwd
 from seedance.engines.local import default_model_path
 
 if TYPE_CHECKING:
@@ -83,7 +83,7 @@ def llama_cpp_server() -> Contender:
     argv = [sys.executable, "-m", "llama_cpp.server", "--model", str(default_model_path())]
     argv += ["--port", "{port}", "--n_threads", _threads(), "--n_threads_batch", _threads()]
     argv += ["--n_ctx", "4096", "--interrupt_requests", "False", "--verbose", "False"]
-    cwd = str(LIBRARY_DIR) if runtime_dispatch() else None
+    cwd = backend_cwd()
     return Contender("peer", "llama-cpp-python server", argv, "/v1", pinned=False, cwd=cwd)
 
 

@@ -99,6 +99,12 @@ def runtime_dispatch() -> bool:
     return any(LIBRARY_DIR.glob("*ggml-cpu-*"))
 
 
+def backend_cwd() -> str | None:
+    """The working directory another program on this llama-cpp-python (its own server, say)
+    needs to find a runtime-dispatch build's CPU backends (llama.cpp looks there)."""
+    return str(LIBRARY_DIR) if runtime_dispatch() else None
+
+
 def _init_backend() -> None:
     global _backend_ready
     with _backend_lock:
