@@ -8,7 +8,7 @@ against 90-112 without, on a Sapphire Rapids VM). So ``auto``, the default, meas
 process loads the model each way and times a short prefill and a batched decode; a layout
 whose child dies is never used, and repacking is used only when it is at least
 :data:`MIN_GAIN` faster. The decision is cached per CPU, llama.cpp build, model file and thread
-count (:func:`cache_key`), so only a first start pays for it (about 3 s for SmolLM2).
+count (:func:`cache_key`), so only a first start pays for it (about 5 s for SmolLM2 on 2 cores).
 
 The child is this module: ``python -m seedance.engines.llamacpp.cpu MODEL --repack on``.
 """
