@@ -257,16 +257,22 @@ class Report:
         loads: Sequence[tuple[str, list[str]]],
         title: str,
     ) -> dict[tuple[str, str], Cell]:
-        """Run every (load, contender) ``rounds`` times, contenders in turn (A B A B)."""
+        """Run every (load, contender) ``rounds`` times, contenders in turn (A B A B).
+
+        Each (load, round) has prompts of its own (``--seed``), the same for every contender:
+        with one seed everywhere, a later run repeated an earlier run's prompts, and a server
+        with a prompt cache (llama-server's) answered them from it.
+        """
         cells: dict[tuple[str, str], Cell] = {}
         total = self.rounds * len(loads) * len(running)
         done = 0
-        for load, args in loads:
-            for _ in range(self.rounds):
+        for number, (load, args) in enumerate(loads):
+            for round_ in range(self.rounds):
+                seeded = [*args, "--seed", str(1000 * (number + 1) + round_)]
                 for key, server in running.items():
                     done += 1
                     self.log(f"[{title}] {done}/{total}: {server.contender.label}, {load}")
-                    result = run_bench(server.url, args, pinned=server.contender.pinned)
+                    result = run_bench(server.url, seeded, pinned=server.contender.pinned)
                     cells.setdefault((load, key), Cell()).runs.append(result)
                     summary = result["summary"]
                     client = result["client"]
@@ -676,6 +682,10 @@ def _commands(contenders: Sequence[Contender], loads: Sequence[tuple[str, list[s
     lines += [c.display() for c in contenders]
     lines += [command_line(args) for _, args in loads]
     lines.append("```")
+    lines += [
+        "",
+        "Every (load, round) adds `--seed N` of its own: new prompts, the same for every contender.",
+    ]
     return "\n".join(lines)
 
 
