@@ -4,8 +4,10 @@ Only what the engine needs: load a GGUF model, tokenize and detokenize, read the
 from the metadata, and drive one context with several sequences (batch decode, per-sequence
 samplers, removing a sequence's cells, saving and restoring a sequence's state).
 
-Every call that crosses into C releases the GIL (ctypes does), so the decode thread does not
-hold up the event loop while llama.cpp computes.
+A call that crosses into C releases the GIL (ctypes does), so the decode thread does not hold
+up the event loop while llama.cpp computes; the few calls too short for that (sampling, the
+end-of-generation check) keep it. ``llama_cpp.llama_cpp._lib``, private, is reached into:
+llama-cpp-python is pinned to one release in ``pyproject.toml``.
 
 Two process-wide hooks are set up with the backend: a build with runtime CPU dispatch
 (``GGML_BACKEND_DL``, one ``libggml-cpu-<variant>`` per instruction set) gets its best CPU variant
