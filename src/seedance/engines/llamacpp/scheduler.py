@@ -253,13 +253,8 @@ class Scheduler(DecodeLoop):
         ctx.clear_batch()
         sampled: list[tuple[Job, int]] = []
         for job, tokens in fed:
-            slot = job.slot
-            assert slot is not None
-            pos, last = len(slot.tokens), len(tokens) - 1
-            ends = job.fed + len(tokens) >= len(job.prompt)  # logits for its next token
-            for i, token in enumerate(tokens):
-                index = ctx.add(token, pos + i, slot.seq, ends and i == last)
-            if ends:
+            index = self._add(job, tokens)
+            if index is not None:
                 sampled.append((job, index))
         self.batch_shape = (decoding, len(fed) - decoding, ctx.n_tokens)
         rc = ctx.decode()
@@ -291,19 +286,27 @@ class Scheduler(DecodeLoop):
             slot = job.slot
             assert slot is not None
             ctx.clear_batch()
-            pos, last = len(slot.tokens), len(tokens) - 1
-            wants_logits = job.fed + len(tokens) >= len(job.prompt)
-            index = 0
-            for i, token in enumerate(tokens):
-                index = ctx.add(token, pos + i, slot.seq, i == last and wants_logits)
+            index = self._add(job, tokens)
             code = ctx.decode()
             if code != 0:
                 ctx.forget(slot.seq, len(slot.tokens))
                 self._fail(job, f"llama.cpp failed to decode (code {code})")
                 continue
             self._commit([(job, tokens)])
-            if wants_logits:
+            if index is not None:
                 self._sample(job, index)
+
+    def _add(self, job: Job, tokens: list[int]) -> int | None:
+        """Put ``tokens`` of ``job`` into the batch after its cells; the batch index of the
+        logits to sample, when these tokens end its prompt (or are its last sampled token)."""
+        slot = job.slot
+        assert slot is not None
+        pos, last = len(slot.tokens), len(tokens) - 1
+        ends = job.fed + len(tokens) >= len(job.prompt)
+        index = 0
+        for i, token in enumerate(tokens):
+            index = self.ctx.add(token, pos + i, slot.seq, ends and i == last)
+        return index if ends else None
 
     def _sample(self, job: Job, index: int) -> None:
         try:
