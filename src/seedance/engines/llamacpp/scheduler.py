@@ -190,7 +190,7 @@ class Scheduler(DecodeLoop):
             cached_key, cached_len = self.cache.best(prompt)
             if cached_len > keep:  # a saved conversation beats what the slots hold
                 tokens, state = self.cache.take(cached_key)  # before _evict adds to the cache
-                slot = free[0]
+                slot, _ = min(((s, 0) for s in free), key=_cheapest)  # all its cells go
                 self._evict(slot)
                 if self.ctx.load_state(slot.seq, state):
                     slot.tokens = tokens
