@@ -23,6 +23,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -117,13 +119,27 @@ class Server:
             if self.proc.poll() is not None:
                 self.log.seek(0)
                 raise RuntimeError(f"{contender.label} exited: {self.log.read().decode()}")
-            with (
-                contextlib.suppress(OSError),
-                socket.create_connection(("127.0.0.1", self.port), 0.2),
-            ):
+            if self._ready():
                 return
             time.sleep(0.1)
         raise RuntimeError(f"{contender.label} did not start")
+
+    def _ready(self) -> bool:
+        """Accepting connections; for an HTTP server, also past loading (llama-server takes
+        connections at once and answers 503 until its model is loaded)."""
+        try:
+            socket.create_connection(("127.0.0.1", self.port), 0.2).close()
+        except OSError:
+            return False
+        if not self.url.startswith("http"):
+            return True
+        try:
+            urllib.request.urlopen(f"{self.url}/models", timeout=2).close()
+        except urllib.error.HTTPError as exc:
+            return exc.code != 503  # any other answer (401 without a key, say): it is up
+        except OSError:
+            return False
+        return True
 
     def rss_bytes(self) -> int:
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
