@@ -66,6 +66,10 @@ class ServerConfig:
     max_waiting: int = 1024
     max_running: int = 0
     max_connections: int = 100_000
+    handshake_timeout_s: float = 10.0
+    max_handshakes: int = 4096
+    max_handshakes_per_address: int = 1024
+    max_header_bytes: int = 16 * 1024
     max_pending_bytes: int = 1024 * 1024
     write_timeout_s: float = 30.0
     merge_window_ms: float = 5.0
@@ -362,6 +366,40 @@ OPTIONS: tuple[Option, ...] = (
         "open WebSocket connections",
         _positive,
         "positive",
+    ),
+    Option(
+        "handshake_timeout_s",
+        "--handshake-timeout",
+        float,
+        "seconds a connection has to send a request's headers (a WebSocket upgrade included) "
+        "before it gets 408 and is closed",
+        _positive,
+        "positive",
+    ),
+    Option(
+        "max_handshakes",
+        "--max-handshakes",
+        int,
+        "connections still sending their request headers, in all; more are refused (503)",
+        _positive,
+        "positive",
+    ),
+    Option(
+        "max_handshakes_per_address",
+        "--max-handshakes-per-address",
+        int,
+        "connections still sending their request headers, per client address; more are "
+        "refused (503)",
+        _positive,
+        "positive",
+    ),
+    Option(
+        "max_header_bytes",
+        "--max-header-bytes",
+        int,
+        "a request's line and headers, bytes; more gets 431",
+        lambda v: v >= 1024,
+        "1024 or more",
     ),
     Option(
         "max_pending_bytes",

@@ -8,6 +8,7 @@ A request's task binds its ids once (:func:`bind_request`); tasks it starts inhe
 from __future__ import annotations
 
 import logging
+import time
 from contextvars import ContextVar
 from typing import Final
 
@@ -28,3 +29,26 @@ class RequestIdsFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         record.request_ids = _IDS.get()
         return True
+
+
+class Throttled:
+    """A warning that may repeat fast (a flood from one client): written at most once per
+    ``interval_s``; the next line written says how many were held back meanwhile."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float = 10.0) -> None:
+        self.logger = logger
+        self.interval_s = interval_s
+        self.held = 0
+        self._next = 0.0
+
+    def warning(self, message: str, *args: object) -> None:
+        now = time.monotonic()
+        if now < self._next:
+            self.held += 1
+            return
+        self._next = now + self.interval_s
+        if self.held:
+            message += " (%d more like it held back since the last one)"
+            args = (*args, self.held)
+            self.held = 0
+        self.logger.warning(message, *args)

@@ -15,7 +15,7 @@ from typing import Any, Final, Literal
 import msgspec
 
 from seedance.protocol.codec import FrameLimits, validate_generate
-from seedance.protocol.errors import InvalidJSON, InvalidRequest
+from seedance.protocol.errors import InvalidJSON, InvalidRequest, SeedanceError
 from seedance.protocol.messages import ChatMessage, Generate
 
 #: ``max_tokens`` of ``/v1/completions`` when absent (OpenAI's default).
@@ -204,3 +204,25 @@ async def sse_data(lines: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
         if data == b"[DONE]":
             return
         yield data
+
+
+# --------------------------------------------------------------------------- errors
+
+_ERROR_TYPES: Final = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+}
+_encode_json = msgspec.json.Encoder().encode
+
+
+def error_body(error: SeedanceError) -> bytes:
+    """An error as the OpenAI API shapes it (``{"error": {"message", "type", ...}}``)."""
+    kind = _ERROR_TYPES.get(error.http_status, "server_error")
+    return _encode_json(
+        {"error": {"message": error.message, "type": kind, "param": None, "code": error.code}}
+    )

@@ -39,7 +39,7 @@ from seedance.protocol.errors import (
     Unauthorized,
 )
 from seedance.protocol.messages import FinishReason, RequestId, ms
-from seedance.protocol.openai import OpenAIRequest, decode_chat, decode_completion
+from seedance.protocol.openai import OpenAIRequest, decode_chat, decode_completion, error_body
 from seedance.server.state import ServedModel, ServerState
 from seedance.tenants.auth import OPEN_PRINCIPAL, Principal, refusal_record
 from seedance.tenants.policy import check_model, check_priority
@@ -55,28 +55,12 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 _encode = msgspec.json.Encoder().encode
-_ERROR_TYPES: Final = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    409: "conflict_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-}
 _JSON_HEADERS: Final = [(b"content-type", b"application/json")]
 _SSE_HEADERS: Final = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
 ]
-
-
-def error_body(error: SeedanceError) -> bytes:
-    kind = _ERROR_TYPES.get(error.http_status, "server_error")
-    return _encode(
-        {"error": {"message": error.message, "type": kind, "param": None, "code": error.code}}
-    )
 
 
 def error_headers(error: SeedanceError) -> list[tuple[bytes, bytes]]:

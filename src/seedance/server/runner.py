@@ -23,6 +23,7 @@ from starlette.applications import Starlette
 from seedance import __version__
 from seedance.config import ServerConfig
 from seedance.server.app import create_app
+from seedance.server.handshake import HandshakeLimits, http_protocol
 from seedance.server.state import ServerState
 from seedance.server.transport import websocket_protocol
 
@@ -88,6 +89,15 @@ def build_server(config: ServerConfig, app: Starlette | None = None) -> Seedance
         app,
         host=config.host,
         port=config.port,
+        http=http_protocol(
+            HandshakeLimits(
+                timeout_s=config.handshake_timeout_s,
+                max_total=config.max_handshakes,
+                max_per_address=config.max_handshakes_per_address,
+                max_header_bytes=config.max_header_bytes,
+            )
+        ),
+        h11_max_incomplete_event_size=config.max_header_bytes,
         ws=websocket_protocol(config.max_pending_bytes),
         ws_max_size=config.max_frame_bytes,
         ws_ping_interval=None,  # the protocol's own heartbeat replaces it

@@ -24,13 +24,14 @@ from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Protocol
 
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
-from websockets.exceptions import PayloadTooBig
+from websockets.exceptions import PayloadTooBig, SecurityError
 from websockets.frames import Frame, Opcode
 from websockets.protocol import State
 
 from seedance.eventloop import LightQueue, set_nodelay
 from seedance.protocol.codec import TokenFrameEncoder, encode_error
-from seedance.protocol.errors import PayloadTooLarge
+from seedance.protocol.errors import InvalidRequest, PayloadTooLarge
+from seedance.server.handshake import http_error
 
 logger = logging.getLogger(__name__)
 
@@ -565,6 +566,33 @@ class SeedanceWebSocketProtocol(WebSocketsSansIOProtocol):
                 self.max_pending_bytes,
             )
             self._abort()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        failed = self.conn.handshake_exc
+        if failed is not None and not self.handshake_initiated and not self.close_sent:
+            self._refuse_handshake(failed)
+
+    def _refuse_handshake(self, failed: Exception) -> None:
+        """The upgrade request did not parse (a header line over the WebSocket library's
+        8 KiB, say): answer it (the library queues a reply that uvicorn never writes) and close,
+        so the connection neither hangs nor breaks the server's shutdown."""
+        too_large = isinstance(failed, SecurityError)
+        status = 431 if too_large else 400
+        logger.info("%s: WebSocket upgrade refused (%d): %s", self.client, status, failed)
+        message = f"the WebSocket upgrade request was refused: {failed}"
+        self.handshake_complete = self.close_sent = True  # shutdown() only closes it now
+        self.transport.write(http_error(status, InvalidRequest(message)))
+        self.transport.close()
+
+    def shutdown(self) -> None:
+        """uvicorn's shutdown of this connection, which must not stop the server's own: a
+        connection in a state it did not foresee is closed all the same."""
+        try:
+            super().shutdown()
+        except Exception as exc:
+            logger.warning("%s: closed at shutdown after %r", self.client, exc)
+            self.transport.close()
 
     def handle_parser_exception(self) -> None:
         if isinstance(self.conn.parser_exc, PayloadTooBig):
