@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+from typing import Any
 
+import httpx
 import pytest
 
 from tests.conftest import ServerProcess
@@ -56,3 +58,80 @@ async def test_drain_timeout_cancels_what_still_runs(server_process) -> None:  #
     assert 0 < done["usage"]["completion_tokens"] < 1000
     assert code == 1001
     server.wait()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+async def test_a_second_signal_skips_the_wait_and_streams_still_end_well(server_process, sig) -> None:  # type: ignore[no-untyped-def]
+    server: ServerProcess = server_process("--synthetic-tokens-per-s", "50")  # drain: 30 s
+    ws, _ = await open_session(server.url)
+    async with ws:
+        await ws.send(json.dumps({"prompt": "too long", "max_tokens": 1000}))
+        await recv_json(ws)
+        server.signal(sig)
+        await asyncio.sleep(0.3)
+        server.signal(sig)
+        code, frames = await wait_closed(ws, timeout=5)  # not the 30 s of the drain
+    done = frames[-1]
+    assert done["type"] == "done" and done["finish_reason"] == "cancelled"
+    assert code == 1001
+    assert server.wait(timeout=10) in (0, -sig, 128 + sig, 130)
+    assert "a second signal: cancelling 1 generation(s)" in server.output
+    assert "stopped" in server.output
+
+
+async def _sse_lines(response: httpx.Response, into: list[str]) -> None:
+    async for line in response.aiter_lines():
+        if line:
+            into.append(line)
+
+
+@pytest.mark.parametrize("second_signal", [False, True])
+async def test_sse_streams_end_with_an_error_event_and_done_at_shutdown(
+    server_process: Any, second_signal: bool
+) -> None:
+    drain = "30" if second_signal else "0.5"
+    server: ServerProcess = server_process(
+        "--synthetic-tokens-per-s", "50", "--drain-timeout", drain
+    )
+    body = {
+        "model": "synthetic",
+        "messages": [{"role": "user", "content": "too long"}],
+        "max_tokens": 1000,
+        "stream": True,
+    }
+    lines: list[str] = []
+    base = f"http://127.0.0.1:{server.port}"
+    async with (
+        httpx.AsyncClient(base_url=base, timeout=20) as http,
+        http.stream("POST", "/v1/chat/completions", json=body) as response,
+    ):
+        reading = asyncio.create_task(_sse_lines(response, lines))
+        while len(lines) < 3:
+            await asyncio.sleep(0.05)
+        server.signal(signal.SIGTERM)
+        if second_signal:
+            await asyncio.sleep(0.3)
+            server.signal(signal.SIGTERM)
+        await asyncio.wait_for(reading, 5)
+    assert lines[-1] == "data: [DONE]"
+    error = json.loads(lines[-2].removeprefix("data: "))["error"]
+    assert error["code"] == "overloaded" and "shutting down" in error["message"]
+    assert server.wait(timeout=10) in (0, -signal.SIGTERM, 128 + signal.SIGTERM)
+    assert "Traceback" not in server.output
+    assert "stopped" in server.output
+
+
+async def test_a_whole_reply_still_running_at_shutdown_gets_503(server_process: Any) -> None:
+    server: ServerProcess = server_process(
+        "--synthetic-tokens-per-s", "50", "--drain-timeout", "0.5"
+    )
+    body = {"model": "synthetic", "prompt": "too long", "max_tokens": 1000}
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=20) as http:
+        reply = asyncio.create_task(http.post("/v1/completions", json=body))
+        await asyncio.sleep(0.5)
+        server.signal(signal.SIGTERM)
+        response = await reply
+    assert response.status_code == 503
+    assert response.json()["error"]["code"] == "overloaded"
+    server.wait(timeout=10)
+    assert "Traceback" not in server.output

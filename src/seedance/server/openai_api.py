@@ -102,7 +102,7 @@ class OpenAIEndpoint:
         request_id = RequestId(
             ("chatcmpl-" if self.kind == "chat" else "cmpl-") + secrets.token_hex(12)
         )
-        call = _Call(self, request_id, scope, send)
+        call = HttpCall(self, request_id, scope, send)
         bind_request(request_id, call.trace.trace_id)  # for this task and those it starts
         try:
             # The door first: a caller that is not let in costs no body read and no parse.
@@ -116,19 +116,27 @@ class OpenAIEndpoint:
             await call.fail(exc)
             call.ended()
             return
-        work = asyncio.create_task(call.run(body))
+        call.work = work = asyncio.create_task(call.run(body))
         watcher = asyncio.create_task(_wait_disconnect(receive))
-        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if watcher in done:  # the client left: abort the generation behind it
-            work.cancel()
-            call.outcome = call.outcome or "aborted"
-        else:
-            watcher.cancel()
-        await asyncio.gather(work, watcher, return_exceptions=True)
+        calls = self.state.http_calls
+        calls.add(call)
+        try:
+            done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if watcher in done:  # the client left: abort the generation behind it
+                work.cancel()
+                call.outcome = call.outcome or "aborted"
+            else:
+                watcher.cancel()
+            await asyncio.gather(work, watcher, return_exceptions=True)
+            if call.interrupted is not None and work.cancelled() and watcher not in done:
+                with contextlib.suppress(OSError):  # the client left meanwhile
+                    await call.fail(call.interrupted)  # shutdown: the reply still ends well
+        finally:
+            calls.discard(call)
         call.ended()
 
 
-class _Call:
+class HttpCall:
     """One HTTP request, from its body to the last byte of its response."""
 
     def __init__(
@@ -157,6 +165,8 @@ class _Call:
         self.error: SeedanceError | None = None
         self.meter: RequestMeter | None = None
         self.principal = OPEN_PRINCIPAL
+        self.work: asyncio.Task[None] | None = None  # run(), once the body is read
+        self.interrupted: SeedanceError | None = None  # why the server stopped it
         self.trace = self.state.tracing.request(
             endpoint.operation,
             Tracing.from_headers(scope.get("headers", ())),
@@ -276,6 +286,12 @@ class _Call:
             await self._event(chunks.usage(usage))
         await self.send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
 
+    def interrupt(self, error: SeedanceError) -> None:
+        """Stop the generation (the server is shutting down); the client gets ``error``."""
+        if self.work is not None and not self.work.done():
+            self.interrupted = error
+            self.work.cancel()
+
     async def fail(self, error: SeedanceError) -> None:
         self.outcome = error.code
         self.error = error
@@ -287,7 +303,10 @@ class _Call:
             return
         # Mid-stream: the status is already 200; the error travels as an event, then the end.
         await self.send(
-            {"type": "http.response.body", "body": b"data: " + error_body(error) + b"\n\n"}
+            {
+                "type": "http.response.body",
+                "body": b"data: " + error_body(error) + b"\n\ndata: [DONE]\n\n",
+            }
         )
 
     async def _start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:

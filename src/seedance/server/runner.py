@@ -5,9 +5,12 @@ Shutdown on SIGTERM or SIGINT, in order:
 1. stop accepting connections;
 2. refuse new generations (``overloaded``) and let running ones finish, for at most
    ``drain_timeout_s`` (a second signal skips the wait);
-3. cancel what still runs (its ``done`` frame says ``cancelled``) and close every connection
-   with 1001;
-4. stop the engines.
+3. end what still runs with its final frame: a WebSocket generation's ``done`` says
+   ``cancelled`` (then the close 1001), an OpenAI API request gets an ``overloaded`` error (an
+   error event and ``[DONE]`` in a stream);
+4. stop the engines and seal the audit log.
+
+A third signal exits at once.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import asyncio
 import gc
 import logging
 import socket
+from types import FrameType
 
 import uvicorn
 from starlette.applications import Starlette
@@ -66,13 +70,25 @@ class SeedanceServer(uvicorn.Server):
                 addresses.append((f"[{host}]" if ":" in host else host, port))
         return addresses
 
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """SIGTERM or SIGINT. The first starts the shutdown; a second (either signal) skips the
+        wait for running generations, which still end with their final frames; a third exits
+        at once (uvicorn's forced exit: no final frames, the engines not stopped)."""
+        again = self.should_exit
+        super().handle_exit(sig, frame)
+        if again:
+            self.force_exit = self.state.hurry
+            self.state.hurry = True
+
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        logger.info("shutting down: %d connection(s) open", len(self.state.connections))
+        state = self.state
+        open_now = len(state.connections) + len(state.http_calls)
+        logger.info("shutting down: %d connection(s) open", open_now)
         for server in self.servers:
             server.close()  # 1. stop accepting
-        drain = asyncio.create_task(self.state.drain(self.state.config.drain_timeout_s))
+        drain = asyncio.create_task(state.drain(state.config.drain_timeout_s))
         while not drain.done():
-            if self.force_exit:  # a second signal: do not wait for generations
+            if self.force_exit:  # a third signal: leave now
                 drain.cancel()
                 break
             await asyncio.wait({drain}, timeout=0.1)

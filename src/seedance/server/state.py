@@ -26,6 +26,7 @@ from seedance.tenants.usage import Usage
 
 if TYPE_CHECKING:
     from seedance.server.connection import Connection
+    from seedance.server.openai_api import HttpCall
 
 logger = logging.getLogger(__name__)
 
@@ -73,11 +74,13 @@ class ServerState:
             ttl_s=config.session_ttl_s, max_sessions=config.max_sessions
         )
         self.connections: set[Connection] = set()
+        self.http_calls: set[HttpCall] = set()  # OpenAI API requests being answered
         # Merges the token frames of fast streams (None: one frame per token).
         self.merger = (
             FrameMerger(config.merge_window_ms / 1000.0) if config.merge_window_ms > 0 else None
         )
         self.draining = False
+        self.hurry = False  # shutting down without waiting for running generations
         self._started = False
         self.metrics = Metrics()
         self.access = Access(config)
@@ -188,22 +191,30 @@ class ServerState:
                 connection.fail(Unauthorized(f"credential {credential} has been revoked"))
 
     async def drain(self, timeout_s: float) -> None:
-        """Refuse new generations, let running ones finish for ``timeout_s``, then close
-        every connection with 1001 (what still runs is cancelled, its ``done`` says so)."""
+        """Refuse new generations, let running ones finish for ``timeout_s`` (or until
+        :attr:`hurry` is set), then end every stream with its final frame and close every
+        connection: a WebSocket's generation ends with ``done`` (``cancelled``) and the close
+        1001; an OpenAI API request with an ``overloaded`` error (an error event and
+        ``[DONE]`` when its stream had begun)."""
         self.draining = True
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        if self.running_generations:
+        if self.running_generations and not self.hurry:
             logger.info(
                 "draining: waiting up to %.0f s for %d generation(s)",
                 timeout_s,
                 self.running_generations,
             )
-        while self.running_generations and loop.time() < deadline:  # noqa: ASYNC110 - polls
+        while self.running_generations and loop.time() < deadline and not self.hurry:  # noqa: ASYNC110 - polls
             await asyncio.sleep(0.05)
         if self.running_generations:
-            logger.warning("drain timeout: cancelling %d generation(s)", self.running_generations)
+            why = "a second signal" if self.hurry else "drain timeout"
+            logger.warning("%s: cancelling %d generation(s)", why, self.running_generations)
+        refusal = Overloaded("the server is shutting down; retry on another server")
+        for call in list(self.http_calls):
+            call.interrupt(refusal)
         connections = list(self.connections)
         await asyncio.gather(*(c.shutdown() for c in connections), return_exceptions=True)
-        while self.connections and loop.time() < deadline + 5.0:  # noqa: ASYNC110
+        give_up = loop.time() + 5.0
+        while (self.connections or self.http_calls) and loop.time() < give_up:  # noqa: ASYNC110
             await asyncio.sleep(0.02)
