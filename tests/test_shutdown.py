@@ -61,7 +61,9 @@ async def test_drain_timeout_cancels_what_still_runs(server_process) -> None:  #
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-async def test_a_second_signal_skips_the_wait_and_streams_still_end_well(server_process, sig) -> None:  # type: ignore[no-untyped-def]
+async def test_a_second_signal_skips_the_wait_and_streams_still_end_well(
+    server_process: Any, sig: int
+) -> None:
     server: ServerProcess = server_process("--synthetic-tokens-per-s", "50")  # drain: 30 s
     ws, _ = await open_session(server.url)
     async with ws:
@@ -79,10 +81,12 @@ async def test_a_second_signal_skips_the_wait_and_streams_still_end_well(server_
     assert "stopped" in server.output
 
 
-async def _sse_lines(response: httpx.Response, into: list[str]) -> None:
+async def _sse_lines(response: httpx.Response, into: list[str], started: asyncio.Event) -> None:
     async for line in response.aiter_lines():
         if line:
             into.append(line)
+            if len(into) == 3:
+                started.set()
 
 
 @pytest.mark.parametrize("second_signal", [False, True])
@@ -105,9 +109,9 @@ async def test_sse_streams_end_with_an_error_event_and_done_at_shutdown(
         httpx.AsyncClient(base_url=base, timeout=20) as http,
         http.stream("POST", "/v1/chat/completions", json=body) as response,
     ):
-        reading = asyncio.create_task(_sse_lines(response, lines))
-        while len(lines) < 3:
-            await asyncio.sleep(0.05)
+        streaming = asyncio.Event()
+        reading = asyncio.create_task(_sse_lines(response, lines, streaming))
+        await asyncio.wait_for(streaming.wait(), 10)
         server.signal(signal.SIGTERM)
         if second_signal:
             await asyncio.sleep(0.3)
