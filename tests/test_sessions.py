@@ -5,7 +5,11 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from pathlib import Path
+from typing import Any
 
+from seedance.config import load_access
+from seedance.tenants.keys import add_key
 from tests.conftest import RunningServer
 from tests.wsutil import generate, open_session, raw_connect, wait_closed
 
@@ -119,3 +123,47 @@ async def test_session_cap_full_of_live_sessions_refuses(make_server) -> None:  
             code, frames = await wait_closed(second)
         assert code == 1013
         assert frames[0]["error"]["code"] == "overloaded"
+
+
+async def test_session_history_has_a_byte_budget(make_server: Any) -> None:
+    # Three 8,000-character turns do not fit 20,000 bytes: the idle session goes first; when
+    # every session is in use, the request is refused and the connection stays open.
+    server: RunningServer = make_server(max_session_bytes=20_000)
+    long = "x" * 8000
+    a, hello_a = await open_session(server.url)
+    async with a:
+        assert (await generate(a, prompt=long, max_tokens=2))[-1]["type"] == "done"
+    b, _ = await open_session(server.url)
+    c, _ = await open_session(server.url)
+    async with b, c:
+        assert (await generate(b, prompt=long, max_tokens=2))[-1]["type"] == "done"
+        assert (await generate(c, prompt=long, max_tokens=2))[-1]["type"] == "done"
+        again, hello = await open_session(server.url, f"session_id={hello_a['session_id']}")
+        async with again:
+            assert hello["created"] and hello["context_turns"] == 0  # a was evicted
+            refused = (await generate(again, prompt=long, max_tokens=2))[-1]
+            assert refused["type"] == "error" and refused["error"]["code"] == "overloaded"
+            assert "20000 bytes of history" in refused["error"]["message"]
+            assert (await generate(again, prompt="short", max_tokens=2))[-1]["type"] == "done"
+        # A session can always start afresh: reset frees what it held.
+        assert (await generate(c, prompt=long, max_tokens=2, reset=True))[-1]["type"] == "done"
+    assert server.state.sessions.bytes <= 20_000 + 2_000  # one reply may pass it for a moment
+
+
+async def test_a_tenants_session_history_has_a_byte_quota(tmp_path: Path, make_server: Any) -> None:
+    path = tmp_path / "s.toml"
+    path.write_text("[tenants.acme.quotas]\nsession_bytes = 12000\n")
+    key = add_key(path, "acme").key
+    server: RunningServer = make_server(config_file=str(path), access=load_access(path))
+    headers = {"Authorization": f"Bearer {key}"}
+    first, _ = await open_session(server.url, additional_headers=headers)
+    second, _ = await open_session(server.url, additional_headers=headers)
+    async with first, second:
+        assert (await generate(first, prompt="x" * 8000, max_tokens=2))[-1]["type"] == "done"
+        refused = (await generate(second, prompt="y" * 8000, max_tokens=2))[-1]
+        assert refused["error"]["code"] == "quota_exceeded"
+        assert "12000 bytes of history" in refused["error"]["message"]
+    # first is idle now: its history makes room for second's, on a new connection.
+    again, _ = await open_session(server.url, additional_headers=headers)
+    async with again:
+        assert (await generate(again, prompt="y" * 8000, max_tokens=2))[-1]["type"] == "done"

@@ -61,6 +61,7 @@ class ServerConfig:
     max_frame_bytes: int = 1024 * 1024
     session_ttl_s: float = 1800.0
     max_sessions: int = 100_000
+    max_session_bytes: int = 1 << 30
     heartbeat_interval_s: float = 25.0
     idle_timeout_s: float = 30.0
     max_waiting: int = 1024
@@ -326,6 +327,16 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "max_sessions", "--max-sessions", int, "sessions kept by this server", _positive, "positive"
+    ),
+    Option(
+        "max_session_bytes",
+        "--max-session-bytes",
+        int,
+        "bytes of history all sessions may hold (their turns' text and about 160 bytes a turn); "
+        "past it idle sessions are evicted, least recently used first, and when none can be, "
+        "a request is refused with overloaded",
+        _positive,
+        "positive",
     ),
     Option(
         "heartbeat_interval_s",

@@ -283,6 +283,10 @@ def state_metrics(state: ServerState, gpu: GpuMemory | None) -> Iterator[Metric]
     connections.add_metric([], len(state.connections))
     sessions = gauge("seedance_sessions", "Live sessions in the session store.")
     sessions.add_metric([], len(state.sessions))
+    history = gauge(
+        "seedance_session_history_bytes", "History held by the sessions (see --max-session-bytes)."
+    )
+    history.add_metric([], state.sessions.bytes)
     running = gauge("seedance_requests_running", "Generations admitted and running.", MODEL_LABELS)
     waiting = gauge("seedance_requests_waiting", "Generations waiting for admission.", MODEL_LABELS)
     running_limit = gauge(
@@ -309,7 +313,16 @@ def state_metrics(state: ServerState, gpu: GpuMemory | None) -> Iterator[Metric]
         "Token deltas that joined an earlier token frame instead of making their own.",
     )
     merged.add_metric([], TokenStream.merged)
-    yield from (connections, sessions, running, waiting, running_limit, waiting_limit, merged)
+    yield from (
+        connections,
+        sessions,
+        history,
+        running,
+        waiting,
+        running_limit,
+        waiting_limit,
+        merged,
+    )
     if kv.samples:
         yield kv
     if gpu is not None:

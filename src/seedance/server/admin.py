@@ -40,6 +40,7 @@ def admin_routes(state: ServerState) -> list[Route]:
             name = TenantId(tenant.name)
             usage = state.usage.snapshot(tenant.name)
             usage["sessions"] = state.sessions.count(name)
+            usage["session_bytes"] = state.sessions.bytes_of(name)
             usage["waiting"] = sum(
                 m.admission.waiting_of(tenant.name) for m in state.models.values()
             )

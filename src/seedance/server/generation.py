@@ -111,6 +111,14 @@ class Generation:
             )
         try:
             tenant = connection.principal.tenant
+            # Room for the new turns' history (a reset frees what the session held).
+            growth = sum(t.size for t in self.new_turns)
+            if self.message.reset:
+                growth -= connection.session.size
+            if growth > 0:
+                await connection.state.sessions.reserve(
+                    connection.session, growth, tenant.quotas.session_bytes
+                )
             await model.admission.acquire(
                 self.message.priority, tenant=tenant.name, weight=tenant.tier
             )

@@ -71,7 +71,9 @@ class ServerState:
             )
         self.default_model = engines[0].info.name
         self.sessions: SessionStore = sessions or MemorySessionStore(
-            ttl_s=config.session_ttl_s, max_sessions=config.max_sessions
+            ttl_s=config.session_ttl_s,
+            max_sessions=config.max_sessions,
+            max_bytes=config.max_session_bytes,
         )
         self.connections: set[Connection] = set()
         self.http_calls: set[HttpCall] = set()  # OpenAI API requests being answered

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from seedance.protocol.messages import ChatMessage, RequestId, SessionId, TenantId
 
 SessionKey = tuple[TenantId, SessionId]
+
+#: What a turn holds beyond its text: the Turn and ChatMessage objects and a list slot.
+TURN_OVERHEAD_BYTES = 160
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,11 +22,16 @@ class Turn:
     tokens: int
     model: str
 
+    @property
+    def size(self) -> int:
+        """Bytes of memory this turn holds (its text as Python stores it, and the objects)."""
+        return sys.getsizeof(self.message.content) + TURN_OVERHEAD_BYTES
+
 
 class Session:
     """The state of one conversation. Owned by a :class:`~seedance.sessions.SessionStore`."""
 
-    __slots__ = ("active_request", "attached", "created_at", "key", "last_active", "turns")
+    __slots__ = ("active_request", "attached", "created_at", "key", "last_active", "size", "turns")
 
     def __init__(self, key: SessionKey, now: float) -> None:
         self.key = key
@@ -31,6 +40,7 @@ class Session:
         self.last_active = now
         self.active_request: RequestId | None = None
         self.attached = 0
+        self.size = 0  # bytes of memory the turns hold
 
     @property
     def tenant(self) -> TenantId:
@@ -70,3 +80,4 @@ class Session:
             drop += 1
         if drop:
             del self.turns[:drop]
+        self.size = sum(t.size for t in self.turns)

@@ -29,6 +29,7 @@ class SessionStore(Protocol):
     """What the server needs from a session store."""
 
     ttl_s: float
+    bytes: int  # history held by all sessions
 
     async def start(self) -> None: ...
 
@@ -49,6 +50,16 @@ class SessionStore(Protocol):
         """A connection let go of ``session``; its TTL starts counting."""
         ...
 
+    async def reserve(self, session: Session, size: int, max_for_tenant: int | None) -> None:
+        """Make room for ``size`` more bytes of history in ``session``, evicting idle sessions
+        (least recently used first) when the store or the tenant (``max_for_tenant`` bytes)
+        would pass its budget.
+
+        Raises :class:`Overloaded` when the store's budget cannot be met, and
+        :class:`QuotaExceeded` when the tenant's cannot; nothing is evicted then.
+        """
+        ...
+
     async def save(self, session: Session) -> None:
         """Persist ``session`` after its context changed."""
         ...
@@ -59,6 +70,8 @@ class SessionStore(Protocol):
 
     def count(self, tenant: TenantId) -> int: ...
 
+    def bytes_of(self, tenant: TenantId) -> int: ...
+
     def get(self, tenant: TenantId, session_id: SessionId) -> Session | None: ...
 
 
@@ -66,7 +79,9 @@ class MemorySessionStore:
     """Sessions in a dict ordered by last use; a reaper task expires them after ``ttl_s``.
 
     Sessions attached to a connection or running a generation never expire. When
-    ``max_sessions`` is reached, the least recently used idle session is evicted.
+    ``max_sessions`` is reached, the least recently used idle session is evicted; so are idle
+    sessions when the history all sessions hold would pass ``max_bytes`` (see
+    :meth:`reserve`).
     """
 
     def __init__(
@@ -74,13 +89,18 @@ class MemorySessionStore:
         *,
         ttl_s: float,
         max_sessions: int,
+        max_bytes: int = 1 << 30,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.ttl_s = ttl_s
         self.max_sessions = max_sessions
+        self.max_bytes = max_bytes
+        self.bytes = 0  # history held by all sessions, as last saved
         self._clock = clock
         self._sessions: OrderedDict[SessionKey, Session] = OrderedDict()
         self._per_tenant: dict[TenantId, int] = {}
+        self._bytes_per_tenant: dict[TenantId, int] = {}
+        self._counted: dict[SessionKey, int] = {}  # each session's bytes in the totals
         self._reaper: asyncio.Task[None] | None = None
         self.expired_total = 0
         self.evicted_total = 0
@@ -133,6 +153,71 @@ class MemorySessionStore:
 
     async def save(self, session: Session) -> None:
         self.touch(session)
+        key = session.key
+        if key not in self._sessions:
+            return  # deleted meanwhile
+        delta = session.size - self._counted.get(key, 0)
+        self._counted[key] = session.size
+        self._add_bytes(session.tenant, delta)
+        if self.bytes > self.max_bytes:  # the reply just saved: make room after the fact
+            self._evict_bytes(self.bytes - self.max_bytes, keep=session)
+
+    async def reserve(self, session: Session, size: int, max_for_tenant: int | None) -> None:
+        tenant = session.tenant
+        if max_for_tenant is not None:
+            over = self._bytes_per_tenant.get(tenant, 0) + size - max_for_tenant
+            if over > 0 and not self._evict_bytes(over, keep=session, tenant=tenant):
+                raise QuotaExceeded(
+                    f"tenant {tenant}'s sessions would hold more than {max_for_tenant} bytes of "
+                    "history, its limit, and none of its idle sessions can make room; end a "
+                    "session (end_session) or start this one afresh (reset)"
+                )
+        over = self.bytes + size - self.max_bytes
+        if over > 0 and not self._evict_bytes(over, keep=session):
+            raise Overloaded(
+                f"the server's sessions would hold more than {self.max_bytes} bytes of history "
+                "and none of the idle ones can make room; retry later"
+            )
+
+    def _evict_bytes(self, size: int, *, keep: Session, tenant: TenantId | None = None) -> bool:
+        """Evict idle sessions (of ``tenant`` only, when given), least recently used first,
+        until ``size`` bytes are freed; false, evicting nothing, when they cannot be."""
+        chosen, freed = [], 0
+        for key, other in self._sessions.items():
+            if freed >= size:
+                break
+            if other is keep or other.attached or other.busy:
+                continue
+            if tenant is not None and key[0] != tenant:
+                continue
+            counted = self._counted.get(key, 0)
+            if counted:
+                chosen.append(key)
+                freed += counted
+        if freed < size:
+            return False
+        for key in chosen:
+            self._remove(key)
+        self.evicted_total += len(chosen)
+        logger.info(
+            "%d idle session(s) evicted to free %d bytes of history (%d held)",
+            len(chosen),
+            freed,
+            self.bytes,
+        )
+        return True
+
+    def _add_bytes(self, tenant: TenantId, delta: int) -> None:
+        self.bytes += delta
+        held = self._bytes_per_tenant.get(tenant, 0) + delta
+        if held:
+            self._bytes_per_tenant[tenant] = held
+        else:
+            self._bytes_per_tenant.pop(tenant, None)
+
+    def bytes_of(self, tenant: TenantId) -> int:
+        """History held by the sessions of ``tenant``."""
+        return self._bytes_per_tenant.get(tenant, 0)
 
     async def delete(self, session: Session) -> None:
         self._remove(session.key)
@@ -180,6 +265,9 @@ class MemorySessionStore:
     def _remove(self, key: SessionKey) -> None:
         if self._sessions.pop(key, None) is not None:
             tenant = key[0]
+            counted = self._counted.pop(key, 0)
+            if counted:
+                self._add_bytes(tenant, -counted)
             left = self._per_tenant[tenant] - 1
             if left:
                 self._per_tenant[tenant] = left

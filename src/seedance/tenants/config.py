@@ -70,6 +70,7 @@ class Quotas(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=Tr
     tokens_per_minute: Positive | None = None
     max_tokens: Positive | None = None
     sessions: Positive | None = None
+    session_bytes: Positive | None = None
 
 
 class Tenant(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
