@@ -214,14 +214,30 @@ async def test_multibyte_characters_arrive_whole(llama: RunningServer) -> None:
         chunks = await read(stream)
     text = "".join(c.text for c in chunks)
     assert any("\u4e00" <= ch <= "\u9fff" for ch in text), text
-    # Only a reply cut by max_tokens inside a character ends in U+FFFD (which reply that is
-    # depends on the CPU's kernels).
-    assert stream.done is not None
-    if stream.done.finish_reason == "length":
-        text = text.removesuffix("\ufffd")
     assert "\ufffd" not in text
     for chunk in chunks:  # every frame is valid text on its own
         chunk.text.encode("utf-8")
+
+
+async def test_a_reply_cut_inside_a_character_leaves_the_character_out(
+    llama: RunningServer,
+) -> None:
+    # Every cut of one greedy reply, whichever reply this CPU computes: at least one falls
+    # inside a character (a Chinese character takes several byte tokens).
+    prompt = "Reply in Chinese: hello, how are you?"
+    cut_inside = 0
+    async with connect(llama.url) as session:
+        whole = await session.complete(prompt, temperature=0, max_tokens=24, reset=True)
+        assert whole.text is not None
+        previous = ""
+        for limit in range(1, whole.usage.completion_tokens + 1):
+            reply = await session.complete(prompt, temperature=0, max_tokens=limit, reset=True)
+            assert reply.text is not None and reply.usage.completion_tokens == limit
+            assert "\ufffd" not in reply.text, (limit, reply.text)
+            assert whole.text.startswith(reply.text), (limit, reply.text)
+            cut_inside += reply.text == previous  # the last token's bytes were left out
+            previous = reply.text
+    assert cut_inside, whole.text
 
 
 async def test_stop_string_split_across_tokens_stops_and_is_not_emitted(

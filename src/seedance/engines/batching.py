@@ -283,11 +283,12 @@ class DecodeLoop(abc.ABC):
         return True
 
     def _finish(self, job: BatchJob, reason: FinishReason) -> None:
-        """End ``job``: release held text (a broken UTF-8 tail becomes U+FFFD)."""
+        """End ``job``: release held text. A character the reply was cut inside (by
+        ``max_tokens``) is left out: its tokens count, its bytes never reach the client (not
+        even as U+FFFD)."""
         text, count = "", 0
-        tail = job.utf8.decode(b"", final=True)
-        if tail or job.held:
-            text, count = job.matcher.push(tail, job.held)
+        if job.held:  # the bytes of a cut character wait in job.utf8 and stay there
+            text, count = job.matcher.push("", job.held)
             job.held = 0
         if job.matcher.stopped:
             reason = "stop"
