@@ -152,3 +152,55 @@ async def test_a_dropped_connection_aborts_the_generation(make_server) -> None: 
     produced = engine.stats.tokens_generated
     await asyncio.sleep(0.3)
     assert engine.stats.tokens_generated == produced < 100
+
+
+@pytest.mark.parametrize(
+    ("path", "fields"),
+    [
+        ("/v1/chat/completions", {"max_tokens": 0}),
+        ("/v1/chat/completions", {"max_completion_tokens": 0}),
+        ("/v1/completions", {"max_tokens": 0}),
+    ],
+)
+async def test_max_tokens_0_is_refused_as_over_websocket(
+    server: RunningServer, path: str, fields: dict[str, int]
+) -> None:
+    text = (
+        {"prompt": "hi"}
+        if path == "/v1/completions"
+        else {"messages": [{"role": "user", "content": "hi"}]}
+    )
+    async with httpx.AsyncClient(base_url=server.http_url) as http:
+        reply = await http.post(path, json={"model": "synthetic", **text, **fields})
+    assert reply.status_code == 400
+    assert reply.json()["error"]["code"] == "invalid_request"
+    assert "max_tokens must be between 1 and" in reply.json()["error"]["message"]
+    async with connect(server.url) as session:  # the same rule, the same words
+        with pytest.raises(Exception, match="max_tokens must be between 1 and"):
+            await session.complete("hi", max_tokens=0)
+
+
+async def test_deep_nesting_in_an_ignored_field_is_a_400(server: RunningServer) -> None:
+    deep = b"[" * 100_000 + b"]" * 100_000
+    body = b'{"model":"synthetic","messages":[{"role":"user","content":"hi"}],"extra":' + deep
+    async with httpx.AsyncClient(base_url=server.http_url) as http:
+        reply = await http.post("/v1/chat/completions", content=body + b"}")
+    assert reply.status_code == 400
+    assert reply.json()["error"] == {
+        "message": "the body is not valid JSON: nested too deeply",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "invalid_json",
+    }
+
+
+async def test_unknown_paths_and_methods_get_openai_shaped_errors(server: RunningServer) -> None:
+    async with httpx.AsyncClient(base_url=server.http_url) as http:
+        missing = await http.get("/v1/nothing")
+        wrong = await http.get("/v1/chat/completions")
+    assert missing.status_code == 404
+    assert missing.json()["error"]["type"] == "not_found_error"
+    assert missing.json()["error"]["code"] == "not_found"
+    assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
+    assert wrong.json()["error"]["type"] == "invalid_request_error"
+    assert "allowed: POST" in wrong.json()["error"]["message"]

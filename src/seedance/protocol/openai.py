@@ -91,7 +91,9 @@ def decode_chat(body: bytes, limits: FrameLimits) -> OpenAIRequest:
     messages = [_message(i, m) for i, m in enumerate(parsed.messages)]
     if not messages:
         raise InvalidRequest("messages must hold at least one message")
-    max_tokens = parsed.max_completion_tokens or parsed.max_tokens
+    max_tokens = parsed.max_tokens
+    if parsed.max_completion_tokens is not None:  # the newer name wins
+        max_tokens = parsed.max_completion_tokens
     return _request("chat", parsed, limits, max_tokens, messages=messages)
 
 
@@ -103,7 +105,9 @@ def decode_completion(body: bytes, limits: FrameLimits) -> OpenAIRequest:
         if len(prompt) != 1:
             raise InvalidRequest("prompt: one prompt per request is supported")
         prompt = prompt[0]
-    max_tokens = parsed.max_tokens or limits.default_max_tokens(COMPLETIONS_DEFAULT_MAX_TOKENS)
+    max_tokens = parsed.max_tokens
+    if max_tokens is None:
+        max_tokens = limits.default_max_tokens(COMPLETIONS_DEFAULT_MAX_TOKENS)
     return _request("completion", parsed, limits, max_tokens, prompt=prompt)
 
 
@@ -114,6 +118,10 @@ def _decode(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
         raise InvalidRequest(f"invalid request body: {exc}") from None
     except msgspec.DecodeError as exc:
         raise InvalidJSON(f"the body is not valid JSON: {exc}") from None
+    except RecursionError:  # nesting deeper than the parser goes, in any field, ignored or not
+        raise InvalidJSON("the body is not valid JSON: nested too deeply") from None
+    except UnicodeError:
+        raise InvalidJSON("the body is not valid JSON: not valid UTF-8") from None
 
 
 def _message(index: int, message: _Message) -> ChatMessage:
@@ -141,7 +149,7 @@ def _request(
     if body.n != 1:
         raise InvalidRequest("n: only 1 choice per request is supported")
     fields: dict[str, Any] = {
-        "max_tokens": max_tokens or limits.default_max_tokens(),
+        "max_tokens": limits.default_max_tokens() if max_tokens is None else max_tokens,
         "temperature": 1.0 if body.temperature is None else body.temperature,
         "top_p": 1.0 if body.top_p is None else body.top_p,
         "stop": body.stop,

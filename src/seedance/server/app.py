@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route, WebSocketRoute
@@ -23,7 +24,8 @@ from seedance.engines.base import Engine
 from seedance.engines.registry import create_engine
 from seedance.observability.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from seedance.observability.tracing import Tracing
-from seedance.protocol.errors import SeedanceError
+from seedance.protocol.errors import InvalidRequest, NotFound, SeedanceError
+from seedance.protocol.openai import error_body
 from seedance.server.admin import admin_routes
 from seedance.server.endpoint import InferEndpoint
 from seedance.server.openai_api import OpenAIEndpoint, authenticate_http, error_response
@@ -121,6 +123,20 @@ def create_app(
             {"Upgrade": "websocket"},
         )
 
+    async def http_error(request: Request, exc: Exception) -> Response:
+        """404 and 405 (and any other refusal of the router) in the OpenAI API's shape."""
+        assert isinstance(exc, HTTPException)
+        where = f"{request.method} {request.url.path}"
+        error: SeedanceError
+        if exc.status_code == 404:
+            error = NotFound(f"{where}: no such endpoint")
+        elif exc.status_code == 405:
+            allowed = (exc.headers or {}).get("Allow", "")
+            error = InvalidRequest(f"{where}: method not allowed; allowed: {allowed}")
+        else:
+            error = InvalidRequest(f"{where}: {exc.detail}")
+        return Response(error_body(error), exc.status_code, exc.headers, "application/json")
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await state.start()
@@ -142,6 +158,7 @@ def create_app(
             *admin_routes(state),
         ],
         lifespan=lifespan,
+        exception_handlers={HTTPException: http_error},
     )
     app.infer = infer
     app.state.seedance = state
