@@ -145,11 +145,12 @@ def _parser() -> argparse.ArgumentParser:
 
 def configure_logging(config: ServerConfig) -> None:
     level = getattr(logging, config.log_level.upper())
-    from seedance.observability.logs import LOG_FORMAT, RequestIdsFilter
+    from seedance.observability.logs import LOG_FORMAT, RequestIdsFilter, SafeFormatter
 
     handler = logging.StreamHandler(sys.stderr)
     handler.addFilter(RequestIdsFilter())
-    logging.basicConfig(level=level, format=LOG_FORMAT, handlers=[handler])
+    handler.setFormatter(SafeFormatter(LOG_FORMAT))
+    logging.basicConfig(level=level, handlers=[handler])
     # uvicorn's own per-connection lines repeat ours; keep its warnings and errors.
     uvicorn_level = level if level <= logging.DEBUG else logging.WARNING
     logging.getLogger("uvicorn.error").setLevel(uvicorn_level)

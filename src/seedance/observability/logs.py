@@ -23,6 +23,22 @@ def bind_request(request_id: str, trace_id: str) -> None:
     _IDS.set(f" request_id={request_id} trace_id={trace_id}")
 
 
+#: Characters that could end a log line or steer a terminal, written as escapes instead: a
+#: newline in a JWT claim, a header or a prompt must not forge a line of its own.
+_ESCAPES: Final = {
+    c: f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}"
+    for c in (*range(0x09), *range(0x0A, 0x20), 0x7F, 0x85, 0x2028, 0x2029)
+}
+
+
+class SafeFormatter(logging.Formatter):
+    """Writes each record on one line: control characters in its message and fields (not in
+    the traceback that follows) become escapes such as ``\\x0a``."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 - logging's name
+        return super().formatMessage(record).translate(_ESCAPES)
+
+
 class RequestIdsFilter(logging.Filter):
     """Sets ``record.request_ids``: the bound ids, or an empty string outside a request."""
 

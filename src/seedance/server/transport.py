@@ -556,6 +556,8 @@ class SeedanceWebSocketProtocol(WebSocketsSansIOProtocol):
         super().handle_pong(event)
 
     def handle_ping(self) -> None:
+        if self.transport.is_closing():
+            return  # cut off already: the rest of a flood gets no pong and no log line
         self.last_control_frame_at = self.loop.time()
         super().handle_ping()
         if self.transport.get_write_buffer_size() > self.max_pending_bytes:
