@@ -20,7 +20,7 @@ import pytest
 
 from seedance.config import load_access, load_config
 from seedance.tenants.keys import add_key
-from tests.conftest import SEEDANCE, RunningServer, ServerProcess, slow_engine
+from tests.conftest import SEEDANCE, RunningServer, ServerProcess, serve_fails, slow_engine
 from tests.wsutil import collect, generate, open_session, raw_connect, recv_json, wait_closed
 
 CHAT = {"model": "synthetic", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -223,7 +223,11 @@ async def test_rs256_jwt(tmp_path: Path, make_server: Callable[..., RunningServe
             serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
         )
     )
-    path = write_config(tmp_path / "s.toml", '[tenants.acme]\n[auth.jwt]\npublic_key = "rsa.pem"\n')
+    path = write_config(
+        tmp_path / "s.toml",
+        '[tenants.acme]\n[tenants.globex]\n[auth.jwt]\npublic_key = "rsa.pem"\n'
+        'admin_tenants = ["acme"]\n',
+    )
     server = tenant_server(make_server, path)
     claims = {"tenant": "acme", "exp": int(time.time()) + 60, "role": "admin", "jti": "t-1"}
     token = jwt.encode(claims, private, "RS256")
@@ -232,6 +236,37 @@ async def test_rs256_jwt(tmp_path: Path, make_server: Callable[..., RunningServe
         assert listing.status_code == 200
         hs = jwt.encode(claims, "not the key, and HS256 is not accepted here", "HS256")
         assert (await client.get("/v1/models", headers=auth(hs))).status_code == 401
+        # A valid token of a tenant the configuration does not let grant admin: refused.
+        usurper = jwt.encode({**claims, "tenant": "globex"}, private, "RS256")
+        refused_admin = await client.get("/admin/tenants", headers=auth(usurper))
+        assert refused_admin.status_code == 401
+        assert "may not grant role admin" in refused_admin.json()["error"]["message"]
+        plain = jwt.encode({**claims, "tenant": "globex", "role": "user"}, private, "RS256")
+        assert (await client.get("/v1/models", headers=auth(plain))).status_code == 200
+
+
+def test_algorithms_that_do_not_fit_the_key_stop_the_server(tmp_path: Path) -> None:
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    public = rsa.generate_private_key(public_exponent=65537, key_size=2048).public_key()
+    (tmp_path / "rsa.pem").write_bytes(
+        public.public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+    )
+    path = write_config(
+        tmp_path / "s.toml",
+        '[tenants.acme]\n[auth.jwt]\npublic_key = "rsa.pem"\nalgorithms = ["RS256", "HS256"]\n',
+    )
+    output = serve_fails("--config", str(path))
+    assert (
+        "auth.jwt.algorithms: HS256 cannot be used with an RSA public key; use RS256, RS384"
+        in output
+    )
+    assert "Traceback" not in output
+    path.write_text('[tenants.acme]\n[auth.jwt]\nsecret = "s" \nadmin_tenants = ["nobody"]\n')
+    assert "auth.jwt.admin_tenants: no tenant 'nobody'" in serve_fails("--config", str(path))
 
 
 async def test_hs256_jwt(tmp_path: Path, make_server: Callable[..., RunningServer]) -> None:

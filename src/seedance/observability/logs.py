@@ -35,7 +35,7 @@ class SafeFormatter(logging.Formatter):
     """Writes each record on one line: control characters in its message and fields (not in
     the traceback that follows) become escapes such as ``\\x0a``."""
 
-    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 - logging's name
+    def formatMessage(self, record: logging.LogRecord) -> str:
         return super().formatMessage(record).translate(_ESCAPES)
 
 

@@ -26,7 +26,14 @@ import msgspec
 
 from seedance.observability.audit.records import utc_now
 from seedance.protocol.errors import QuotaExceeded, SeedanceError, Unauthorized
-from seedance.tenants.config import OPEN_TENANT, AccessConfig, ApiKey, Role, Tenant
+from seedance.tenants.config import (
+    OPEN_TENANT,
+    AccessConfig,
+    ApiKey,
+    Role,
+    Tenant,
+    jwt_algorithms,
+)
 from seedance.tenants.keys import key_digest, key_id_of
 
 #: Failed credentials an address may present in a burst, and how fast it earns them back.
@@ -121,8 +128,9 @@ class Authenticator:
 
 
 class _JwtVerifier:
-    """JSON Web Tokens (PyJWT): HS256 with the shared secret, or EdDSA / RS256 with the public
-    key; ``exp`` and ``tenant`` are required, ``role`` is ``user`` unless it says ``admin``."""
+    """JSON Web Tokens (PyJWT): HS256 with the shared secret, or EdDSA / RS256 / ES256 with the
+    public key; ``exp`` and ``tenant`` are required, ``role`` is ``user`` unless it says
+    ``admin``, which only the tenants of ``admin_tenants`` may say."""
 
     def __init__(self, access: AccessConfig) -> None:
         import jwt
@@ -132,22 +140,7 @@ class _JwtVerifier:
         self._jwt = jwt
         self.tenants = access.tenants
         self.settings = settings
-        algorithms: tuple[str, ...] = ()
-        if settings.secret is not None:
-            self.key: Any = settings.secret
-            algorithms = ("HS256",)
-        else:
-            from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
-            from cryptography.hazmat.primitives.asymmetric.rsa import RSAPublicKey
-            from cryptography.hazmat.primitives.serialization import load_pem_public_key
-
-            assert access.jwt_public_key is not None
-            self.key = load_pem_public_key(access.jwt_public_key.encode())
-            if isinstance(self.key, Ed25519PublicKey):
-                algorithms = ("EdDSA",)
-            elif isinstance(self.key, RSAPublicKey):
-                algorithms = ("RS256",)
-        self.algorithms = list(settings.algorithms or algorithms)
+        self.key, self.algorithms = jwt_algorithms(settings, access.jwt_public_key, "auth.jwt")
 
     def verify(self, token: str) -> Principal:
         jwt, settings = self._jwt, self.settings
@@ -163,7 +156,7 @@ class _JwtVerifier:
             )
         except jwt.ExpiredSignatureError:
             raise Unauthorized("token expired") from None
-        except jwt.InvalidTokenError as exc:
+        except (jwt.PyJWTError, ValueError, TypeError) as exc:  # whatever a token can make
             raise Unauthorized(f"invalid token: {exc}") from None
         tenant = self.tenants.get(str(claims["tenant"]))
         if tenant is None:
@@ -171,6 +164,11 @@ class _JwtVerifier:
         role = claims.get("role", "user")
         if role not in ("user", "admin"):
             raise Unauthorized(f"invalid token: role {role!r} is not user or admin")
+        if role == "admin" and tenant.name not in settings.admin_tenants:
+            raise Unauthorized(
+                f"invalid token: tenant {tenant.name} may not grant role admin by token "
+                "(auth.jwt.admin_tenants)"
+            )
         subject = claims.get("jti") or claims.get("sub") or "-"
         return Principal(tenant, f"jwt:{subject}", role)
 

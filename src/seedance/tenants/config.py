@@ -24,8 +24,9 @@ role = "user"                         # or "admin"
 created = 2026-11-30T13:00:00Z
 
 [auth.jwt]                            # optional: JSON Web Tokens as credentials too
-secret = "…"                          # HS256; or public_key = "/path/key.pem" (EdDSA, RS256)
+secret = "…"                          # HS256; or public_key = "/path/key.pem" (EdDSA, RS256, ES256)
 leeway_s = 30                         # clock skew allowed on exp/nbf/iat
+admin_tenants = ["ops"]               # tenants whose tokens may carry role admin (default none)
 ```
 
 The tables are read with msgspec into typed structs; a wrong type, an unknown key or a value out
@@ -85,8 +86,9 @@ class Tenant(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=Tr
 
 class JwtSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
     secret: str | None = None
-    public_key: str | None = None  # a PEM file's path (EdDSA or RS256)
+    public_key: str | None = None  # a PEM file's path (EdDSA, RS256, ES256)
     algorithms: tuple[str, ...] | None = None
+    admin_tenants: tuple[str, ...] = ()  # tenants whose tokens may carry role admin
     leeway_s: Annotated[float, msgspec.Meta(ge=0, le=3600)] = 30.0
     audience: str | None = None
     issuer: str | None = None
@@ -151,7 +153,57 @@ def parse_access(data: Mapping[str, Any], source: str, base: Path | None = None)
                 raise ConfigError(
                     f"{source}: auth.jwt.public_key: cannot read {path}: {exc.strerror}"
                 ) from None
+        jwt_algorithms(jwt, public_key, f"{source}: auth.jwt")
+        for name in jwt.admin_tenants:
+            if name not in tenants:
+                raise ConfigError(f"{source}: auth.jwt.admin_tenants: no tenant {name!r}")
     return AccessConfig(tenants=tenants, auth=auth, jwt_public_key=public_key)
+
+
+#: The algorithms each kind of key verifies. A set never mixes kinds: with a public key and
+#: HS256 allowed, a token signed with the public key's bytes as an HMAC secret would pass.
+_ALGORITHMS: Final = {
+    "secret": ("HS256", "HS384", "HS512"),
+    "Ed25519": ("EdDSA",),
+    "RSA": ("RS256", "RS384", "RS512", "PS256", "PS384", "PS512"),
+    "EC": ("ES256", "ES384", "ES512"),
+}
+
+
+def jwt_algorithms(
+    settings: JwtSettings, public_key: str | None, where: str
+) -> tuple[Any, list[str]]:
+    """The key tokens are verified with, and the algorithms allowed: those of ``algorithms``
+    (all of the key's kind) or the kind's first. :class:`ConfigError` when they do not fit."""
+    if settings.secret is not None:
+        key: Any = settings.secret
+        kind = "secret"
+    else:
+        from cryptography.hazmat.primitives.asymmetric.ec import EllipticCurvePublicKey
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+        from cryptography.hazmat.primitives.asymmetric.rsa import RSAPublicKey
+        from cryptography.hazmat.primitives.serialization import load_pem_public_key
+
+        assert public_key is not None
+        try:
+            key = load_pem_public_key(public_key.encode())
+        except ValueError as exc:
+            raise ConfigError(f"{where}.public_key: not a PEM public key ({exc})") from None
+        kinds = {Ed25519PublicKey: "Ed25519", RSAPublicKey: "RSA", EllipticCurvePublicKey: "EC"}
+        found = next((k for cls, k in kinds.items() if isinstance(key, cls)), None)
+        if found is None:
+            raise ConfigError(f"{where}.public_key: an Ed25519, RSA or EC key is needed")
+        kind = found
+    fitting = _ALGORITHMS[kind]
+    chosen = list(settings.algorithms or fitting[:1])
+    wrong = [a for a in chosen if a not in fitting]
+    if wrong or not chosen:
+        what = "a secret" if kind == "secret" else f"an {kind} public key"
+        raise ConfigError(
+            f"{where}.algorithms: {', '.join(wrong) or 'none'} cannot be used with {what}; "
+            f"use {', '.join(fitting)}"
+        )
+    return key, chosen
 
 
 def _convert(raw: Any, kind: type[Any], where: str) -> Any:
