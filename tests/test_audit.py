@@ -21,7 +21,7 @@ from seedance.observability.audit import AuditLog, AuditSettings
 from seedance.observability.audit.records import digest, load_public_key
 from seedance.observability.audit.verify import verify
 from seedance.tenants.keys import add_key
-from tests.conftest import SEEDANCE, RunningServer, ServerProcess
+from tests.conftest import SEEDANCE, RunningServer, ServerProcess, serve_fails
 from tests.wsutil import generate, open_session, raw_connect, tokens_text, wait_closed
 
 
@@ -254,6 +254,65 @@ def test_no_acknowledged_record_is_lost_on_sigkill(
     starts = [r for r in records(log) if r["kind"] == "start"]
     assert starts[-1]["previous_end"] == "unsealed"
     assert verify(log).ok
+
+
+def test_every_acknowledged_record_is_signed_before_a_sigkill(
+    tmp_path: Path, server_process: Callable[..., ServerProcess]
+) -> None:
+    # A signed checkpoint ends every group commit, before the done frame goes out: after a
+    # kill -9, an acknowledged record cannot be edited and re-hashed unseen.
+    from websockets.sync.client import connect
+
+    log, key = tmp_path / "audit.log", signing_key(tmp_path)
+    proc = server_process("--audit-file", str(log), "--audit-signing-key", str(key))
+    with connect(f"{proc.url}/v2/infer") as ws:
+        ws.recv()
+        for i in range(5):
+            ws.send(json.dumps({"prompt": f"p{i}", "max_tokens": 3, "request_id": f"r{i}"}))
+            while json.loads(ws.recv(timeout=10))["type"] != "done":
+                pass
+        proc.signal(signal.SIGKILL)
+    proc.wait()
+    public = load_public_key(key)
+    verdict = verify(log, public, allow_unsealed=True)
+    assert verdict.ok and "after the last signature" not in verdict.message
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert lines[-1]["kind"] == "checkpoint"
+    last = max(i for i, r in enumerate(lines) if r.get("request_id") == "r4")
+    lines[last]["outcome"] = "forged"
+    prev = lines[last - 1]["hash"]
+    for record in lines[last:]:  # a consistent rewrite of the tail
+        record["prev"] = prev
+        record["hash"] = digest(record)
+        prev = record["hash"]
+    log.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    verdict = verify(log, public, allow_unsealed=True)
+    assert not verdict.ok and "bad signature" in verdict.message
+    # Removing the signatures at the end leaves records no signature vouches for: said so.
+    log.write_text("".join(json.dumps(r) + "\n" for r in lines[: last + 1]))
+    verdict = verify(log, public, allow_unsealed=True)
+    assert "come after the last signature" in verdict.message
+
+
+def test_an_empty_log_holds_no_record(tmp_path: Path) -> None:
+    (tmp_path / "audit.log").write_bytes(b"")
+    verdict = verify(tmp_path / "audit.log", allow_unsealed=True)
+    assert (
+        not verdict.ok and verdict.message == "audit.log: the log holds no record (an empty file)"
+    )
+    assert "seq -1" not in run_verify(tmp_path / "audit.log").stdout
+
+
+def test_a_log_whose_last_line_is_not_a_record_stops_the_server_with_one_line(
+    tmp_path: Path,
+) -> None:
+    log = tmp_path / "audit.log"
+    write_records(AuditSettings(path=log), 3)
+    with log.open("ab") as fh:
+        fh.write(b"this line was typed in by someone\n")
+    output = serve_fails("--audit-file", str(log))
+    assert "its last line is not an audit record" in output
+    assert "move it aside" in output and "Traceback" not in output
 
 
 # --------------------------------------------------------------------------- failures

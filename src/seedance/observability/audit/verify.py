@@ -48,6 +48,7 @@ def verify(
     expected_seq, prev = 0, GENESIS
     last: dict[str, Any] | None = None
     checkpoints = signed = 0
+    vouched = 0  # records covered by the last signature checked
     try:
         for file in files:
             data = file.read_bytes()
@@ -85,10 +86,13 @@ def verify(
                         if not signature or not signature_ok(public_key, prev, signature):
                             raise _Broken(f"{where}: checkpoint seq {seq}: bad signature")
                         signed += 1
+                        vouched = expected_seq + 1
                 prev, expected_seq, last = str(record["hash"]), expected_seq + 1, record
     except _Broken as exc:
         return Verdict(False, str(exc), expected_seq)
     count = expected_seq
+    if count == 0:
+        return Verdict(False, f"{files[-1].name}: the log holds no record (an empty file)")
     sealed = last is not None and last.get("kind") == "seal"
     signatures = (
         f"{signed} signature(s) verified" if public_key is not None else "signatures not checked"
@@ -101,6 +105,14 @@ def verify(
         )
         if not allow_unsealed:
             return Verdict(False, message, count)
+        if public_key is not None and vouched < count:
+            # A server signs every group commit before it acknowledges it: records after the
+            # last signature were being written when it died, and were never acknowledged.
+            message += (
+                f"; {_span(vouched, count)} come after the last signature: written as the "
+                "server died and never acknowledged to a client, or added since; no signature "
+                "vouches for them"
+            )
         return Verdict(True, f"ok: {summary} (unsealed: {message})", count)
     return Verdict(True, f"ok: {summary}, sealed", count)
 

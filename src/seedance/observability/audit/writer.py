@@ -57,6 +57,42 @@ class AuditSettings:
     required: bool = True
 
 
+class DamagedLog(ValueError):
+    """The log's last whole line is not an audit record: the chain cannot be continued."""
+
+
+def last_record(path: Path) -> tuple[dict[str, Any] | None, int]:
+    """The last whole record of the log at ``path`` (None: no file, or no record), and the
+    bytes of an incomplete line after it (a write cut short: never acknowledged).
+
+    Raises :class:`DamagedLog` when that last whole line is not a record."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return None, 0
+    size = path.stat().st_size
+    with path.open("rb") as fh:
+        chunk = min(size, 1 << 20)
+        fh.seek(size - chunk)
+        tail = fh.read()
+    cut = tail.rfind(b"\n") + 1
+    partial = len(tail) - cut
+    lines = tail[:cut].rstrip(b"\n").rsplit(b"\n", 1)
+    if not lines[-1]:
+        return None, partial
+    try:
+        record = msgspec.json.decode(lines[-1])
+        if not isinstance(record, dict) or not isinstance(record.get("seq"), int):
+            raise ValueError("no seq")
+        str(record["hash"])
+    except (msgspec.DecodeError, ValueError, KeyError):
+        raise DamagedLog(
+            f"audit log {path}: its last line is not an audit record (the file was edited or "
+            f"damaged), so its chain cannot be continued. `seedance audit verify {path}` shows "
+            "where it breaks; keep the file as evidence, move it aside (the server then starts "
+            "a new chain) and start again"
+        ) from None
+    return record, partial
+
+
 class AuditLog:
     def __init__(self, settings: AuditSettings, clock: Callable[[], float] = time.monotonic):
         self.settings = settings
@@ -163,9 +199,16 @@ class AuditLog:
     def _write_batch(self, batch: list[tuple[dict[str, Any], Future[None] | None]]) -> None:
         if not batch:
             return
-        self._append_many([record for record, _ in batch])
+        records = [record for record, _ in batch]
         if self.settings.fsync == "record":
+            if self.settings.signing_key is not None:
+                # A signed checkpoint ends every group commit, in the same write: no record a
+                # client is told about lies outside a signature, even after a kill -9.
+                records.append(self._checkpoint("checkpoint", head_after=records))
+            self._append_many(records)
             self._sync()
+        else:
+            self._append_many(records)
         for _, future in batch:
             if future is not None:
                 future.set_result(None)
@@ -212,11 +255,22 @@ class AuditLog:
         self._sync()
         logger.info("audit log rotated: %s", rotated)
 
-    def _checkpoint(self, kind: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-        """A checkpoint (``checkpoint``, ``rotate``, ``seal``): signs the chain's head."""
-        record: dict[str, Any] = {"kind": kind, "time": utc_now(), "records": self._seq}
+    def _checkpoint(
+        self,
+        kind: str,
+        extra: dict[str, Any] | None = None,
+        head_after: list[dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:
+        """A checkpoint (``checkpoint``, ``rotate``, ``seal``): signs the chain's head, which
+        is the last record written, or the last of ``head_after`` when it is to follow them
+        (they are chained here, as :meth:`_append_many` will chain them)."""
+        seq, head = self._seq, self._prev
+        for record in head_after or ():
+            seal(record, seq, head)
+            seq, head = seq + 1, record["hash"]
+        record = {"kind": kind, "time": utc_now(), "records": seq}
         key = self.settings.signing_key
-        record["signature"] = sign(key, self._prev) if key is not None else None
+        record["signature"] = sign(key, head) if key is not None else None
         record.update(extra or {})
         self._since_checkpoint = 0
         self._checkpoint_at = self.clock()
@@ -273,27 +327,14 @@ class AuditLog:
     def _recover_chain(self, path: Path) -> dict[str, Any]:
         """Continue the chain of an existing log: seq and hash of its last whole record (a
         partial last line, never acknowledged, is cut off and noted in the start record)."""
-        if not path.is_file():
-            return {}
-        size = path.stat().st_size
-        if size == 0:
-            return {}
-        with path.open("rb") as fh:
-            chunk = min(size, 1 << 20)
-            fh.seek(size - chunk)
-            tail = fh.read()
+        last, partial = last_record(path)
         notes: dict[str, Any] = {}
-        if not tail.endswith(b"\n"):
-            cut = tail.rfind(b"\n") + 1
-            partial = len(tail) - cut
-            os.truncate(path, size - partial)
+        if partial:
+            os.truncate(path, path.stat().st_size - partial)
             notes["discarded_partial_bytes"] = partial
             logger.warning(
                 "audit log %s: cut off an incomplete last record (%d bytes)", path, partial
             )
-            tail = tail[:cut]
-        lines = tail.rstrip(b"\n").rsplit(b"\n", 1)
-        last = msgspec.json.decode(lines[-1]) if lines and lines[-1] else None
         if last is None:
             return notes
         self._seq, self._prev = int(last["seq"]) + 1, str(last["hash"])
