@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+from collections import deque
 from typing import Any
 
 from websockets.client import ClientProtocol
@@ -23,6 +24,7 @@ class RawClient:
         self.sock.connect(("127.0.0.1", port))
         uri = parse_uri(f"ws://127.0.0.1:{port}/v2/infer" + (f"?{query}" if query else ""))
         self.proto = ClientProtocol(uri, max_size=None)
+        self._frames: deque[Frame] = deque()  # parsed, not yet returned
         self.proto.send_request(self.proto.connect())
         self.flush()
         self.session = self.recv_json()
@@ -49,10 +51,13 @@ class RawClient:
 
     def recv_frame(self) -> Frame:
         while True:
-            for event in self.proto.events_received():
+            for event in self.proto.events_received():  # every event parsed: keep them all
                 if isinstance(event, Frame):
-                    return event
-                assert isinstance(event, Response) and event.status_code == 101, event
+                    self._frames.append(event)
+                else:
+                    assert isinstance(event, Response) and event.status_code == 101, event
+            if self._frames:
+                return self._frames.popleft()
             data = self.sock.recv(65536)
             if not data:
                 raise ConnectionError("closed")
