@@ -62,7 +62,7 @@ test: $(VENV)/.installed-test
 # more the first time, to build llama-server). BENCH_ARGS=--quick for a short run,
 # BENCH_ARGS="--suites 5" for one suite.
 bench: $(VENV)/.installed-bench $(LITELLM_VENV)/.installed
-	$(BIN)/python -m seedance.bench.suites $(BENCH_ARGS)
+	LITELLM=$(LITELLM_VENV)/bin/litellm $(BIN)/python -m seedance.bench.suites $(BENCH_ARGS)
 
 # LiteLLM's proxy, the peer of suite 7, in a virtual environment of its own: its dependencies
 # (an older websockets, huggingface_hub) would change the project's.

@@ -39,8 +39,12 @@ MODEL = "synthetic"
 KEY = "sk-seedance-bench"
 
 
+def litellm_path() -> Path:
+    return Path(os.environ.get("LITELLM", LITELLM_DEFAULT))
+
+
 def litellm_executable() -> Path | None:
-    path = Path(os.environ.get("LITELLM", LITELLM_DEFAULT))
+    path = litellm_path()
     return path if path.exists() else None
 
 
@@ -101,7 +105,7 @@ def gateway_suite(report: Report) -> None:
         if exe is not None:
             gateways.append(_litellm(exe, upstream, Path(tmp)))
         else:
-            report.log(f"[7 gateway] LiteLLM not found at {LITELLM_DEFAULT}: left out")
+            report.log(f"[7 gateway] LiteLLM not found at {litellm_path()}: left out")
         with servers(gateways) as running:
             # (url, label, pinned client?) for every way to reach the upstream.
             ways = [("direct", upstream, "direct (no gateway)")]
