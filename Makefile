@@ -7,7 +7,7 @@ PORT   ?= 8000
 LITELLM_VENV    ?= .venv-litellm
 LITELLM_VERSION ?= 1.108.7
 
-.PHONY: serve test bench lint clean
+.PHONY: serve test bench soak lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -63,6 +63,12 @@ test: $(VENV)/.installed-test
 # BENCH_ARGS="--suites 5" for one suite.
 bench: $(VENV)/.installed-bench $(LITELLM_VENV)/.installed
 	LITELLM=$(LITELLM_VENV)/bin/litellm $(BIN)/python -m seedance.bench.suites $(BENCH_ARGS)
+
+# Ten minutes of mixed traffic against the synthetic engine and the embedded model, watching RSS,
+# file descriptors, tasks and p99 TTFT (docs/soak.md), then the parsers' fuzzing at length.
+soak: $(VENV)/.installed-test
+	$(BIN)/python -m seedance.bench.soak $(SOAK_ARGS)
+	HYPOTHESIS_PROFILE=soak $(BIN)/python -m pytest -q tests/test_fuzz.py
 
 # LiteLLM's proxy, the peer of suite 7, in a virtual environment of its own: its dependencies
 # (an older websockets, huggingface_hub) would change the project's.
