@@ -372,3 +372,18 @@ def test_a_target_that_goes_away_ends_the_run_with_a_clear_message(
     assert data["client"]["stopped"] == stderr.strip().removeprefix("seedance bench: ")
     # Backing off: a few dozen failures in 2 s, not millions.
     assert sum(data["summary"]["errors"].values()) < 200, data["summary"]["errors"]
+
+
+def test_soak_drives_mixed_traffic_and_judges_it(tmp_path: Path) -> None:
+    from seedance.bench import soak
+
+    out = tmp_path / "soak.md"
+    code = soak.main(
+        ["--duration", "11", "--engines", "synthetic", "--streams", "6", "--out", str(out)]
+    )
+    report = out.read_text()
+    assert code == 0, report
+    assert "## synthetic: **pass**" in report and "| no secret in the log | pass |" in report
+    for action in ("stream", "cancel", "reconnect", "bad frames", "http stream", "vanish"):
+        assert f"{action} " in report
+    assert (tmp_path / "bench" / "soak-synthetic-memory.svg").read_text().startswith("<svg")
