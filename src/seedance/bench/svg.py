@@ -19,8 +19,7 @@ def bar_chart(
     height: int = 360,
 ) -> str:
     """Bars of each series side by side for every group, with values written on the bars."""
-    left, right, top, bottom = 70, 20, 50, 60
-    plot_w, plot_h = width - left - right, height - top - bottom
+    left, top, plot_w, plot_h = _plot_area(width, height)
     peak = max((v for _, values in series for v in values), default=1.0) or 1.0
     group_w = plot_w / max(len(groups), 1)
     bar_w = group_w * 0.8 / max(len(series), 1)
@@ -73,8 +72,7 @@ def line_chart(
     height: int = 300,
 ) -> str:
     """Each series as a line over ``xs`` (same length), from zero up to the highest value."""
-    left, right, top, bottom = 70, 20, 50, 60
-    plot_w, plot_h = width - left - right, height - top - bottom
+    left, top, plot_w, plot_h = _plot_area(width, height)
     peak = max((v for _, values in series for v in values), default=1.0) or 1.0
     x_max = max(xs, default=1.0) or 1.0
     out = _frame(title, width, height)
@@ -106,6 +104,13 @@ def line_chart(
     out += _unit(unit, top + plot_h / 2)
     out.append("</svg>")
     return "\n".join(out) + "\n"
+
+
+def _plot_area(width: int, height: int) -> tuple[int, int, int, int]:
+    """Where the plot goes inside the margins (axis labels left, title above, legend below):
+    left, top, width, height."""
+    left, right, top, bottom = 70, 20, 50, 60
+    return left, top, width - left - right, height - top - bottom
 
 
 def _frame(title: str, width: int, height: int) -> list[str]:
