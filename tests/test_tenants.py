@@ -502,6 +502,10 @@ async def test_admin_endpoints(tmp_path: Path, make_server: Callable[..., Runnin
         assert acme["usage"]["connections"] == 1 and acme["usage"]["sessions"] == 1
         assert acme["keys"] == [{"id": user.id, "role": "user", "revoked": False}]
         assert "sha256" not in json.dumps(listing)
+        assert (await client.get("/admin/runtime", headers=auth(user.key))).status_code == 403
+        runtime = (await client.get("/admin/runtime", headers=auth(admin))).json()
+        assert runtime["connections"] == 1 and runtime["sessions"] == 1
+        assert runtime["event_loop_tasks"] > 0 and runtime["generations"] == 0
 
         # Ending the session cancels its reply and closes its connection.
         await ws.send(json.dumps({"prompt": "long", "max_tokens": 200}))

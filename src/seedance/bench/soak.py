@@ -12,11 +12,11 @@ user, over and over, picks one of:
 - a connection dropped mid-stream without a close (a dead phone), then a new one.
 
 Every 5 seconds it samples the server's RSS, open file descriptors and event loop tasks (from
-``/metrics``), and the p99 TTFT of the requests finished in those 5 seconds. It passes when, after
-the warm-up (the first quarter), all of them stay flat (the last third against the first third,
-within the slack below), no request failed in a way its action did not expect, and neither the
-API key nor a prompt appears in the server's log. The report (tables and plots) goes to
-``docs/soak.md``.
+``/admin/runtime``, with an admin key of its own), and the p99 TTFT of the requests finished in
+those 5 seconds. It passes when, after the warm-up (the first quarter), all of them stay flat
+(the last third against the first third, within the slack below), no request failed in a way
+its action did not expect, and neither API key nor a prompt appears in the server's log. The
+report (tables and plots) goes to ``docs/soak.md``.
 
     python -m seedance.bench.soak --duration 600             # what make soak runs
     python -m seedance.bench.soak --duration 60 --engines synthetic
@@ -30,7 +30,6 @@ import contextlib
 import json
 import os
 import random
-import re
 import statistics
 import subprocess
 import sys
@@ -262,16 +261,17 @@ def _proc_figures(pid: int) -> tuple[int, int]:
     return rss, len(os.listdir(f"/proc/{pid}/fd"))
 
 
-async def _tasks(http: aiohttp.ClientSession, url: str) -> int:
-    async with http.get(f"{url}/metrics") as response:
-        text = await response.text()
-    found = re.search(r"^seedance_event_loop_tasks (\S+)$", text, re.M)
-    return int(float(found.group(1))) if found else -1
+async def _tasks(http: aiohttp.ClientSession, url: str, admin_key: str) -> int:
+    headers = {"Authorization": f"Bearer {admin_key}"}
+    async with http.get(f"{url}/admin/runtime", headers=headers) as response:
+        body = await response.json()
+    return int(body["event_loop_tasks"])
 
 
 async def _drive(
-    run: Run, proc: subprocess.Popen[bytes], port: int, key: str, streams: int
+    run: Run, proc: subprocess.Popen[bytes], port: int, keys: tuple[str, str], streams: int
 ) -> None:
+    key, admin_key = keys
     max_tokens = 64 if run.engine == "synthetic" else 24
     base = f"http://127.0.0.1:{port}"
     traffic = Traffic(f"ws://127.0.0.1:{port}/v2/infer", base, key, max_tokens)
@@ -284,7 +284,8 @@ async def _drive(
             ttfts, traffic.ttfts = traffic.ttfts, []
             rss, fds = _proc_figures(proc.pid)
             p99 = statistics.quantiles(ttfts, n=100)[98] if len(ttfts) >= 2 else float("nan")
-            sample = Sample(elapsed, rss, fds, await _tasks(http, base), p99, len(ttfts))
+            tasks = await _tasks(http, base, admin_key)
+            sample = Sample(elapsed, rss, fds, tasks, p99, len(ttfts))
             run.samples.append(sample)
             print(
                 f"[soak {run.engine}] {elapsed:5.0f} s: RSS {rss / 2**20:6.1f} MiB, {fds} fds, "
@@ -343,6 +344,7 @@ def _judge(run: Run) -> None:
 def soak(engine: str, duration_s: float, streams: int, workdir: Path) -> Run:
     config = workdir / f"{engine}.toml"
     key = add_key(config, "soak").key
+    admin_key = add_key(config, "ops", role="admin").key
     port = _free_port()
     log_path = workdir / f"{engine}.log"
     argv = [
@@ -370,13 +372,13 @@ def soak(engine: str, duration_s: float, streams: int, workdir: Path) -> Run:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"seedance serve did not start:\n{log_path.read_text()}")
                 time.sleep(0.2)
-            asyncio.run(_drive(run, proc, port, key, streams))
+            asyncio.run(_drive(run, proc, port, (key, admin_key), streams))
         finally:
             proc.terminate()
             proc.wait(60)
     text = log_path.read_text(errors="replace")
-    if key in text:
-        run.leaked.append("the API key")
+    if key in text or admin_key in text:
+        run.leaked.append("an API key")
     if SECRET_PROMPT in text:
         run.leaked.append("a prompt")
     _judge(run)

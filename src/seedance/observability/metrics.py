@@ -11,8 +11,6 @@ listed in docs/observability.md.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Final, Generic, TypeVar
@@ -315,9 +313,6 @@ def state_metrics(state: ServerState, gpu: GpuMemory | None) -> Iterator[Metric]
         "Token deltas that joined an earlier token frame instead of making their own.",
     )
     merged.add_metric([], TokenStream.merged)
-    tasks = gauge("seedance_event_loop_tasks", "Tasks alive on the server's event loop.")
-    with contextlib.suppress(RuntimeError):  # read off the loop (a test): left out
-        tasks.add_metric([], len(asyncio.all_tasks()))
     yield from (
         connections,
         sessions,
@@ -328,8 +323,6 @@ def state_metrics(state: ServerState, gpu: GpuMemory | None) -> Iterator[Metric]
         waiting_limit,
         merged,
     )
-    if tasks.samples:
-        yield tasks
     if kv.samples:
         yield kv
     if gpu is not None:

@@ -5,13 +5,17 @@
 - ``POST /admin/keys/{key_id}/revoke``: refuse a key from now on (also in the config file) and
   close the connections that hold it;
 - ``DELETE /admin/sessions/{tenant}/{session_id}``: end a session: its running reply is
-  cancelled, its connections closed, its context dropped.
+  cancelled, its connections closed, its context dropped;
+- ``GET /admin/runtime``: what the process holds now (event loop tasks, connections, requests,
+  sessions and their history): what a leak shows in first. Counting tasks walks all of them
+  (about 4 ms at 20,000), so it is here, asked for, not in every ``/metrics`` scrape.
 
 A server without tenants has no administrators: these endpoints answer 403 there.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -101,8 +105,22 @@ def admin_routes(state: ServerState) -> list[Route]:
         )
         return _json({"ended": session_id, "tenant": tenant, "connections": len(ended)})
 
+    async def runtime(request: Request) -> Response:
+        _admin(state, request)
+        return _json(
+            {
+                "event_loop_tasks": len(asyncio.all_tasks()),
+                "connections": len(state.connections),
+                "http_requests": len(state.http_calls),
+                "generations": state.running_generations,
+                "sessions": len(state.sessions),
+                "session_history_bytes": state.sessions.bytes,
+            }
+        )
+
     return [
         Route("/admin/tenants", _errors(tenants)),
+        Route("/admin/runtime", _errors(runtime)),
         Route("/admin/keys/{key_id}/revoke", _errors(revoke), methods=["POST"]),
         Route("/admin/sessions/{tenant}/{session_id}", _errors(end_session), methods=["DELETE"]),
     ]
