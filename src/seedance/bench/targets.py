@@ -256,7 +256,8 @@ class WebSocketTarget(Target):
             raise BenchError("connect_failed", f"cannot connect to {self.url}: {exc}") from exc
         except Exception as exc:  # picows handshake errors
             raise BenchError("handshake_failed", f"{self.url}: {exc}") from exc
-        assert isinstance(listener, _Listener)
+        if not isinstance(listener, _Listener):  # the server went away during the handshake
+            raise BenchError("connect_failed", f"{self.url}: the connection closed at once")
         return WebSocketConn(transport, listener, self.fields)
 
 
