@@ -201,11 +201,9 @@ class AuditLog:
             return
         records = [record for record, _ in batch]
         if self.settings.fsync == "record":
-            if self.settings.signing_key is not None:
-                # A signed checkpoint ends every group commit, in the same write: no record a
-                # client is told about lies outside a signature, even after a kill -9.
-                records.append(self._checkpoint("checkpoint", head_after=records))
-            self._append_many(records)
+            # With a key, a signed checkpoint ends every group commit, in the same write: no
+            # record a client is told about lies outside a signature, even after a kill -9.
+            self._append_many(records, signed=self.settings.signing_key is not None)
             self._sync()
         else:
             self._append_many(records)
@@ -259,18 +257,14 @@ class AuditLog:
         self,
         kind: str,
         extra: dict[str, Any] | None = None,
-        head_after: list[dict[str, Any]] | None = None,
+        head: tuple[int, str] | None = None,
     ) -> dict[str, Any]:
         """A checkpoint (``checkpoint``, ``rotate``, ``seal``): signs the chain's head, which
-        is the last record written, or the last of ``head_after`` when it is to follow them
-        (they are chained here, as :meth:`_append_many` will chain them)."""
-        seq, head = self._seq, self._prev
-        for record in head_after or ():
-            seal(record, seq, head)
-            seq, head = seq + 1, record["hash"]
+        is the last record written unless ``head`` (seq after it, hash) says otherwise."""
+        seq, head_hash = head or (self._seq, self._prev)
         record = {"kind": kind, "time": utc_now(), "records": seq}
         key = self.settings.signing_key
-        record["signature"] = sign(key, head) if key is not None else None
+        record["signature"] = sign(key, head_hash) if key is not None else None
         record.update(extra or {})
         self._since_checkpoint = 0
         self._checkpoint_at = self.clock()
@@ -279,12 +273,18 @@ class AuditLog:
     def _append(self, record: dict[str, Any]) -> None:
         self._append_many([record])
 
-    def _append_many(self, records: list[dict[str, Any]]) -> None:
+    def _append_many(self, records: list[dict[str, Any]], *, signed: bool = False) -> None:
+        """Chain and write ``records`` in one write; ``signed``: then a checkpoint signing the
+        head they make."""
         lines = []
         seq, prev = self._seq, self._prev
         for record in records:
             lines.append(seal(record, seq, prev))
             seq, prev = seq + 1, record["hash"]
+        if signed:
+            checkpoint = self._checkpoint("checkpoint", head=(seq, prev))
+            lines.append(seal(checkpoint, seq, prev))
+            seq, prev = seq + 1, checkpoint["hash"]
         data = b"".join(lines)
         regular = self._regular()
         size = os.fstat(self._fd).st_size if regular else 0
@@ -299,7 +299,7 @@ class AuditLog:
                     os.ftruncate(self._fd, size)
             raise
         self._seq, self._prev = seq, prev  # only once the bytes are written
-        self._since_checkpoint += len(records)
+        self._since_checkpoint = 0 if signed else self._since_checkpoint + len(records)
         self._dirty = True
 
     def _regular(self) -> bool:
