@@ -54,6 +54,11 @@ class Session:
     def busy(self) -> bool:
         return self.active_request is not None
 
+    @property
+    def idle(self) -> bool:
+        """No connection holds it and no generation runs on it: it may expire or be evicted."""
+        return self.attached == 0 and self.active_request is None
+
     def begin(self, request_id: RequestId) -> bool:
         """Claim the session for one generation; false when one is already running."""
         if self.active_request is not None:

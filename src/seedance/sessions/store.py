@@ -186,7 +186,7 @@ class MemorySessionStore:
         for key, other in self._sessions.items():
             if freed >= size:
                 break
-            if other is keep or other.attached or other.busy:
+            if other is keep or not other.idle:
                 continue
             if tenant is not None and key[0] != tenant:
                 continue
@@ -249,13 +249,11 @@ class MemorySessionStore:
         return len(expired)
 
     def _expired(self, session: Session, now: float) -> bool:
-        return (
-            session.attached == 0 and not session.busy and now - session.last_active >= self.ttl_s
-        )
+        return session.idle and now - session.last_active >= self.ttl_s
 
     def _evict_one(self) -> None:
         for key, session in self._sessions.items():
-            if session.attached == 0 and not session.busy:
+            if session.idle:
                 self._remove(key)
                 self.evicted_total += 1
                 logger.info("session %s evicted: %d sessions kept", key[1], self.max_sessions)
