@@ -109,6 +109,10 @@ class DecodeLoop(abc.ABC):
     """Runs the decode thread; :meth:`submit` and :meth:`cancel` are thread-safe."""
 
     thread_name = "decode"
+    # The step hands the previous step's text to the event loop itself, just before its forward
+    # pass releases the GIL (see _flush): the loop then handles it while the pass runs,
+    # instead of holding the GIL while the next batch is built.
+    flushes_in_step = False
 
     def __init__(self) -> None:
         self.stats = SchedulerStats()
@@ -218,7 +222,8 @@ class DecodeLoop(abc.ABC):
                 self._admit()
                 if self._active:
                     self._step()
-                self._flush()
+                if not (self._active and self.flushes_in_step):
+                    self._flush()
         except BaseException as exc:  # the loop is gone: fail everything, report unhealthy
             logger.exception("the %s loop failed", self.thread_name)
             self._die(f"the decode loop failed: {exc!r}")
