@@ -44,6 +44,10 @@ async def test_stream_and_session_properties(server: RunningServer) -> None:
             max_tokens=2,
         ).collect()
         assert messages.finish_reason == "length"
+        # priority reaches the server's admission queue (and its rules)
+        assert (await session.complete("hi", max_tokens=2, priority=5)).finish_reason == "length"
+        with pytest.raises(InvalidRequest, match="priority must be between -10 and 10"):
+            await session.complete("hi", priority=11)
 
 
 async def test_typed_errors(make_server) -> None:  # type: ignore[no-untyped-def]

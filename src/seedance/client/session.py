@@ -179,14 +179,17 @@ class ClientSession:
         seed: int | None = None,
         request_id: str | None = None,
         reset: bool = False,
+        priority: int = 0,
     ) -> Stream:
-        """Ask for a reply; iterate the result for its tokens."""
+        """Ask for a reply; iterate the result for its tokens. ``priority`` (-10 to 10, within
+        the tenant's maximum) orders the request in the server's admission queue."""
         fields: dict[str, Any] = {
             "prompt": prompt,
             "stream": stream,
             "seed": seed,
             "request_id": request_id or "c-" + secrets.token_hex(6),
             "reset": reset,
+            "priority": priority,
         }
         if messages is not None:
             fields["messages"] = [
