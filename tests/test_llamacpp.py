@@ -120,9 +120,17 @@ async def test_cancel_frees_the_sequence_for_a_new_request() -> None:
             assert third.done is not None and third.done.finish_reason == "stop"
             await anext(it_other)  # the other stream went on meanwhile, and still does
             assert len(other._parts) > before
+            from tests.test_metrics import scrape, value
+
+            labels = {"model": "smollm2-135m", "engine": "llamacpp"}
+            samples, _ = scrape(server)
+            inside = value(samples, "seedance_engine_requests", **labels)
+            assert inside == 1  # the other stream
             await other.cancel()
             await other.collect()
         await eventually(lambda: engine.stats.requests_cancelled == 2 and not engine.stats.running)
+        samples, _ = scrape(server)
+        assert value(samples, "seedance_engine_requests", **labels) == 0
     finally:
         server.stop()
 

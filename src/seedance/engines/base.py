@@ -38,9 +38,13 @@ class SamplingParams:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    #: Fields the client left out where its API lets the server choose (the OpenAI API's
+    #: ``temperature`` and ``top_p``): an engine that knows the model's own defaults (vLLM's
+    #: ``generation_config``) uses those instead of the values above, as ``vllm serve`` does.
+    unset: frozenset[str] = frozenset()
 
     @classmethod
-    def of(cls, message: Generate) -> SamplingParams:
+    def of(cls, message: Generate, unset: frozenset[str] = frozenset()) -> SamplingParams:
         """The sampling fields of a (validated) ``generate`` request."""
         return cls(
             max_tokens=message.max_tokens,
@@ -48,6 +52,7 @@ class SamplingParams:
             top_p=message.top_p,
             stop=message.stop_strings(),
             seed=message.seed,
+            unset=unset,
         )
 
 
@@ -135,6 +140,11 @@ class Engine(abc.ABC):
 
     def health(self) -> EngineHealth:
         return EngineHealth(ok=True)
+
+    def unfinished_requests(self) -> int | None:
+        """Requests the engine itself holds, running or queued inside it, where it can tell
+        (for /metrics: a cancelled request must leave it)."""
+        return None
 
     def kv_cache_usage(self) -> float | None:
         """Share of the KV cache in use (0 to 1), where the engine knows it (for /metrics)."""

@@ -376,6 +376,10 @@ class BatchedEngine(PromptedEngine):
         failure = self.loop.failure
         return EngineHealth(ok=failure is None, detail=failure or "")
 
+    def unfinished_requests(self) -> int:
+        stats = self.loop.stats  # as of the decode thread's last step
+        return stats.running + stats.waiting
+
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
         prompt = self.prompts.tokens(request.messages, request.raw)
         params = request.params

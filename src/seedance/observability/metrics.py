@@ -39,12 +39,13 @@ MODEL_LABELS: Final = ("model", "engine")
 #: Labels of the series observed per request: the model, its engine, and the tenant.
 REQUEST_LABELS: Final = ("model", "engine", "tenant")
 S = TypeVar("S")
-#: Exported only where they mean something: GPU memory (a GPU and NVML), KV usage (engines
-#: that know it).
+#: Exported only where they mean something: GPU memory (a GPU and NVML), KV usage and the
+#: requests inside the engine (engines that know them).
 CONDITIONAL_METRICS: Final = (
     "seedance_gpu_memory_used_bytes",
     "seedance_gpu_memory_total_bytes",
     "seedance_kv_cache_usage_ratio",
+    "seedance_engine_requests",
 )
 
 
@@ -298,6 +299,11 @@ def state_metrics(state: ServerState, gpu: GpuMemory | None) -> Iterator[Metric]
     kv = gauge(
         "seedance_kv_cache_usage_ratio", "Share of the engine's KV cache in use.", MODEL_LABELS
     )
+    inside = gauge(
+        "seedance_engine_requests",
+        "Requests the engine itself holds, running or queued inside it.",
+        MODEL_LABELS,
+    )
     for model in state.models.values():
         labels = [model.name, model.engine.info.engine]
         admission = model.admission
@@ -308,6 +314,9 @@ def state_metrics(state: ServerState, gpu: GpuMemory | None) -> Iterator[Metric]
         usage = model.engine.kv_cache_usage()
         if usage is not None:
             kv.add_metric(labels, usage)
+        held = model.engine.unfinished_requests()
+        if held is not None:
+            inside.add_metric(labels, held)
     merged = CounterMetricFamily(
         "seedance_frames_merged",
         "Token deltas that joined an earlier token frame instead of making their own.",
@@ -325,5 +334,7 @@ def state_metrics(state: ServerState, gpu: GpuMemory | None) -> Iterator[Metric]
     )
     if kv.samples:
         yield kv
+    if inside.samples:
+        yield inside
     if gpu is not None:
         yield from gpu.collect()
