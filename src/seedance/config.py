@@ -195,7 +195,7 @@ OPTIONS: tuple[Option, ...] = (
         "--model-path",
         str,
         "model (llamacpp: a GGUF file; transformers: a model folder or a GGUF file; "
-        "vllm: a model folder; default: the embedded SmolLM2-135M-Instruct)",
+        "vllm: a model folder or a GGUF file; default: the embedded SmolLM2-135M-Instruct)",
     ),
     Option(
         "parallel",
@@ -366,7 +366,8 @@ OPTIONS: tuple[Option, ...] = (
         "max_running",
         "--max-running",
         int,
-        "generations run at once per engine (0: the engine's own limit)",
+        "generations run at once per engine (0: the engine's own limit; vllm: also its "
+        "max_num_seqs)",
         _non_negative,
         "0 or more",
     ),

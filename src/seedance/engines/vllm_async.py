@@ -3,7 +3,18 @@
 vLLM does its own continuous batching, paged KV cache and prefix caching on CUDA GPUs; this
 engine hands it token ids (rendered and counted by Seedance, so ``start`` and ``usage`` are
 exact), reads its outputs as deltas, passes the request's priority through (vLLM's priority
-scheduling) and aborts the request when the stream is closed (cancel, disconnect, shutdown).
+scheduling) and aborts the request when the stream is closed before its end (cancel,
+disconnect, shutdown).
+
+It is written against vLLM 0.10 to 0.33 (read from their source; see docs/engines.md), where
+these differ:
+
+- request ids must be unique among live requests up to 0.13 (0.14 adds a suffix itself): each
+  request gets its own id here, so two clients may pick the same one;
+- validation errors are ``ValueError`` up to 0.26 and ``VLLMClientError`` from 0.27;
+- finish reasons: ``error`` from 0.13, ``repetition`` from 0.17;
+- token prompts: ``tokens_input`` from 0.19 (a plain ``TokensPrompt`` is deprecated from 0.17);
+- GGUF files are read by vLLM itself up to 0.23, and from 0.24 only with ``vllm-gguf-plugin``.
 
 vLLM is imported only when this engine is selected; it is installed with the extra
 ``seedance[vllm]`` and runs only on CUDA GPUs.
@@ -12,15 +23,18 @@ vLLM is imported only when this engine is selected; it is installed with the ext
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import itertools
 import logging
-from collections.abc import AsyncGenerator
+import re
+from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from seedance.config import ConfigError
 from seedance.engines.base import EngineHealth, GenerationRequest, ModelInfo, TokenDelta
 from seedance.engines.prompts import PromptedEngine
-from seedance.protocol.errors import EngineError, InvalidRequest
+from seedance.protocol.errors import EngineError, InvalidRequest, SeedanceError
 from seedance.protocol.messages import FinishReason
 
 if TYPE_CHECKING:
@@ -31,7 +45,22 @@ logger = logging.getLogger(__name__)
 INSTALL_HINT: Final = "pip install 'seedance[vllm]' (on a machine with a CUDA GPU)"
 #: vLLM's default most sequences scheduled at once; Seedance's admission cap follows it.
 VLLM_MAX_SEQS: Final = 256
-_FINISH: Final[dict[str, FinishReason]] = {"stop": "stop", "length": "length"}
+#: ``repetition`` ends a reply that repeats itself (only when a request asks for it).
+_FINISH: Final[dict[str, FinishReason]] = {"stop": "stop", "length": "length", "repetition": "stop"}
+#: Sampling settings a model's ``generation_config`` may give (what ``vllm serve`` applies).
+_MODEL_DEFAULTS: Final = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+#: Settings of Seedance's own requests; the model's default applies only where the client left
+#: them to the server (see ``SamplingParams.unset``).
+_REQUESTED: Final = frozenset({"temperature", "top_p"})
+_GGUF_PLUGIN: Final = "vllm_gguf_plugin"
 
 
 def require_vllm() -> Any:
@@ -45,10 +74,53 @@ def require_vllm() -> Any:
         ) from None
 
 
+def vllm_version(vllm: Any) -> tuple[int, int]:
+    """(major, minor) of the installed vLLM; ``0.14.1.dev3+g1234`` is (0, 14)."""
+    match = re.match(r"(\d+)\.(\d+)", str(getattr(vllm, "__version__", "")))
+    return (int(match[1]), int(match[2])) if match else (0, 0)
+
+
+def _refusals() -> tuple[type[BaseException], ...]:
+    """The exceptions vLLM raises for a request it will not run (its validation)."""
+    kinds: list[type[BaseException]] = [ValueError]  # up to 0.26
+    try:
+        exceptions = importlib.import_module("vllm.exceptions")  # 0.14 on
+    except ImportError:
+        return tuple(kinds)
+    client = getattr(exceptions, "VLLMClientError", None)  # 0.27 on: not a ValueError
+    if isinstance(client, type) and issubclass(client, BaseException):
+        kinds.append(client)
+    return tuple(kinds)
+
+
+def _token_prompt() -> Callable[[list[int]], Any]:
+    """How this vLLM takes a prompt of token ids."""
+    inputs = importlib.import_module("vllm.inputs")
+    tokens_input = getattr(inputs, "tokens_input", None)  # 0.19 on
+    if tokens_input is not None:
+        return tokens_input  # type: ignore[no-any-return]
+    tokens_prompt = inputs.TokensPrompt
+    return lambda ids: tokens_prompt(prompt_token_ids=ids)
+
+
+def _load_tokenizer(model_path: Path, from_gguf: bool) -> Any:
+    from transformers import AutoTokenizer
+
+    where: dict[str, Any] = {"local_files_only": True}
+    folder = model_path
+    if not model_path.is_dir():
+        folder = model_path.parent
+        if from_gguf:
+            where["gguf_file"] = model_path.name
+    try:
+        return AutoTokenizer.from_pretrained(folder, **where)
+    except (OSError, ValueError, KeyError, ImportError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"cannot load the tokenizer of {model_path}: {first}") from None
+
+
 class VllmEngine(PromptedEngine):
     """Streams from an in-process ``vllm.v1.engine.async_llm.AsyncLLM``."""
-
-    max_concurrency = VLLM_MAX_SEQS
 
     def __init__(
         self,
@@ -58,19 +130,25 @@ class VllmEngine(PromptedEngine):
         tensor_parallel_size: int = 1,
         gpu_memory_utilization: float = 0.9,
         max_model_len: int = 0,
+        max_num_seqs: int = VLLM_MAX_SEQS,
     ) -> None:
         vllm = require_vllm()
-        if not model_path.is_dir():
+        self.version = vllm_version(vllm)
+        shown = getattr(vllm, "__version__", "?")
+        gguf = model_path.suffix.lower() == ".gguf"
+        if gguf:
+            self._check_gguf(model_path, shown)
+        elif not model_path.is_dir():
             raise ConfigError(
-                f"--engine vllm needs a model folder in Hugging Face's layout: {model_path}"
+                f"--engine vllm needs a model folder in Hugging Face's layout or a GGUF file: "
+                f"{model_path}"
             )
-        from transformers import AutoTokenizer
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
         from seedance.engines.hf.loader import tokenizer_prompts
 
-        self._vllm = vllm
+        self.max_concurrency = max_num_seqs
         args = AsyncEngineArgs(
             model=str(model_path),
             served_model_name=name,
@@ -79,18 +157,48 @@ class VllmEngine(PromptedEngine):
             max_model_len=max_model_len or None,
             scheduling_policy="priority",
             enable_prefix_caching=True,
-            max_num_seqs=VLLM_MAX_SEQS,
+            max_num_seqs=max_num_seqs,
         )
         try:
             self.llm = AsyncLLM.from_engine_args(args)
         except Exception as exc:  # vLLM reports bad models and GPUs in many ways
-            raise ConfigError(f"vLLM cannot serve {model_path}: {exc}") from None
+            raise ConfigError(f"vLLM {shown} cannot serve {model_path}: {exc}") from None
         context = int(self.llm.model_config.max_model_len)
         self._info = ModelInfo(
-            name=name, engine="vllm", context_length=context, max_output_tokens=context
+            name=name,
+            engine="vllm",
+            context_length=context,
+            max_output_tokens=context,
+            version=f"{model_path.name} (vLLM {shown})",
         )
-        tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+        # vLLM reads the tokenizer of a GGUF file from the file up to 0.23; its plugin (0.24
+        # on) from the folder beside it, as Seedance does then.
+        tokenizer = _load_tokenizer(model_path, from_gguf=gguf and self.version < (0, 24))
         self._use_prompts(tokenizer_prompts(tokenizer, context))
+        self._refusals = _refusals()
+        self._prompt = _token_prompt()
+        self._ids = itertools.count(1)
+        wanted = self.llm.model_config.get_diff_sampling_param() or {}
+        self.model_defaults = {k: v for k, v in wanted.items() if k in _MODEL_DEFAULTS}
+        if self.model_defaults:
+            logger.info("the model's generation_config sets %s", self.model_defaults)
+
+    def _check_gguf(self, model_path: Path, shown: str) -> None:
+        if not model_path.is_file():
+            raise ConfigError(f"model not found: {model_path}")
+        if self.version < (0, 24):
+            return
+        if importlib.util.find_spec(_GGUF_PLUGIN) is None:
+            raise ConfigError(
+                f"vLLM {shown} reads GGUF files only with its plugin (pip install "
+                "vllm-gguf-plugin; vLLM 0.23 and older read them itself); or serve "
+                f"{model_path.name} with --engine llamacpp"
+            )
+        if not (model_path.parent / "config.json").is_file():
+            raise ConfigError(
+                f"vLLM {shown} with vllm-gguf-plugin needs the model's Hugging Face config.json "
+                f"and tokenizer files beside {model_path.name}, in {model_path.parent}"
+            )
 
     async def close(self) -> None:
         self.llm.shutdown()
@@ -100,55 +208,95 @@ class VllmEngine(PromptedEngine):
             return EngineHealth(ok=False, detail="the vLLM engine died")
         return EngineHealth(ok=True)
 
+    def unfinished_requests(self) -> int | None:
+        processor = getattr(self.llm, "output_processor", None)
+        count = getattr(processor, "get_num_unfinished_requests", None)
+        return None if count is None else int(count())
+
     def _sampling(self, request: GenerationRequest, prompt: list[int]) -> Any:
         from vllm.sampling_params import RequestOutputKind, SamplingParams
 
         params = request.params
-        return SamplingParams(
-            n=1,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            max_tokens=self.reply_limit(prompt, params),
-            seed=params.seed,
-            stop=list(params.stop) or None,
-            output_kind=RequestOutputKind.DELTA,
-        )
+        model = self.model_defaults
+        chosen = {k: v for k, v in model.items() if k not in _REQUESTED or k in params.unset}
+        sampling: dict[str, Any] = {
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            **chosen,
+            "n": 1,
+            "max_tokens": self.reply_limit(prompt, params),
+            "seed": params.seed,
+            "stop": list(params.stop) or None,
+            "output_kind": RequestOutputKind.DELTA,
+        }
+        return SamplingParams(**sampling)
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
         prompt = self.prompts.tokens(request.messages, request.raw)
-        sampling = self._sampling(request, prompt)
+        request_id = request.request_id
+        try:
+            sampling = self._sampling(request, prompt)
+        except self._refusals as exc:
+            raise InvalidRequest(f"vLLM refused the request: {exc}") from None
         stream = self.llm.generate(
-            {"prompt_token_ids": prompt},
+            self._prompt(prompt),
             sampling,
-            request.request_id,
+            f"{request_id}.{next(self._ids)}",  # clients may reuse ids; vLLM <= 0.13 may not
             priority=-request.priority,  # vLLM serves lower values first; Seedance higher
         )
+        held = 0  # tokens of deltas that carried no text yet (a held-back stop, a cut char)
+        final: tuple[str, int, str] | None = None
         try:
             async for output in stream:
                 for completion in output.outputs[:1]:
-                    finish = completion.finish_reason
-                    if finish is not None:
-                        yield TokenDelta(
-                            completion.text, len(completion.token_ids), _FINISH.get(finish, "stop")
-                        )
-                        return
-                    if completion.token_ids:
-                        yield TokenDelta(completion.text, len(completion.token_ids))
-        except ValueError as exc:  # vLLM's validation of a request
+                    tokens = held + len(completion.token_ids)
+                    if completion.finish_reason is not None:
+                        final = (completion.text, tokens, str(completion.finish_reason))
+                    elif completion.text:
+                        held = 0
+                        yield TokenDelta(completion.text, tokens)
+                    else:
+                        held = tokens
+            # vLLM's generator ends right after its finished output: reading it to its end
+            # (rather than closing it at that output) does not abort a finished request.
+        except self._refusals as exc:
             raise InvalidRequest(f"vLLM refused the request: {exc}") from None
+        except SeedanceError:
+            raise
         except Exception as exc:
             if type(exc).__name__ == "EngineDeadError":
                 raise EngineError("the vLLM engine died; the server must be restarted") from None
-            raise
+            logger.exception("vLLM failed request %s", request_id)
+            raise EngineError(
+                f"vLLM failed request {request_id} ({type(exc).__name__}); retry"
+            ) from None
         finally:
             await stream.aclose()  # aborts the request in vLLM when it has not finished
+        if final is None:
+            raise EngineError(f"vLLM ended request {request_id} without a finish reason; retry")
+        text, tokens, reason = final
+        yield TokenDelta(text, tokens, _finish_reason(reason, request_id))
+
+
+def _finish_reason(reason: str, request_id: str) -> FinishReason:
+    """Seedance's finish reason for vLLM's; a request vLLM ended otherwise is an error."""
+    finish = _FINISH.get(reason)
+    if finish is not None:
+        return finish
+    if reason == "abort":  # not by this engine: a closed stream is not read to its end
+        logger.warning("vLLM aborted request %s", request_id)
+        raise EngineError(f"vLLM aborted request {request_id}; retry")
+    logger.error("vLLM ended request %s with finish reason %r", request_id, reason)
+    raise EngineError(f"vLLM ended request {request_id} with an error ({reason}); retry")
 
 
 def create_engine(config: ServerConfig) -> VllmEngine:
-    """Entry point ``vllm``: ``--model-path`` (a Hugging Face model folder) on the GPUs."""
+    """Entry point ``vllm``: ``--model-path`` (a Hugging Face model folder, or a GGUF file)."""
     require_vllm()
     if not config.model_path:
-        raise ConfigError("--engine vllm needs --model-path (a Hugging Face model folder)")
+        raise ConfigError(
+            "--engine vllm needs --model-path (a Hugging Face model folder or a GGUF file)"
+        )
     path = Path(config.model_path).expanduser()
     return VllmEngine(
         model_path=path,
@@ -156,4 +304,5 @@ def create_engine(config: ServerConfig) -> VllmEngine:
         tensor_parallel_size=config.tensor_parallel_size,
         gpu_memory_utilization=config.gpu_memory_utilization,
         max_model_len=config.n_ctx,
+        max_num_seqs=config.max_running or VLLM_MAX_SEQS,
     )

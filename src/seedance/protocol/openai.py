@@ -74,6 +74,8 @@ class OpenAIRequest:
     generate: Generate  # messages (chat) or prompt (completion), and the sampling fields
     stream: bool
     include_usage: bool
+    #: Sampling fields the body left out (the engine may use the model's defaults for them).
+    unset: frozenset[str] = frozenset()
 
     @property
     def messages(self) -> tuple[ChatMessage, ...]:
@@ -166,6 +168,7 @@ def _request(
         generate=generate,
         stream=body.stream,
         include_usage=bool(options and options.include_usage),
+        unset=frozenset(name for name in ("temperature", "top_p") if getattr(body, name) is None),
     )
 
 

@@ -229,7 +229,7 @@ class HttpCall:
         generation = GenerationRequest(
             request_id=self.request_id,
             messages=request.messages,
-            params=SamplingParams.of(message),
+            params=SamplingParams.of(message, request.unset),
             prompt_tokens=self.prompt_tokens,
             priority=message.priority,
             raw=request.kind == "completion",

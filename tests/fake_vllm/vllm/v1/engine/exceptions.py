@@ -1,0 +1,6 @@
+class EngineDeadError(Exception):
+    pass
+
+
+class EngineGenerateError(Exception):
+    pass
