@@ -7,7 +7,7 @@ PORT   ?= 8000
 LITELLM_VENV    ?= .venv-litellm
 LITELLM_VERSION ?= 1.108.7
 
-.PHONY: serve test bench soak lint clean
+.PHONY: serve test bench soak gpu-smoke lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -69,6 +69,11 @@ bench: $(VENV)/.installed-bench $(LITELLM_VENV)/.installed
 soak: $(VENV)/.installed-test
 	$(BIN)/python -m seedance.bench.soak $(SOAK_ARGS)
 	HYPOTHESIS_PROFILE=soak $(BIN)/python -m pytest -q tests/test_fuzz.py
+
+# The vLLM engine on this machine's CUDA GPU, in a few minutes (docs/gpu.md): a virtual
+# environment of its own (.venv-gpu), from WHEELS=folder where the machine has no package access.
+gpu-smoke:
+	$(PYTHON) scripts/gpu_smoke.py $(if $(WHEELS),--wheels $(WHEELS)) $(GPU_SMOKE_ARGS)
 
 # LiteLLM's proxy, the peer of suite 7, in a virtual environment of its own: its dependencies
 # (an older websockets, huggingface_hub) would change the project's.
