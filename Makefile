@@ -7,7 +7,7 @@ PORT   ?= 8000
 LITELLM_VENV    ?= .venv-litellm
 LITELLM_VERSION ?= 1.108.7
 
-.PHONY: serve test bench soak gpu-smoke lint clean
+.PHONY: serve test test-fast bench soak gpu-smoke lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,10 @@ serve: $(VENV)/.installed-base
 
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The logic without models, processes, long waits or benchmarks (markers in pyproject.toml).
+test-fast: $(VENV)/.installed-test
+	$(BIN)/python -m pytest -q -m "not model and not subprocess and not slow and not bench" $(PYTEST_ARGS)
 
 # Comparison suites (raw websockets and picows servers; llama.cpp's llama-server, built from the
 # vendored source with LLAMA_CMAKE_ARGS and cached, llama-cpp-python's server and a bare llama.cpp

@@ -5,7 +5,7 @@
 Makes a virtual environment (``.venv-gpu``) with Seedance and vLLM when it has none, from a
 folder of wheels where the machine has no package access (pieces ``NAME.part-aa``, ``-ab`` ...
 are joined first; docs/gpu.md says how to make such a folder), builds a tiny random-weight
-Llama around SmolLM2's tokenizer and chat template (tests/tiny_model.py), serves it with
+Llama around SmolLM2's tokenizer and chat template (tests/support/tiny_model.py), serves it with
 ``seedance serve --engine vllm`` and checks, over real sockets, what a user relies on. Prints
 one line per check and a summary with the versions; exits 1 when a check fails.
 """
@@ -245,7 +245,7 @@ def smoke(work: Path) -> int:
         print("no CUDA GPU here: the vLLM engine runs only on CUDA GPUs", file=sys.stderr)
         return 2
     sys.path.insert(0, str(ROOT))
-    from tests.tiny_model import tiny_llama
+    from tests.support.tiny_model import tiny_llama
 
     began = time.perf_counter()
     model = tiny_llama(work / "tiny-llama")

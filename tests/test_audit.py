@@ -18,11 +18,18 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from seedance.config import load_access
 from seedance.observability.audit import AuditLog, AuditSettings
+from seedance.observability.audit.kinds import Request
 from seedance.observability.audit.records import digest, load_public_key
 from seedance.observability.audit.verify import verify
 from seedance.tenants.keys import add_key
-from tests.conftest import SEEDANCE, RunningServer, ServerProcess, serve_fails
-from tests.wsutil import generate, open_session, raw_connect, tokens_text, wait_closed
+from tests.support.servers import SEEDANCE, RunningServer, ServerProcess, serve_fails
+from tests.support.ws import generate, open_session, raw_connect, tokens_text, wait_closed
+
+
+def request_record(request_id: str) -> Request:
+    return Request(
+        api="http", tenant="t", credential="k", request_id=request_id, model="m", outcome="stop"
+    )
 
 
 def records(path: Path) -> list[dict[str, Any]]:
@@ -126,7 +133,7 @@ def sealed_log(tmp_path: Path) -> tuple[Path, Path]:
     )
     log.start()
     for i in range(20):
-        log.submit({"kind": "request", "time": "t", "request_id": f"r{i}", "outcome": "stop"})
+        log.submit(request_record(f"r{i}"))
     log.close()
     return tmp_path / "audit.log", key
 
@@ -136,6 +143,7 @@ def rewrite(path: Path, change: Callable[[list[str]], list[str]]) -> None:
     path.write_text("\n".join(change(lines)) + "\n")
 
 
+@pytest.mark.subprocess
 def test_an_untouched_log_verifies(sealed_log: tuple[Path, Path]) -> None:
     log, key = sealed_log
     result = run_verify(log, "--public-key", str(key))
@@ -144,6 +152,7 @@ def test_an_untouched_log_verifies(sealed_log: tuple[Path, Path]) -> None:
     assert f"{count} records in 1 file(s)" in result.stdout
 
 
+@pytest.mark.subprocess
 def test_an_edited_record_is_found(sealed_log: tuple[Path, Path]) -> None:
     log, _ = sealed_log
 
@@ -202,7 +211,7 @@ def write_records(settings: AuditSettings, count: int, pause_s: float = 0.0) -> 
     log = AuditLog(settings)
     log.start()
     for i in range(count):
-        written = log.submit({"kind": "request", "time": "t", "request_id": f"r{i}"})
+        written = log.submit(request_record(f"r{i}"))
         assert written is not None
         written.result(timeout=5)
         time.sleep(pause_s)
@@ -223,6 +232,7 @@ def test_rotation_keeps_one_chain(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- durability
 
 
+@pytest.mark.subprocess
 def test_no_acknowledged_record_is_lost_on_sigkill(
     tmp_path: Path, server_process: Callable[..., ServerProcess]
 ) -> None:
@@ -256,6 +266,7 @@ def test_no_acknowledged_record_is_lost_on_sigkill(
     assert verify(log).ok
 
 
+@pytest.mark.subprocess
 def test_every_acknowledged_record_is_signed_before_a_sigkill(
     tmp_path: Path, server_process: Callable[..., ServerProcess]
 ) -> None:
@@ -294,6 +305,7 @@ def test_every_acknowledged_record_is_signed_before_a_sigkill(
     assert "come after the last signature" in verdict.message
 
 
+@pytest.mark.subprocess
 def test_an_empty_log_holds_no_record(tmp_path: Path) -> None:
     (tmp_path / "audit.log").write_bytes(b"")
     verdict = verify(tmp_path / "audit.log", allow_unsealed=True)
@@ -303,6 +315,7 @@ def test_an_empty_log_holds_no_record(tmp_path: Path) -> None:
     assert "seq -1" not in run_verify(tmp_path / "audit.log").stdout
 
 
+@pytest.mark.subprocess
 def test_a_log_whose_last_line_is_not_a_record_stops_the_server_with_one_line(
     tmp_path: Path,
 ) -> None:
@@ -356,6 +369,7 @@ async def test_interval_fsync(tmp_path: Path, make_server: Callable[..., Running
     assert verify(log).ok
 
 
+@pytest.mark.slow
 def test_rotation_by_age(tmp_path: Path) -> None:
     write_records(AuditSettings(path=tmp_path / "audit.log", rotate_interval_s=0.3), 3, 0.4)
     assert len(list(tmp_path.glob("audit.log.*"))) >= 2

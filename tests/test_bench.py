@@ -19,7 +19,9 @@ import pytest
 from seedance.bench.metrics import Distribution, Sample, percentile, summarize
 from seedance.bench.peers.openai_sse import create_app as openai_app
 from seedance.engines.synthetic import SyntheticEngine
-from tests.conftest import SEEDANCE, RunningServer, asgi_server, slow_engine
+from tests.support.servers import SEEDANCE, RunningServer, asgi_server, slow_engine
+
+pytestmark = pytest.mark.bench
 
 
 def bench(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:

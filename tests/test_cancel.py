@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import json
 
-from tests.conftest import slow_engine
-from tests.wsutil import collect, generate, open_session, recv_json
+import pytest
+
+from tests.support.servers import slow_engine
+from tests.support.ws import collect, generate, open_session, recv_json
 
 
 async def settle(engine, seconds: float = 0.3) -> int:  # type: ignore[no-untyped-def]
@@ -18,6 +20,7 @@ async def settle(engine, seconds: float = 0.3) -> int:  # type: ignore[no-untype
     return after
 
 
+@pytest.mark.slow
 async def test_cancel_stops_the_engine_and_keeps_nothing(make_server) -> None:  # type: ignore[no-untyped-def]
     engine = slow_engine(200)
     server = make_server(engines=[engine])
@@ -66,6 +69,7 @@ async def test_cancel_a_whole_reply_returns_the_partial_text(make_server) -> Non
     assert 0 < done["usage"]["completion_tokens"] < 1000 and done["text"]
 
 
+@pytest.mark.slow
 async def test_disconnect_stops_the_engine(make_server) -> None:  # type: ignore[no-untyped-def]
     engine = slow_engine(200)
     server = make_server(engines=[engine])
@@ -82,6 +86,7 @@ async def test_disconnect_stops_the_engine(make_server) -> None:  # type: ignore
     assert session is not None and not session.busy and session.turns == []
 
 
+@pytest.mark.slow
 async def test_cancel_while_queued(make_server) -> None:  # type: ignore[no-untyped-def]
     engine = slow_engine(100)
     server = make_server(engines=[engine], max_running=1)

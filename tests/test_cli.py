@@ -9,8 +9,10 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from seedance.client import connect_sync
-from tests.conftest import SEEDANCE, RunningServer, slow_engine
+from tests.support.servers import SEEDANCE, RunningServer, slow_engine
 
 
 def run(
@@ -21,6 +23,7 @@ def run(
     )
 
 
+@pytest.mark.subprocess
 def test_chat_once_streams_the_reply(server: RunningServer) -> None:
     result = run(
         "chat",
@@ -39,6 +42,7 @@ def test_chat_once_streams_the_reply(server: RunningServer) -> None:
     assert result.stdout == expected + "\n"
 
 
+@pytest.mark.subprocess
 def test_chat_keeps_context_between_turns(server: RunningServer) -> None:
     result = run(
         "chat",
@@ -95,6 +99,7 @@ class Interactive:
             time.sleep(0.02)
 
 
+@pytest.mark.subprocess
 def test_ctrl_c_cancels_the_reply_not_the_program(make_server) -> None:  # type: ignore[no-untyped-def]
     server = make_server(engines=[slow_engine(40)])
     chat = Interactive("--url", server.url, "--max-tokens", "60")
@@ -116,6 +121,7 @@ def test_ctrl_c_cancels_the_reply_not_the_program(make_server) -> None:  # type:
     assert server.engine.stats.requests_finished == 1
 
 
+@pytest.mark.subprocess
 def test_chat_reports_errors_clearly(server: RunningServer) -> None:
     result = run("chat", "--url", server.url, "--model", "nope", "--once", "hi")
     assert result.returncode == 1
@@ -127,6 +133,7 @@ def test_chat_reports_errors_clearly(server: RunningServer) -> None:
     assert result.returncode == 1 and "ws://" in result.stderr
 
 
+@pytest.mark.subprocess
 def test_serve_rejects_bad_settings_clearly(tmp_path: Path) -> None:
     result = run("serve", "--port", "99999")
     assert result.returncode == 2
@@ -148,6 +155,7 @@ def test_serve_rejects_bad_settings_clearly(tmp_path: Path) -> None:
     assert all("Traceback" not in r for r in (result.stderr,))
 
 
+@pytest.mark.subprocess
 def test_engines_lists_the_builtin_engine() -> None:
     result = run("engines")
     assert result.returncode == 0

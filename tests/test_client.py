@@ -15,7 +15,7 @@ from seedance.client import (
     connect_sync,
     infer_url,
 )
-from tests.conftest import RunningServer, slow_engine
+from tests.support.servers import RunningServer, slow_engine
 
 
 def test_infer_url() -> None:
@@ -80,6 +80,7 @@ async def test_ping_round_trips(server: RunningServer) -> None:
         assert len(rtts) == 5
 
 
+@pytest.mark.slow
 async def test_client_answers_server_heartbeats(make_server) -> None:  # type: ignore[no-untyped-def]
     server = make_server(heartbeat_interval_s=0.1, idle_timeout_s=0.3)
     async with connect(server.url) as session:
@@ -99,6 +100,7 @@ async def test_end_session_and_closed_errors(server: RunningServer) -> None:
         assert again.created
 
 
+@pytest.mark.slow
 async def test_server_shutdown_fails_the_stream_with_connection_closed(make_server) -> None:  # type: ignore[no-untyped-def]
     server = make_server(engines=[slow_engine(50)], drain_timeout_s=0.2)
     async with connect(server.url) as session:

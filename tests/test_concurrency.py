@@ -8,7 +8,7 @@ import resource
 import pytest
 
 from seedance.client import connect
-from tests.conftest import RunningServer
+from tests.support.servers import RunningServer
 
 STREAMS = 500
 TOKENS = 20
@@ -38,6 +38,7 @@ async def one_stream(url: str, i: int, start: asyncio.Event) -> tuple[str, int, 
         return session.session_id, expected_seq, stream.text
 
 
+@pytest.mark.slow
 async def test_500_concurrent_sessions(server: RunningServer) -> None:
     start = asyncio.Event()
     tasks = [asyncio.create_task(one_stream(server.url, i, start)) for i in range(STREAMS)]

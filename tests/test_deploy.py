@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from seedance.client import connect
 from seedance.observability.metrics import CONDITIONAL_METRICS
-from tests.conftest import RunningServer
+from tests.support.servers import RunningServer
 from tests.test_metrics import scrape
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,6 +34,7 @@ def used_metrics(text: str) -> set[str]:
     return {base_name(m) for m in re.findall(r"\bseedance_[a-z0-9_]+", text)}
 
 
+@pytest.mark.subprocess
 def test_promtool_accepts_the_rules() -> None:
     promtool = shutil.which("promtool")
     if promtool is None:

@@ -7,11 +7,13 @@ import json
 from collections.abc import AsyncGenerator
 from typing import Any
 
+import pytest
+
 from seedance.engines.base import GenerationRequest, TokenDelta
 from seedance.engines.synthetic import SyntheticEngine
 from seedance.protocol.messages import ChatMessage
-from tests.conftest import RunningServer, slow_engine
-from tests.wsutil import (
+from tests.support.servers import RunningServer, slow_engine
+from tests.support.ws import (
     assert_seq_contiguous,
     collect,
     generate,
@@ -71,6 +73,7 @@ async def test_unsupported_binary_frame(server: RunningServer) -> None:
         await still_open(ws)
 
 
+@pytest.mark.slow
 async def test_session_busy_does_not_disturb_the_running_request(make_server) -> None:  # type: ignore[no-untyped-def]
     server = make_server(engines=[slow_engine(200)])
     ws, _ = await open_session(server.url, "session_id=busy")

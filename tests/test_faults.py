@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import RunningServer, slow_engine
-from tests.rawclient import RawClient
-from tests.wsutil import assert_seq_contiguous, collect, open_session
+from tests.support.rawclient import RawClient
+from tests.support.servers import RunningServer, slow_engine
+from tests.support.ws import assert_seq_contiguous, collect, open_session
 
 UPGRADE = (
     b"GET /v2/infer HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
@@ -109,6 +109,7 @@ def _http_streaming(server: RunningServer) -> socket.socket:
 
 
 @pytest.mark.parametrize("point", list(POINTS))
+@pytest.mark.slow
 def test_a_client_vanishing_at_any_point_leaves_nothing_behind(
     make_server: Any, point: str
 ) -> None:
@@ -124,6 +125,7 @@ def test_a_client_vanishing_at_any_point_leaves_nothing_behind(
     settled(server)
 
 
+@pytest.mark.slow
 async def test_an_event_loop_stalled_for_a_second_loses_no_token(make_server: Any) -> None:
     server: RunningServer = make_server(engines=[slow_engine(tokens_per_s=50)])
     loop = server.server.servers[0].get_loop()

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 
-from websockets.frames import Frame, Opcode
+import pytest
+from websockets.frames import Close, Frame, Opcode
 
 from seedance.engines.synthetic import SyntheticEngine
-from tests.conftest import RunningServer
-from tests.rawclient import RawClient
-from tests.wsutil import open_session, raw_connect, recv_json, wait_closed
+from seedance.server.outbound import Outbound
+from tests.support.rawclient import RawClient
+from tests.support.servers import RunningServer
+from tests.support.ws import open_session, raw_connect, recv_json, wait_closed
 
 
 async def test_binary_heartbeat_answered(server: RunningServer) -> None:
@@ -38,6 +41,7 @@ async def test_json_ping(server: RunningServer) -> None:
         assert await recv_json(ws) == {"type": "pong"}
 
 
+@pytest.mark.slow
 async def test_server_pings_after_silence_and_pongs_keep_it_open(make_server) -> None:  # type: ignore[no-untyped-def]
     server = make_server(heartbeat_interval_s=0.2, idle_timeout_s=0.6)
     ws, hello = await open_session(server.url)
@@ -57,6 +61,7 @@ async def test_server_pings_after_silence_and_pongs_keep_it_open(make_server) ->
         assert connection.last_rtt_s is not None and connection.last_rtt_s < 1
 
 
+@pytest.mark.slow
 async def test_standard_pings_count_as_inbound_traffic(make_server) -> None:  # type: ignore[no-untyped-def]
     server = make_server(heartbeat_interval_s=0.2, idle_timeout_s=0.5)
     ws, _ = await open_session(server.url)
@@ -69,6 +74,7 @@ async def test_standard_pings_count_as_inbound_traffic(make_server) -> None:  # 
         assert await recv_json(ws) == {"type": "pong", "id": 2}
 
 
+@pytest.mark.slow
 async def test_idle_timeout_closes_4408(make_server) -> None:  # type: ignore[no-untyped-def]
     server = make_server(heartbeat_interval_s=0.2, idle_timeout_s=0.5)
     async with raw_connect(server.url) as ws:
@@ -87,6 +93,7 @@ async def wait_until(predicate, timeout: float = 10.0) -> None:  # type: ignore[
         await asyncio.sleep(0.05)
 
 
+@pytest.mark.slow
 async def test_slow_reader_stays_bounded_then_is_cut_off(make_server) -> None:  # type: ignore[no-untyped-def]
     # More tokens than the kernel's socket buffers can absorb (up to 4 MiB on Linux).
     engine = SyntheticEngine(context_length=300_000, max_output_tokens=200_000)
@@ -108,6 +115,41 @@ async def test_slow_reader_stays_bounded_then_is_cut_off(make_server) -> None:  
         assert connection.out.pending_bytes <= connection.out.high_water_bytes + 1024
         await wait_until(lambda: not server.state.connections, timeout=5)  # write timeout
         assert engine.stats.active == 0 and engine.stats.requests_aborted == 1
+    finally:
+        client.close()
+
+
+@pytest.mark.slow
+async def test_a_writer_failure_is_logged_and_closes_the_connection_1011(
+    make_server,  # type: ignore[no-untyped-def]
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A fault in the writer (not the client going away) is an ERROR with the connection and
+    request ids, and the connection ends with 1011 instead of hanging."""
+    engine = SyntheticEngine(context_length=300_000, max_output_tokens=200_000)
+    server = make_server(engines=[engine], merge_window_ms=0)
+
+    def broken(self: Outbound) -> None:
+        raise ValueError("a fault in the writer")
+
+    monkeypatch.setattr(Outbound, "_take_all", broken)
+    client = RawClient(server.port, rcvbuf=4096)
+    try:
+        with caplog.at_level(logging.ERROR, logger="seedance.server.connection"):
+            request = {"prompt": "flood me", "max_tokens": 200_000, "request_id": "r-writer"}
+            client.send_json(request)  # then read nothing for a while: frames queue
+            await wait_until(lambda: any(c.out.pending_bytes for c in server.state.connections))
+            close = None
+            while close is None:  # now read: the writer runs, and fails
+                frame = await asyncio.to_thread(client.recv_frame)
+                if frame.opcode == Opcode.CLOSE:
+                    close = frame
+            assert Close.parse(close.data).code == 1011
+            await wait_until(lambda: not server.state.connections, timeout=5)
+        (record,) = [r for r in caplog.records if "the writer failed" in r.getMessage()]
+        assert "request r-writer" in record.getMessage() and record.exc_info is not None
+        assert "conn c-" in record.getMessage()
     finally:
         client.close()
 
@@ -145,6 +187,7 @@ async def test_ping_flood_without_reading_is_cut_off(make_server) -> None:  # ty
         client.close()
 
 
+@pytest.mark.slow
 async def test_heartbeat_flood_without_reading_is_cut_off(make_server) -> None:  # type: ignore[no-untyped-def]
     server = make_server(max_pending_bytes=256 * 1024)
     client = RawClient(server.port, rcvbuf=4096)

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from seedance.config import ConfigError, load_config
 from seedance.observability.audit import AuditLog, AuditSettings
+from seedance.observability.audit.kinds import Request
 from seedance.observability.audit.records import load_public_key
 from seedance.observability.audit.verify import verify
 from seedance.protocol.codec import (
@@ -34,11 +35,11 @@ from seedance.protocol.codec import (
 from seedance.protocol.errors import InvalidJSON, InvalidRequest, PayloadTooLarge, Unauthorized
 from seedance.protocol.messages import ChatMessage, Generate, TokenFrame
 from seedance.protocol.openai import decode_chat, decode_completion
-from seedance.server.transport import _frame_header
+from seedance.server.uvicorn_ws import _frame_header
 from seedance.tenants.auth import Authenticator
 from seedance.tenants.config import parse_access
-from tests.conftest import RunningServer
-from tests.rawclient import RawClient
+from tests.support.rawclient import RawClient
+from tests.support.servers import RunningServer
 
 settings.register_profile("ci", max_examples=120, deadline=None)
 settings.register_profile(
@@ -278,7 +279,16 @@ def signed_log(tmp_path_factory: pytest.TempPathFactory) -> tuple[bytes, Any, Pa
     log = AuditLog(AuditSettings(path=folder / "audit.log", signing_key=key))
     log.start()
     for i in range(6):
-        log.submit({"kind": "request", "time": "t", "request_id": f"r{i}", "outcome": "stop"})
+        log.submit(
+            Request(
+                api="http",
+                tenant="t",
+                credential="k",
+                request_id=f"r{i}",
+                model="m",
+                outcome="stop",
+            )
+        )
     log.close()
     return (folder / "audit.log").read_bytes(), load_public_key(folder / "key.pem"), folder
 

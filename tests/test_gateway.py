@@ -31,7 +31,7 @@ from seedance.engines.llamacpp.native import backend_cwd
 from seedance.engines.openai_upstream import OpenAIUpstreamEngine
 from seedance.engines.synthetic import SyntheticEngine
 from seedance.protocol.errors import SeedanceError
-from tests.conftest import RunningServer, asgi_server
+from tests.support.servers import RunningServer, asgi_server
 
 
 def _free_port() -> int:
@@ -133,6 +133,8 @@ def synthetic_upstream(tokens_per_s: float = 0.0) -> Iterator[tuple[str, Synthet
 # --------------------------------------------------------------------------- tests
 
 
+@pytest.mark.model
+@pytest.mark.subprocess
 async def test_seedance_in_front_of_llama_cpp_server(make_server, llama_upstream: str) -> None:  # type: ignore[no-untyped-def]
     server = gateway(make_server, llama_upstream)
     engine = upstream_engine(server)
@@ -150,6 +152,7 @@ async def test_seedance_in_front_of_llama_cpp_server(make_server, llama_upstream
     assert engine.upstreams[0].requests == 2 and engine.upstreams[0].up
 
 
+@pytest.mark.slow
 async def test_fewest_in_flight_routing(make_server) -> None:  # type: ignore[no-untyped-def]
     with synthetic_upstream(50) as (a, engine_a), synthetic_upstream(50) as (b, engine_b):
         server = gateway(make_server, a, b)
@@ -163,6 +166,7 @@ async def test_fewest_in_flight_routing(make_server) -> None:  # type: ignore[no
         assert engine_a.stats.requests_started == engine_b.stats.requests_started == 3
 
 
+@pytest.mark.slow
 async def test_a_failing_upstream_is_retried_elsewhere_and_cooled_down(make_server) -> None:  # type: ignore[no-untyped-def]
     with asgi_server(faulty_app("error")) as bad, synthetic_upstream() as (good, engine_good):
         server = gateway(make_server, f"{bad}/v1", good, upstream_cooldown_s=0.5)
@@ -178,6 +182,7 @@ async def test_a_failing_upstream_is_retried_elsewhere_and_cooled_down(make_serv
         await eventually(lambda: broken.up)
 
 
+@pytest.mark.slow
 async def test_a_stalled_upstream_times_out_before_the_first_token(make_server) -> None:  # type: ignore[no-untyped-def]
     with asgi_server(faulty_app("stall")) as slow, synthetic_upstream() as (good, _):
         server = gateway(make_server, f"{slow}/v1", good, upstream_timeout_s=0.5)
@@ -187,6 +192,7 @@ async def test_a_stalled_upstream_times_out_before_the_first_token(make_server) 
             assert done.finish_reason == "length" and time.monotonic() - started < 5
 
 
+@pytest.mark.slow
 async def test_a_stream_dropped_after_its_first_token_is_engine_error(make_server) -> None:  # type: ignore[no-untyped-def]
     with asgi_server(faulty_app("drop")) as dropping, synthetic_upstream() as (good, engine_good):
         server = gateway(make_server, f"{dropping}/v1", good)

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import RunningServer, ServerProcess
-from tests.wsutil import open_session
+from tests.support.servers import RunningServer, ServerProcess
+from tests.support.ws import open_session
 
 UPGRADE = (
     "GET /v2/infer HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
@@ -33,6 +33,7 @@ async def _answer(reader: asyncio.StreamReader, timeout: float = 10) -> tuple[in
     return status, json.loads(body)
 
 
+@pytest.mark.slow
 async def test_a_connection_that_sends_nothing_gets_408(make_server: Any) -> None:
     server: RunningServer = make_server(handshake_timeout_s=0.5)
     reader, writer = await _open(server.port)
@@ -44,6 +45,7 @@ async def test_a_connection_that_sends_nothing_gets_408(make_server: Any) -> Non
     writer.close()
 
 
+@pytest.mark.slow
 async def test_headers_sent_a_byte_at_a_time_still_time_out(make_server: Any) -> None:
     server: RunningServer = make_server(handshake_timeout_s=1.0)
     reader, writer = await _open(server.port)
@@ -64,6 +66,7 @@ async def test_headers_sent_a_byte_at_a_time_still_time_out(make_server: Any) ->
     writer.close()
 
 
+@pytest.mark.slow
 async def test_the_next_request_on_a_kept_alive_connection_is_timed_too(make_server: Any) -> None:
     server: RunningServer = make_server(handshake_timeout_s=0.5)
     reader, writer = await _open(server.port)
@@ -78,6 +81,7 @@ async def test_the_next_request_on_a_kept_alive_connection_is_timed_too(make_ser
     writer.close()
 
 
+@pytest.mark.slow
 async def test_connections_still_sending_headers_are_capped_per_address(
     make_server: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -101,6 +105,7 @@ async def test_connections_still_sending_headers_are_capped_per_address(
         assert session["type"] == "session"
 
 
+@pytest.mark.slow
 async def test_connections_still_sending_headers_are_capped_in_all(make_server: Any) -> None:
     server: RunningServer = make_server(max_handshakes=2)
     idle = [await _open(server.port) for _ in range(2)]
@@ -133,6 +138,7 @@ async def test_a_websocket_upgrade_with_a_header_line_over_8_kib_gets_431(make_s
     writer.close()
 
 
+@pytest.mark.subprocess
 async def test_shutdown_with_half_open_handshakes_exits_cleanly(server_process: Any) -> None:
     server: ServerProcess = server_process()
     refused_reader, refused_writer = await _open(server.port)

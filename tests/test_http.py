@@ -6,7 +6,7 @@ import httpx
 
 from seedance.engines.base import EngineHealth
 from seedance.engines.synthetic import SyntheticEngine
-from tests.conftest import RunningServer
+from tests.support.servers import RunningServer
 
 
 def test_healthz(server: RunningServer) -> None:

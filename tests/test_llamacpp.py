@@ -23,7 +23,10 @@ from seedance.engines.base import GenerationRequest, SamplingParams
 from seedance.engines.llamacpp import LlamaCppEngine, default_model_path
 from seedance.protocol.errors import SeedanceError
 from seedance.protocol.messages import ChatMessage, RequestId
-from tests.conftest import RunningServer, assert_contiguous, read, serve_fails
+from tests.support.servers import RunningServer, serve_fails
+from tests.support.ws import assert_contiguous, read
+
+pytestmark = pytest.mark.model
 
 N_CTX_SEQ = 1024
 

@@ -25,7 +25,9 @@ from seedance.engines.llamacpp.cpu import (
     run_probe,
 )
 from seedance.protocol.errors import SeedanceError
-from tests.conftest import RunningServer, ServerProcess
+from tests.support.servers import RunningServer, ServerProcess
+
+pytestmark = pytest.mark.model
 
 MODEL = default_model_path()
 REPO = Path(__file__).resolve().parent.parent
@@ -103,12 +105,12 @@ def test_a_probe_that_cannot_run_at_all_refuses_to_start(tmp_path: Path) -> None
 
 
 def crashing_server(tmp_path: Path, how: str) -> ServerProcess:
-    """``seedance serve`` with the crash plugin (``tests/crash_plugin.py``) installed."""
+    """``seedance serve`` with the crash plugin (``tests/support/crash_plugin.py``) installed."""
     info = tmp_path / "crash_plugin-0.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: crash-plugin\nVersion: 0\n")
     (info / "entry_points.txt").write_text(
-        "[seedance.engines]\ncrashing = tests.crash_plugin:create_engine\n"
+        "[seedance.engines]\ncrashing = tests.support.crash_plugin:create_engine\n"
     )
     env = {
         "SEEDANCE_ENGINE": "crashing",

@@ -11,11 +11,12 @@ from typing import Any
 import jwt
 import pytest
 
-from tests.conftest import RunningServer, ServerProcess
-from tests.rawclient import RawClient
-from tests.wsutil import open_session, recv_json
+from tests.support.rawclient import RawClient
+from tests.support.servers import RunningServer, ServerProcess
+from tests.support.ws import open_session, recv_json
 
 
+@pytest.mark.subprocess
 async def test_a_newline_in_a_jwt_claim_cannot_forge_a_log_line(
     tmp_path: Path, server_process: Any
 ) -> None:
@@ -37,12 +38,13 @@ async def test_a_newline_in_a_jwt_claim_cannot_forge_a_log_line(
     assert opened and "alice\\x0a2026-12-01" in opened[0] and "\\x1b[2J" in opened[0]
 
 
+@pytest.mark.slow
 def test_a_control_ping_flood_writes_one_warning(
     make_server: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     server: RunningServer = make_server(max_pending_bytes=65536)
     client = RawClient(server.port, rcvbuf=4096)  # reads nothing: the pongs pile up
-    with caplog.at_level(logging.WARNING, logger="seedance.server.transport"):
+    with caplog.at_level(logging.WARNING, logger="seedance.server.uvicorn_ws"):
         for _ in range(50_000):  # 6 MB of pongs to write
             client.proto.send_ping(b"p" * 125)
         with contextlib.suppress(OSError):  # cut off: the server dropped the connection

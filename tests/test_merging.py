@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import uvicorn
 
 from seedance.config import ServerConfig
 from seedance.engines.synthetic import SyntheticEngine
 from seedance.server.app import create_app
-from tests.conftest import slow_engine
-from tests.wsutil import (
+from tests.support.servers import slow_engine
+from tests.support.ws import (
     assert_seq_contiguous,
     generate,
     open_session,
@@ -45,6 +46,7 @@ async def test_merging_off_sends_one_frame_per_token(make_server) -> None:  # ty
         assert assert_seq_contiguous(frames) == 200
 
 
+@pytest.mark.slow
 async def test_stream_slower_than_the_window_is_never_held(make_server) -> None:  # type: ignore[no-untyped-def]
     # 40 tokens/s: 25 ms between tokens, well over the 5 ms window.
     server = make_server(engines=[slow_engine(tokens_per_s=40)])

@@ -7,10 +7,11 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from seedance.client import connect
-from tests.conftest import RunningServer, slow_engine
+from tests.support.servers import RunningServer, slow_engine
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -36,6 +37,7 @@ MODEL = {"model": "synthetic", "engine": "synthetic"}
 REQUEST = {**MODEL, "tenant": "default"}
 
 
+@pytest.mark.slow
 async def test_a_stream_moves_the_counters_and_histograms(server: RunningServer) -> None:
     before, _ = scrape(server)
     async with connect(server.url) as session:
@@ -67,6 +69,7 @@ async def test_a_stream_moves_the_counters_and_histograms(server: RunningServer)
     assert "seedance_gpu_memory" not in text
 
 
+@pytest.mark.slow
 async def test_running_waiting_and_cancelled(make_server: Callable[..., RunningServer]) -> None:
     server = make_server(engines=[slow_engine(tokens_per_s=20)], max_running=1)
     async with connect(server.url) as a, connect(server.url) as b:
@@ -102,6 +105,7 @@ async def test_the_openai_api_is_counted_too(server: RunningServer) -> None:
     assert value(after, ttft, **REQUEST) - value(before, ttft, **REQUEST) == 1
 
 
+@pytest.mark.slow
 async def test_heartbeat_round_trips_are_measured(
     make_server: Callable[..., RunningServer],
 ) -> None:

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from seedance.client import connect
-from tests.conftest import RunningServer, slow_engine
+from tests.support.servers import RunningServer, slow_engine
 
 
 def client(server: RunningServer) -> openai.AsyncOpenAI:
@@ -108,6 +108,7 @@ async def test_errors_have_openai_shape_and_status(server: RunningServer) -> Non
     assert ok.choices[0].message.content
 
 
+@pytest.mark.slow
 async def test_a_full_queue_is_503(make_server) -> None:  # type: ignore[no-untyped-def]
     server = make_server(engines=[slow_engine(20)], max_running=1, max_waiting=0)
     api = client(server)
@@ -122,6 +123,7 @@ async def test_a_full_queue_is_503(make_server) -> None:  # type: ignore[no-unty
     assert (await running).choices[0].finish_reason == "length"
 
 
+@pytest.mark.slow
 async def test_a_dropped_connection_aborts_the_generation(make_server) -> None:  # type: ignore[no-untyped-def]
     server = make_server(engines=[slow_engine(20)], max_running=1)
     engine = server.engine

@@ -8,10 +8,12 @@ import re
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from seedance.config import load_access
 from seedance.tenants.keys import add_key
-from tests.conftest import RunningServer
-from tests.wsutil import generate, open_session, raw_connect, wait_closed
+from tests.support.servers import RunningServer
+from tests.support.ws import generate, open_session, raw_connect, wait_closed
 
 
 async def one_turn(
@@ -81,6 +83,7 @@ async def test_end_session_deletes_it_and_closes_1000(server: RunningServer) -> 
     assert hello["created"] is True and hello["context_turns"] == 0
 
 
+@pytest.mark.slow
 async def test_expired_session_starts_empty(make_server) -> None:  # type: ignore[no-untyped-def]
     server = make_server(session_ttl_s=0.3)
     await one_turn(server, "short", "remember")
@@ -92,6 +95,7 @@ async def test_expired_session_starts_empty(make_server) -> None:  # type: ignor
     assert hello["created"] is True and hello["context_turns"] == 0
 
 
+@pytest.mark.slow
 async def test_attached_session_does_not_expire(make_server) -> None:  # type: ignore[no-untyped-def]
     server = make_server(session_ttl_s=0.2)
     ws, _ = await open_session(server.url, "session_id=held")

@@ -10,11 +10,18 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import ServerProcess
-from tests.wsutil import assert_seq_contiguous, open_session, raw_connect, recv_json, wait_closed
+from tests.support.servers import ServerProcess
+from tests.support.ws import (
+    assert_seq_contiguous,
+    open_session,
+    raw_connect,
+    recv_json,
+    wait_closed,
+)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.subprocess
 async def test_shutdown_drains_running_generations_then_closes_1001(server_process, sig) -> None:  # type: ignore[no-untyped-def]
     server: ServerProcess = server_process("--synthetic-tokens-per-s", "50")
     ws, _ = await open_session(server.url)
@@ -43,6 +50,7 @@ async def test_shutdown_drains_running_generations_then_closes_1001(server_proce
     assert "draining" in server.output
 
 
+@pytest.mark.subprocess
 async def test_drain_timeout_cancels_what_still_runs(server_process) -> None:  # type: ignore[no-untyped-def]
     server: ServerProcess = server_process(
         "--synthetic-tokens-per-s", "50", "--drain-timeout", "0.5"
@@ -61,6 +69,7 @@ async def test_drain_timeout_cancels_what_still_runs(server_process) -> None:  #
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.subprocess
 async def test_a_second_signal_skips_the_wait_and_streams_still_end_well(
     server_process: Any, sig: int
 ) -> None:
@@ -90,6 +99,7 @@ async def _sse_lines(response: httpx.Response, into: list[str], started: asyncio
 
 
 @pytest.mark.parametrize("second_signal", [False, True])
+@pytest.mark.subprocess
 async def test_sse_streams_end_with_an_error_event_and_done_at_shutdown(
     server_process: Any, second_signal: bool
 ) -> None:
@@ -125,6 +135,7 @@ async def test_sse_streams_end_with_an_error_event_and_done_at_shutdown(
     assert "stopped" in server.output
 
 
+@pytest.mark.subprocess
 async def test_a_whole_reply_still_running_at_shutdown_gets_503(server_process: Any) -> None:
     server: ServerProcess = server_process(
         "--synthetic-tokens-per-s", "50", "--drain-timeout", "0.5"

@@ -12,8 +12,8 @@ import pytest
 
 from seedance import SERVER_NAME
 from seedance.engines.synthetic import SyntheticEngine
-from tests.conftest import RunningServer
-from tests.wsutil import assert_seq_contiguous, collect, generate, open_session, tokens_text
+from tests.support.servers import RunningServer
+from tests.support.ws import assert_seq_contiguous, collect, generate, open_session, tokens_text
 
 REFERENCE_CLIENT = """
 const socket = new WebSocket('ws://127.0.0.1:8000/v2/infer?session_id=abc123&model=smollm2-135m');
@@ -129,6 +129,7 @@ def _node_with_websocket() -> list[str] | None:
     return None
 
 
+@pytest.mark.subprocess
 def test_reference_javascript_client_unchanged(make_server, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     node = _node_with_websocket()
     if node is None:

@@ -20,8 +20,8 @@ import pytest
 
 from seedance.config import load_access, load_config
 from seedance.tenants.keys import add_key
-from tests.conftest import SEEDANCE, RunningServer, ServerProcess, serve_fails, slow_engine
-from tests.wsutil import collect, generate, open_session, raw_connect, recv_json, wait_closed
+from tests.support.servers import SEEDANCE, RunningServer, ServerProcess, serve_fails, slow_engine
+from tests.support.ws import collect, generate, open_session, raw_connect, recv_json, wait_closed
 
 CHAT = {"model": "synthetic", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
@@ -62,6 +62,7 @@ def two_tenants(tmp_path: Path) -> tuple[Path, str, str]:
 # --------------------------------------------------------------------------- keys command
 
 
+@pytest.mark.subprocess
 def test_keys_command_adds_lists_and_revokes(tmp_path: Path) -> None:
     path = tmp_path / "seedance.toml"
     path.write_text("# our server\nport = 9000\n\n[tenants.acme]\ntier = 2\n")
@@ -113,6 +114,7 @@ def test_bad_tenant_tables_name_the_key(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- authentication
 
 
+@pytest.mark.subprocess
 def test_an_open_server_says_so(server_process: Callable[..., ServerProcess]) -> None:
     proc = server_process()
     assert "no tenants configured: the server is open" in proc.output
@@ -245,6 +247,7 @@ async def test_rs256_jwt(tmp_path: Path, make_server: Callable[..., RunningServe
         assert (await client.get("/v1/models", headers=auth(plain))).status_code == 200
 
 
+@pytest.mark.subprocess
 def test_algorithms_that_do_not_fit_the_key_stop_the_server(tmp_path: Path) -> None:
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import rsa
@@ -324,6 +327,7 @@ async def test_a_tenant_never_sees_another_tenants_session(
 # --------------------------------------------------------------------------- quotas
 
 
+@pytest.mark.slow
 async def test_concurrency_quotas_refuse_then_recover(
     tmp_path: Path, make_server: Callable[..., RunningServer]
 ) -> None:
@@ -407,6 +411,7 @@ async def flood_of(
     return sockets
 
 
+@pytest.mark.slow
 async def test_one_tenants_flood_does_not_starve_another(
     make_server: Callable[..., RunningServer], two_tenants: tuple[Path, str, str]
 ) -> None:
@@ -428,6 +433,7 @@ async def test_one_tenants_flood_does_not_starve_another(
     assert done["timing"]["queue_ms"] < statistics.median(waits) / 2, (done, waits)
 
 
+@pytest.mark.slow
 async def test_the_queue_is_shared_fairly_when_full(
     make_server: Callable[..., RunningServer], two_tenants: tuple[Path, str, str]
 ) -> None:
@@ -533,6 +539,37 @@ async def test_admin_endpoints(tmp_path: Path, make_server: Callable[..., Runnin
         assert unknown.status_code == 404
 
 
+async def test_admin_revoke_says_what_went_wrong(
+    tmp_path: Path, make_server: Callable[..., RunningServer]
+) -> None:
+    """404 for a key that is not there (in memory or in the file), 409 for one revoked
+    already, 500 when the tenants file cannot be updated (and the key stays usable)."""
+    path = tmp_path / "s.toml"
+    admin = add_key(path, "ops", role="admin").key
+    user = add_key(path, "acme")
+    server = tenant_server(make_server, path)
+    async with httpx.AsyncClient(base_url=server.http_url) as client:
+
+        async def revoke(key_id: str) -> httpx.Response:
+            return await client.post(f"/admin/keys/{key_id}/revoke", headers=auth(admin))
+
+        good = path.read_text()
+        path.write_text(good + "this is not TOML\n")  # the server keeps its tables
+        broken = await revoke(user.id)
+        assert broken.status_code == 500, broken.text
+        error = broken.json()["error"]
+        assert error["code"] == "internal_error" and "tenants file" in error["message"]
+        ws, _ = await open_session(server.url, additional_headers=auth(user.key))
+        await ws.close()  # still usable
+        path.write_text(good)
+        assert (await revoke(user.id)).status_code == 200
+        again = await revoke(user.id)
+        assert again.status_code == 409 and again.json()["error"]["code"] == "conflict"
+        missing = await revoke("ffffffff")
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+
+
+@pytest.mark.subprocess
 async def test_a_key_revoked_in_the_file_is_refused_within_a_second(
     make_server: Callable[..., RunningServer], two_tenants: tuple[Path, str, str]
 ) -> None:
@@ -559,6 +596,7 @@ async def test_admin_endpoints_are_closed_without_tenants(server: RunningServer)
     assert reply.status_code == 403 and "no tenants" in reply.text
 
 
+@pytest.mark.subprocess
 async def test_the_python_client_and_chat_command_send_their_key(
     make_server: Callable[..., RunningServer], two_tenants: tuple[Path, str, str]
 ) -> None:

@@ -23,9 +23,9 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from seedance.config import ConfigError, ServerConfig
 from seedance.observability.tracing import Tracing, new_provider, otlp_exporter
-from tests.conftest import RunningServer, ServerProcess, serve_fails, slow_engine
-from tests.otlp import grpc_receiver, http_receiver
-from tests.wsutil import collect, generate, open_session, recv_json
+from tests.support.otlp import grpc_receiver, http_receiver
+from tests.support.servers import RunningServer, ServerProcess, serve_fails, slow_engine
+from tests.support.ws import collect, generate, open_session, recv_json
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT = "00f067aa0ba902b7"
@@ -240,6 +240,7 @@ async def test_untraced_servers_still_carry_the_trace_id(server: RunningServer) 
     assert match and match.group(1) != TRACE and fresh.headers["traceparent"].endswith("-00")
 
 
+@pytest.mark.slow
 async def test_unsampled_requests_keep_their_ids_and_export_nothing(
     make_server: Callable[..., RunningServer],
 ) -> None:
@@ -304,6 +305,7 @@ async def test_http_traceparent_header_in_and_out(
 # --------------------------------------------------------------------------- OTLP export
 
 
+@pytest.mark.slow
 async def test_spans_reach_an_otlp_http_receiver(make_server: Callable[..., RunningServer]) -> None:
     with http_receiver() as (url, received):
         server = make_server(otlp_endpoint=url, trace_tokens=True)
@@ -326,6 +328,7 @@ async def test_spans_reach_an_otlp_http_receiver(make_server: Callable[..., Runn
     assert request.attributes["gen_ai.request.seed"] == str(2**64 - 1)
 
 
+@pytest.mark.subprocess
 def test_spans_reach_an_otlp_grpc_receiver_from_the_environment(
     server_process: Callable[..., ServerProcess],
 ) -> None:
@@ -391,6 +394,7 @@ def test_exporter_choice_follows_flags_and_otel_variables(monkeypatch: pytest.Mo
         otlp_exporter(ServerConfig(otlp_endpoint="http://c:4317", otlp_protocol="grpc"), {})
 
 
+@pytest.mark.subprocess
 def test_serve_refuses_a_bad_otlp_setting() -> None:
     assert "--otlp-protocol" in serve_fails("--otlp-protocol", "carrier-pigeon")
     assert "--otlp-endpoint" in serve_fails("--otlp-endpoint", "collector:4318")

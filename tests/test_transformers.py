@@ -24,11 +24,12 @@ from seedance.engines.hf import create_engine  # noqa: E402
 from seedance.engines.hf.engine import TransformersEngine  # noqa: E402
 from seedance.protocol.errors import SeedanceError  # noqa: E402
 from seedance.protocol.messages import ChatMessage  # noqa: E402
-from tests.conftest import RunningServer, assert_contiguous, read, serve_fails  # noqa: E402
+from tests.support.servers import RunningServer, serve_fails  # noqa: E402
+from tests.support.ws import assert_contiguous, read  # noqa: E402
 
 PARALLEL = 4
 N_CTX_SEQ = 1024
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.model]
 
 
 @pytest.fixture(scope="module")

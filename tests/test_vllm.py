@@ -2,9 +2,9 @@
 
 vLLM runs only on CUDA GPUs and is not installed on the machines this suite normally runs on.
 
-- Everywhere: the engine against a stand-in for vLLM's API (``tests/fake_vllm``) that behaves
-  as each vLLM release from 0.10 to 0.33 does where they differ, and records what the engine
-  gave it; and the error a user gets without vLLM.
+- Everywhere: the engine against a stand-in for vLLM's API (``tests/support/fake_vllm``) that
+  behaves as each vLLM release from 0.10 to 0.33 does where they differ, and records what the
+  engine gave it; and the error a user gets without vLLM.
 - Where ``vllm`` imports, a CUDA GPU is present and ``SEEDANCE_VLLM_MODEL`` names a model
   folder: the engine serving that model over real sockets (and ``make gpu-smoke`` on any GPU
   machine); elsewhere skipped with a reason that says so.
@@ -29,12 +29,13 @@ from seedance.engines.base import GenerationRequest, SamplingParams, TokenDelta
 from seedance.engines.local import default_model_path
 from seedance.protocol.errors import EngineError, InvalidRequest
 from seedance.protocol.messages import ChatMessage
-from tests.conftest import RunningServer, serve_fails
+from tests.support.servers import RunningServer, serve_fails
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 MODEL = os.environ.get("SEEDANCE_VLLM_MODEL", "")
 
 
+@pytest.mark.subprocess
 def test_without_vllm_the_engine_says_how_to_install_it(tmp_path: Path) -> None:
     if HAS_VLLM:
         pytest.skip("vLLM is installed here")
@@ -98,9 +99,9 @@ async def test_vllm_streams_cancels_and_seeds(vllm_server: RunningServer) -> Non
     assert all(n > 0 for n in await asyncio.gather(*(ask(i) for i in range(16))))
 
 
-# ---- the engine against vLLM's API as each release has it (tests/fake_vllm)
+# ---- the engine against vLLM's API as each release has it (tests/support/fake_vllm)
 
-FAKE = Path(__file__).parent / "fake_vllm"
+FAKE = Path(__file__).parent / "support" / "fake_vllm"
 #: A release on each side of every change the engine must handle.
 RELEASES = ["0.10.0", "0.13.0", "0.14.0", "0.20.0", "0.23.0", "0.26.0", "0.27.0", "0.33.0"]
 needs_transformers = pytest.mark.skipif(
@@ -111,7 +112,7 @@ needs_transformers = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def tokenizer_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.tiny_model import smollm2_tokenizer
+    from tests.support.tiny_model import smollm2_tokenizer
 
     return smollm2_tokenizer(tmp_path_factory.mktemp("smollm2-tokenizer"))
 
@@ -163,6 +164,7 @@ async def reply(engine: Any, request: GenerationRequest) -> list[TokenDelta]:
 
 @needs_transformers
 @pytest.mark.parametrize("version", RELEASES)
+@pytest.mark.slow
 async def test_a_reply_streams_ends_and_is_never_aborted(
     fake_vllm: Callable[[str], ModuleType], tokenizer_folder: Path, version: str
 ) -> None:
@@ -340,6 +342,7 @@ def test_the_openai_api_leaves_unset_temperature_to_the_model() -> None:
 
 
 @needs_transformers
+@pytest.mark.slow
 async def test_gguf_files(
     fake_vllm: Callable[[str], ModuleType],
     tokenizer_folder: Path,

@@ -16,8 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from seedance.protocol.errors import SeedanceError
-
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -31,10 +29,14 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 OTLP_PROTOCOLS = ("http/protobuf", "grpc")
 
 
-class ConfigError(SeedanceError):
-    """A setting is missing, unknown or out of range; raised before serving starts."""
+class ConfigError(Exception):
+    """A setting is missing, unknown or out of range, or a file it names cannot be used. Raised
+    before serving starts (``seedance serve`` prints it in one line and exits 2), and by the
+    commands that edit configuration. Not a protocol error: no client ever receives one."""
 
-    code = "invalid_config"
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from tests.conftest import asgi_server
+from tests.support.servers import asgi_server
 
 
 @dataclass

@@ -9,6 +9,8 @@ from typing import Any
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
+from seedance.client.session import Stream, TokenChunk
+
 
 def raw_connect(url: str, query: str = "", **kwargs: Any) -> connect:
     """Open ``/v2/infer`` with no library heartbeat, so tests see every frame."""
@@ -84,3 +86,16 @@ def assert_seq_contiguous(frames: list[dict[str, Any]], request_id: str | None =
         assert frame["seq"] == expected, (frame, expected)
         expected += frame.get("n", 1)
     return expected
+
+
+async def read(stream: Stream) -> list[TokenChunk]:
+    return [chunk async for chunk in stream]
+
+
+def assert_contiguous(chunks: list[TokenChunk], completion_tokens: int) -> None:
+    """Token frames' ``seq`` run on without gaps and add up to the reply's tokens."""
+    seq = 0
+    for chunk in chunks:
+        assert chunk.seq == seq, [(c.seq, c.n) for c in chunks]
+        seq += chunk.n
+    assert seq == completion_tokens

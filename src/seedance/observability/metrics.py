@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Final, Generic, TypeVar
+from typing import Final, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import (
@@ -23,11 +23,6 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.registry import Collector
-
-from seedance.observability.gpu import GpuMemory
-
-if TYPE_CHECKING:
-    from seedance.server.state import ServerState
 
 #: Latency buckets: milliseconds resolved at the low end, minutes at the top.
 LATENCY_BUCKETS: Final = (
@@ -274,67 +269,3 @@ class RequestMeter:
     def ended(self, now: float, outcome: str) -> None:
         self._e2e.observe(now - self.received)
         self._metrics.requests.labels(*self._labels, outcome).inc()
-
-
-def state_metrics(state: ServerState, gpu: GpuMemory | None) -> Iterator[Metric]:
-    """The gauges of a server, read when Prometheus scrapes."""
-    from seedance.server.transport import TokenStream  # the server imports this module
-
-    connections = gauge("seedance_connections", "Open WebSocket connections.")
-    connections.add_metric([], len(state.connections))
-    sessions = gauge("seedance_sessions", "Live sessions in the session store.")
-    sessions.add_metric([], len(state.sessions))
-    history = gauge(
-        "seedance_session_history_bytes", "History held by the sessions (see --max-session-bytes)."
-    )
-    history.add_metric([], state.sessions.bytes)
-    running = gauge("seedance_requests_running", "Generations admitted and running.", MODEL_LABELS)
-    waiting = gauge("seedance_requests_waiting", "Generations waiting for admission.", MODEL_LABELS)
-    running_limit = gauge(
-        "seedance_requests_running_limit", "Generations run at once at most.", MODEL_LABELS
-    )
-    waiting_limit = gauge(
-        "seedance_requests_waiting_limit", "Length of the admission queue.", MODEL_LABELS
-    )
-    kv = gauge(
-        "seedance_kv_cache_usage_ratio", "Share of the engine's KV cache in use.", MODEL_LABELS
-    )
-    inside = gauge(
-        "seedance_engine_requests",
-        "Requests the engine itself holds, running or queued inside it.",
-        MODEL_LABELS,
-    )
-    for model in state.models.values():
-        labels = [model.name, model.engine.info.engine]
-        admission = model.admission
-        running.add_metric(labels, admission.running)
-        waiting.add_metric(labels, admission.waiting)
-        running_limit.add_metric(labels, admission.max_running)
-        waiting_limit.add_metric(labels, admission.max_waiting)
-        usage = model.engine.kv_cache_usage()
-        if usage is not None:
-            kv.add_metric(labels, usage)
-        held = model.engine.unfinished_requests()
-        if held is not None:
-            inside.add_metric(labels, held)
-    merged = CounterMetricFamily(
-        "seedance_frames_merged",
-        "Token deltas that joined an earlier token frame instead of making their own.",
-    )
-    merged.add_metric([], TokenStream.merged)
-    yield from (
-        connections,
-        sessions,
-        history,
-        running,
-        waiting,
-        running_limit,
-        waiting_limit,
-        merged,
-    )
-    if kv.samples:
-        yield kv
-    if inside.samples:
-        yield inside
-    if gpu is not None:
-        yield from gpu.collect()

@@ -20,6 +20,7 @@ the OpenAI-compatible API::
     ├── InternalError                   internal_error                          HTTP 500
     ├── NotFound                        not_found           (admin API only)    HTTP 404
     ├── Conflict                        conflict            (admin API only)    HTTP 409
+    ├── UpgradeRequired                 upgrade_required    (HTTP only)         HTTP 426
     └── ConnectionClosed                (client side only: the socket closed)
 
 Messages are written for the client: they name the field and the rule, never internal detail.
@@ -162,6 +163,13 @@ class Conflict(SeedanceError):
 
     code = "conflict"
     http_status = 409
+
+
+class UpgradeRequired(SeedanceError):
+    """A plain HTTP request to the WebSocket endpoint."""
+
+    code = "upgrade_required"
+    http_status = 426
 
 
 class ConnectionClosed(SeedanceError):

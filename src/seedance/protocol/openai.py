@@ -226,6 +226,7 @@ _ERROR_TYPES: Final = {
     404: "not_found_error",
     409: "conflict_error",
     413: "invalid_request_error",
+    426: "invalid_request_error",
     429: "rate_limit_error",
 }
 _encode_json = msgspec.json.Encoder().encode

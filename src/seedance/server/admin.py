@@ -10,27 +10,30 @@
   sessions and their history): what a leak shows in first. Counting tasks walks all of them
   (about 4 ms at 20,000), so it is here, asked for, not in every ``/metrics`` scrape.
 
-A server without tenants has no administrators: these endpoints answer 403 there.
+A server without tenants has no administrators: these endpoints answer 403 there. Errors are
+rendered by the app's handlers (seedance.server.errors).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
+from msgspec import UNSET, UnsetType
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from seedance.config import ConfigError
-from seedance.observability.audit.records import utc_now
-from seedance.protocol.errors import Conflict, Forbidden, NotFound, SeedanceError
+from seedance.observability.audit import kinds as audit
+from seedance.protocol.errors import Conflict, Forbidden, InternalError, NotFound
 from seedance.protocol.messages import SessionId, TenantId
-from seedance.server.openai_api import authenticate_http, error_response
+from seedance.server.openai_api import authenticate_http
 from seedance.server.state import ServerState
 from seedance.tenants.auth import Principal
+from seedance.tenants.keys import KeyAlreadyRevoked, KeyNotFound
 
 logger = logging.getLogger(__name__)
 
@@ -70,10 +73,16 @@ def admin_routes(state: ServerState) -> list[Route]:
         state.check_audit()
         try:
             tenant = state.access.revoke(key_id)
-        except KeyError:
+        except (KeyError, KeyNotFound):  # not in memory, or no longer in the file
             raise NotFound(f"no key {key_id}") from None
-        except ConfigError as exc:
+        except KeyAlreadyRevoked as exc:
             raise Conflict(exc.message) from None
+        except (ConfigError, OSError) as exc:  # the tenants file cannot be read or written
+            logger.error("key %s not revoked: %s", key_id, exc)
+            raise InternalError(
+                f"key {key_id} was not revoked: the tenants file could not be updated (the "
+                "server's log says why)"
+            ) from None
         logger.info("key %s of tenant %s revoked by %s", key_id, tenant, principal.credential)
         await state.audited(
             lambda: _admin_record(principal, "revoke_key", tenant, key=key_id), "the revocation"
@@ -119,23 +128,29 @@ def admin_routes(state: ServerState) -> list[Route]:
         )
 
     return [
-        Route("/admin/tenants", _errors(tenants)),
-        Route("/admin/runtime", _errors(runtime)),
-        Route("/admin/keys/{key_id}/revoke", _errors(revoke), methods=["POST"]),
-        Route("/admin/sessions/{tenant}/{session_id}", _errors(end_session), methods=["DELETE"]),
+        Route("/admin/tenants", tenants),
+        Route("/admin/runtime", runtime),
+        Route("/admin/keys/{key_id}/revoke", revoke, methods=["POST"]),
+        Route("/admin/sessions/{tenant}/{session_id}", end_session, methods=["DELETE"]),
     ]
 
 
-def _admin_record(principal: Principal, action: str, tenant: str, **target: str) -> dict[str, Any]:
-    return {
-        "kind": "admin",
-        "time": utc_now(),
-        "action": action,
-        "actor_tenant": principal.name,
-        "actor_credential": principal.credential,
-        "tenant": tenant,
-        **target,
-    }
+def _admin_record(
+    principal: Principal,
+    action: Literal["revoke_key", "end_session"],
+    tenant: str,
+    *,
+    key: str | UnsetType = UNSET,
+    session: str | UnsetType = UNSET,
+) -> audit.Admin:
+    return audit.Admin(
+        action=action,
+        actor_tenant=principal.name,
+        actor_credential=principal.credential,
+        tenant=tenant,
+        key=key,
+        session=session,
+    )
 
 
 def _admin(state: ServerState, request: Request) -> Principal:
@@ -145,17 +160,6 @@ def _admin(state: ServerState, request: Request) -> Principal:
     if principal.role != "admin":
         raise Forbidden(f"credential {principal.credential} is not an admin's")
     return principal
-
-
-def _errors(handler: Any) -> Any:
-    async def wrapped(request: Request) -> Response:
-        try:
-            response: Response = await handler(request)
-            return response
-        except SeedanceError as exc:
-            return error_response(exc)
-
-    return wrapped
 
 
 def _json(body: Any) -> Response:

@@ -14,7 +14,6 @@ from typing import Any
 
 import msgspec
 from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route, WebSocketRoute
@@ -24,11 +23,10 @@ from seedance.engines.base import Engine
 from seedance.engines.registry import create_engine
 from seedance.observability.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from seedance.observability.tracing import Tracing
-from seedance.protocol.errors import InvalidRequest, NotFound, SeedanceError
-from seedance.protocol.openai import error_body
 from seedance.server.admin import admin_routes
 from seedance.server.endpoint import InferEndpoint
-from seedance.server.openai_api import OpenAIEndpoint, authenticate_http, error_response
+from seedance.server.errors import EXCEPTION_HANDLERS, UpgradeRequired
+from seedance.server.openai_api import OpenAIEndpoint, authenticate_http
 from seedance.server.state import ServerState
 from seedance.sessions.store import SessionStore
 from seedance.tenants.policy import may_use
@@ -91,10 +89,7 @@ def create_app(
         return Response(state.metrics.render(), headers={"content-type": METRICS_CONTENT_TYPE})
 
     async def models(request: Request) -> Response:
-        try:
-            principal = authenticate_http(state, request.scope)
-        except SeedanceError as exc:
-            return error_response(exc)
+        principal = authenticate_http(state, request.scope)
         data = [
             {
                 "id": name,
@@ -110,32 +105,7 @@ def create_app(
         return json_response({"object": "list", "data": data})
 
     async def upgrade_required(request: Request) -> Response:
-        return json_response(
-            {
-                "error": {
-                    "message": "/v2/infer is a WebSocket endpoint: connect with ws:// or wss://",
-                    "type": "invalid_request_error",
-                    "param": None,
-                    "code": "upgrade_required",
-                }
-            },
-            426,
-            {"Upgrade": "websocket"},
-        )
-
-    async def http_error(request: Request, exc: Exception) -> Response:
-        """404 and 405 (and any other refusal of the router) in the OpenAI API's shape."""
-        assert isinstance(exc, HTTPException)
-        where = f"{request.method} {request.url.path}"
-        error: SeedanceError
-        if exc.status_code == 404:
-            error = NotFound(f"{where}: no such endpoint")
-        elif exc.status_code == 405:
-            allowed = (exc.headers or {}).get("Allow", "")
-            error = InvalidRequest(f"{where}: method not allowed; allowed: {allowed}")
-        else:
-            error = InvalidRequest(f"{where}: {exc.detail}")
-        return Response(error_body(error), exc.status_code, exc.headers, "application/json")
+        raise UpgradeRequired(f"{INFER_PATH} is a WebSocket endpoint: connect with ws:// or wss://")
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -158,7 +128,7 @@ def create_app(
             *admin_routes(state),
         ],
         lifespan=lifespan,
-        exception_handlers={HTTPException: http_error},
+        exception_handlers=EXCEPTION_HANDLERS,
     )
     app.infer = infer
     app.state.seedance = state

@@ -13,9 +13,9 @@ import functools
 import logging
 import secrets
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from seedance.observability.audit.records import utc_now
+from seedance.observability.audit import kinds as audit
 from seedance.observability.tracing import Attributes, Tracing
 from seedance.protocol.codec import (
     check_frame_size,
@@ -27,6 +27,7 @@ from seedance.protocol.codec import (
 from seedance.protocol.errors import (
     CLOSE_GOING_AWAY,
     CLOSE_IDLE_TIMEOUT,
+    CLOSE_INTERNAL_ERROR,
     CLOSE_NORMAL,
     InternalError,
     Overloaded,
@@ -45,7 +46,8 @@ from seedance.protocol.messages import (
     RequestId,
 )
 from seedance.server.generation import Generation, new_request_id
-from seedance.server.transport import AsgiWebSocket, Outbound
+from seedance.server.outbound import Outbound, close_websocket
+from seedance.server.transport import AsgiWebSocket
 from seedance.sessions.context import fit_context
 from seedance.sessions.session import Session, Turn
 from seedance.tenants.auth import OPEN_PRINCIPAL, Principal
@@ -92,6 +94,7 @@ class Connection:
             ws,
             max_pending_bytes=self.config.max_pending_bytes,
             on_overflow=self._on_overflow,
+            on_failure=self._on_writer_failure,
             merger=state.merger,
         )
         self._loop = asyncio.get_running_loop()
@@ -104,6 +107,7 @@ class Connection:
         self._generation: Generation | None = None
         self._run_task: asyncio.Task[object] | None = None
         self._closing = False
+        self._failure_close: asyncio.Future[None] | None = None  # the 1011 after a fault
         self.close_code: int | None = None
         self.requests = 0
         self._deferred = 0  # messages left to the receive loop, to keep their order
@@ -247,35 +251,54 @@ class Connection:
     def _on_overflow(self) -> None:
         self._abort(f"client not reading: over {self.config.max_pending_bytes} bytes held")
 
-    def _audit_record(self, duration_s: float) -> dict[str, Any]:
-        return {
-            "kind": "connection",
-            "time": utc_now(),
-            "tenant": self.tenant,
-            "credential": self.principal.credential,
-            "connection": self.id,
-            "peer": self.peer,
-            "session": self.session.session_id,
-            "model": self.model.name,
-            "duration_ms": round(duration_s * 1000, 3),
-            "close_code": 1006 if self.close_code is None else self.close_code,
-            "requests": self.requests,
-        }
+    def _on_writer_failure(self, exc: BaseException) -> None:
+        """The writer of this connection failed (a fault of ours, not the client going away):
+        say so in the log with the connection and the request it was writing, and end the
+        connection with 1011. Nothing more can be written, so the socket is dropped."""
+        generation = self._generation
+        request = generation.request_id if generation is not None else "-"
+        logger.error(
+            "conn %s: the writer failed (request %s); closing with %d",
+            self.id,
+            request,
+            CLOSE_INTERNAL_ERROR,
+            exc_info=exc,
+        )
+        if self._closing:
+            return
+        self._closing = True
+        self.close_code = CLOSE_INTERNAL_ERROR
+        self._cancel_generation(silent=True)
+        self._failure_close = asyncio.ensure_future(
+            close_websocket(self.ws, CLOSE_INTERNAL_ERROR, "internal error")
+        )
+        self._loop.call_later(CLOSE_FLUSH_TIMEOUT_S, self._abort, "close did not flush")
 
-    def _refusal_record(self, request_id: RequestId, error: SeedanceError) -> dict[str, Any]:
+    def _audit_record(self, duration_s: float) -> audit.Connection:
+        return audit.Connection(
+            tenant=self.tenant,
+            credential=self.principal.credential,
+            connection=self.id,
+            peer=self.peer,
+            session=self.session.session_id,
+            model=self.model.name,
+            duration_ms=round(duration_s * 1000, 3),
+            close_code=1006 if self.close_code is None else self.close_code,
+            requests=self.requests,
+        )
+
+    def _refusal_record(self, request_id: RequestId, error: SeedanceError) -> audit.Request:
         """The record of a request refused before it started."""
-        return {
-            "kind": "request",
-            "time": utc_now(),
-            "api": "websocket",
-            "tenant": self.tenant,
-            "credential": self.principal.credential,
-            "connection": self.id,
-            "session": self.session.session_id,
-            "request_id": request_id,
-            "model": self.model.name,
-            "outcome": error.code,
-        }
+        return audit.Request(
+            api="websocket",
+            tenant=self.tenant,
+            credential=self.principal.credential,
+            connection=self.id,
+            session=self.session.session_id,
+            request_id=request_id,
+            model=self.model.name,
+            outcome=error.code,
+        )
 
     def _span_attributes(self) -> Attributes:
         return {

@@ -12,10 +12,11 @@ import logging
 import secrets
 import time
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from seedance.engines.base import GenerationRequest, SamplingParams
-from seedance.observability.audit.records import json_text, text_sha256, utc_now
+from seedance.observability.audit import kinds as audit
+from seedance.observability.audit.records import json_text, text_sha256
 from seedance.observability.logs import bind_request
 from seedance.observability.metrics import RequestMeter
 from seedance.observability.tracing import Attributes, request_attributes
@@ -32,7 +33,7 @@ from seedance.protocol.messages import (
     Usage,
     ms,
 )
-from seedance.server.transport import TokenStream
+from seedance.server.outbound import TokenStream
 from seedance.sessions.session import Turn
 
 if TYPE_CHECKING:
@@ -191,7 +192,8 @@ class Generation:
             prompt_tokens=self.prompt_tokens,
             priority=message.priority,
         )
-        tokens = TokenStream(self.request_id) if message.stream else None
+        merger = connection.state.merger
+        tokens = TokenStream(self.request_id, merger) if message.stream else None
         stream = connection.model.engine.generate(request)
         meter = self.meter
         try:
@@ -215,33 +217,31 @@ class Generation:
         finally:
             await stream.aclose()
 
-    def _audit_record(self, outcome: str) -> dict[str, Any]:
+    def _audit_record(self, outcome: str) -> audit.Request:
         connection = self.connection
         model = connection.model
         messages = [{"role": t.message.role, "content": t.message.content} for t in self.context]
         timing = self._timing()
-        return {
-            "kind": "request",
-            "time": utc_now(),
-            "api": "websocket",
-            "tenant": connection.tenant,
-            "credential": connection.principal.credential,
-            "connection": connection.id,
-            "session": connection.session.session_id,
-            "request_id": self.request_id,
-            "trace_id": self.trace_id,
-            "model": model.name,
-            "model_version": model.engine.info.version,
-            "engine": model.engine.info.engine,
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "prompt_sha256": text_sha256(json_text(messages)),
-            "completion_sha256": text_sha256("".join(self.parts)),
-            "outcome": outcome,
-            "queue_ms": timing.queue_ms,
-            "ttft_ms": timing.ttft_ms,
-            "total_ms": timing.total_ms,
-        }
+        return audit.Request(
+            api="websocket",
+            tenant=connection.tenant,
+            credential=connection.principal.credential,
+            connection=connection.id,
+            session=connection.session.session_id,
+            request_id=self.request_id,
+            trace_id=self.trace_id,
+            model=model.name,
+            model_version=model.engine.info.version,
+            engine=model.engine.info.engine,
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            prompt_sha256=text_sha256(json_text(messages)),
+            completion_sha256=text_sha256("".join(self.parts)),
+            outcome=outcome,
+            queue_ms=timing.queue_ms,
+            ttft_ms=timing.ttft_ms,
+            total_ms=timing.total_ms,
+        )
 
     def _span_attributes(self) -> Attributes:
         """The request span's attributes when it opens (OpenTelemetry's GenAI names)."""

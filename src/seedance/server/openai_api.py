@@ -14,17 +14,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
-from starlette.responses import Response
 
 from seedance.engines.base import GenerationRequest, SamplingParams, TokenDelta
-from seedance.observability.audit.records import json_text, text_sha256, utc_now
+from seedance.observability.audit import kinds as audit
+from seedance.observability.audit.records import json_text, text_sha256
 from seedance.observability.logs import bind_request
 from seedance.observability.metrics import RequestMeter
 from seedance.observability.tracing import Attributes, Tracing, request_attributes
@@ -36,10 +35,10 @@ from seedance.protocol.errors import (
     Overloaded,
     PayloadTooLarge,
     SeedanceError,
-    Unauthorized,
 )
 from seedance.protocol.messages import FinishReason, RequestId, ms
-from seedance.protocol.openai import OpenAIRequest, decode_chat, decode_completion, error_body
+from seedance.protocol.openai import OpenAIRequest, decode_chat, decode_completion
+from seedance.server.errors import error_body, error_headers
 from seedance.server.state import ServedModel, ServerState
 from seedance.tenants.auth import OPEN_PRINCIPAL, Principal, refusal_record
 from seedance.tenants.policy import check_model, check_priority
@@ -61,22 +60,6 @@ _SSE_HEADERS: Final = [
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
 ]
-
-
-def error_headers(error: SeedanceError) -> list[tuple[bytes, bytes]]:
-    """``Retry-After`` for retryable errors that say when; ``WWW-Authenticate`` for 401."""
-    headers = []
-    if error.retry_after_s is not None:
-        headers.append((b"retry-after", str(max(1, math.ceil(error.retry_after_s))).encode()))
-    if isinstance(error, Unauthorized):
-        headers.append((b"www-authenticate", b'Bearer realm="seedance"'))
-    return headers
-
-
-def error_response(error: SeedanceError) -> Response:
-    """A Starlette response for the routes that are not plain ASGI."""
-    headers = {k.decode(): v.decode() for k, v in error_headers(error)}
-    return Response(error_body(error), error.http_status, headers, "application/json")
 
 
 class _Disconnected(Exception):
@@ -151,6 +134,7 @@ class HttpCall:
         self.authenticated = False
         self.parts: list[str] = []  # the reply, for its hash in the audit record
         self._audited = False
+        self._counted = False  # the metrics have the request (see _count)
         self.state = endpoint.state
         self.request_id = request_id
         self.send = send
@@ -265,6 +249,7 @@ class HttpCall:
         }
         self.outcome = finish
         await self._audit()  # the reply ends once its record is on disk
+        self._count()
         if request.stream:
             await self._stream_end(chunks, finish, usage)
         else:
@@ -297,6 +282,7 @@ class HttpCall:
         self.error = error
         with contextlib.suppress(Overloaded):  # an error goes out audited or not
             await self._audit()
+        self._count()
         if not self.started:
             headers = [*_JSON_HEADERS, *error_headers(error)]
             await self._respond(error.http_status, headers, error_body(error))
@@ -335,7 +321,7 @@ class HttpCall:
         self._audited = True
         await self.state.audited(self._audit_record, f"request {self.request_id}")
 
-    def _audit_record(self) -> dict[str, Any]:
+    def _audit_record(self) -> audit.AuditRecord:
         if not self.authenticated:
             error = self.error or InternalError("refused")
             return refusal_record("http", self.scope, None, error)
@@ -344,26 +330,31 @@ class HttpCall:
         if request is not None:
             prompt = [{"role": m.role, "content": m.content} for m in request.messages]
         timing_end = time.monotonic()
-        return {
-            "kind": "request",
-            "time": utc_now(),
-            "api": "http",
-            "tenant": self.principal.name,
-            "credential": self.principal.credential,
-            "request_id": self.request_id,
-            "trace_id": self.trace.trace_id,
-            "model": model.name if model is not None else None,
-            "model_version": model.engine.info.version if model is not None else None,
-            "engine": model.engine.info.engine if model is not None else None,
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "prompt_sha256": text_sha256(json_text(prompt)) if prompt is not None else None,
-            "completion_sha256": text_sha256("".join(self.parts)),
-            "outcome": self.outcome or "aborted",
-            "queue_ms": _ms(self.admitted_at, self.received),
-            "ttft_ms": _ms(self.first_token_at, self.received),
-            "total_ms": _ms(timing_end, self.received),
-        }
+        return audit.Request(
+            api="http",
+            tenant=self.principal.name,
+            credential=self.principal.credential,
+            request_id=self.request_id,
+            trace_id=self.trace.trace_id,
+            model=model.name if model is not None else None,
+            model_version=model.engine.info.version if model is not None else None,
+            engine=model.engine.info.engine if model is not None else None,
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            prompt_sha256=text_sha256(json_text(prompt)) if prompt is not None else None,
+            completion_sha256=text_sha256("".join(self.parts)),
+            outcome=self.outcome or "aborted",
+            queue_ms=_ms(self.admitted_at, self.received),
+            ttft_ms=_ms(self.first_token_at, self.received),
+            total_ms=_ms(timing_end, self.received),
+        )
+
+    def _count(self) -> None:
+        """The request's metrics, once: before its last bytes go out when it ends well or
+        with an error, so that a client holding its reply finds it counted."""
+        if self.meter is not None and not self._counted:
+            self._counted = True
+            self.meter.ended(time.monotonic(), self.outcome or "aborted")
 
     def ended(self) -> None:
         """The response is over: metrics, the trace, the log line, and the audit record if
@@ -371,8 +362,7 @@ class HttpCall:
         if not self._audited:
             self._audited = True
             self.state.audit_submit(self._audit_record)
-        if self.meter is not None:
-            self.meter.ended(time.monotonic(), self.outcome or "aborted")
+        self._count()
         self._end_trace()
         self.log()
 

@@ -29,7 +29,7 @@ from seedance.config import ServerConfig
 from seedance.server.app import create_app
 from seedance.server.handshake import HandshakeLimits, http_protocol
 from seedance.server.state import ServerState
-from seedance.server.transport import websocket_protocol
+from seedance.server.uvicorn_ws import websocket_protocol
 
 logger = logging.getLogger("seedance")
 

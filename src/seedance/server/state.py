@@ -7,19 +7,20 @@ import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from seedance.config import ConfigError, ServerConfig
 from seedance.engines.base import Engine
 from seedance.observability.audit import audit_log
-from seedance.observability.audit.records import utc_now
+from seedance.observability.audit import kinds as audit
 from seedance.observability.gpu import open_gpu_memory
-from seedance.observability.metrics import Metrics, state_metrics
+from seedance.observability.metrics import Metrics
 from seedance.observability.tracing import Tracing
 from seedance.protocol.codec import FrameLimits
 from seedance.protocol.errors import ModelNotFound, Overloaded, Unauthorized
 from seedance.server.admission import Admission
-from seedance.server.transport import FrameMerger
+from seedance.server.gauges import state_metrics
+from seedance.server.outbound import FrameMerger
 from seedance.sessions.store import MemorySessionStore, SessionStore
 from seedance.tenants.access import Access
 from seedance.tenants.usage import Usage
@@ -159,7 +160,7 @@ class ServerState:
                 "until it can"
             )
 
-    def audit_submit(self, record: Callable[[], dict[str, Any]]) -> Future[None] | None:
+    def audit_submit(self, record: Callable[[], audit.AuditRecord]) -> Future[None] | None:
         """Queue the record ``record()`` builds (built only when there is a log); a future
         that completes once it is on disk (``--audit-fsync record``), else None."""
         if self.audit is None:
@@ -177,15 +178,13 @@ class ServerState:
             if self.audit_required:
                 raise Overloaded(f"{what} could not be audited: {exc}") from exc
 
-    async def audited(self, record: Callable[[], dict[str, Any]], what: str) -> None:
+    async def audited(self, record: Callable[[], audit.AuditRecord], what: str) -> None:
         """Write a record and wait until it is on disk (see :meth:`audit_wait`)."""
         await self.audit_wait(self.audit_submit(record), what)
 
     def _close_revoked(self, key_ids: set[str]) -> None:
         """Close the connections of credentials that no longer pass (4401)."""
-        self.audit_submit(
-            lambda: {"kind": "keys_revoked", "time": utc_now(), "keys": sorted(key_ids)}
-        )
+        self.audit_submit(lambda: audit.KeysRevoked(keys=sorted(key_ids)))
         for connection in list(self.connections):
             if connection.principal.credential in key_ids:
                 credential = connection.principal.credential

@@ -24,7 +24,7 @@ from urllib.parse import parse_qs
 
 import msgspec
 
-from seedance.observability.audit.records import utc_now
+from seedance.observability.audit import kinds as audit
 from seedance.protocol.errors import QuotaExceeded, SeedanceError, Unauthorized
 from seedance.tenants.config import (
     OPEN_TENANT,
@@ -257,19 +257,17 @@ def subprotocol_key(subprotocols: Iterable[str]) -> str | None:
 
 def refusal_record(
     api: str, scope: Mapping[str, Any], principal: Principal | None, error: SeedanceError
-) -> dict[str, Any]:
+) -> audit.Refused:
     """The audit record of a connection or HTTP request refused before it started."""
-    return {
-        "kind": "refused",
-        "time": utc_now(),
-        "api": api,
-        "peer": peer_of(scope),
-        "path": scope.get("path", ""),
-        "tenant": principal.name if principal is not None else None,
-        "credential": principal.credential if principal is not None else None,
-        "outcome": error.code,
-        "message": error.message,
-    }
+    return audit.Refused(
+        api=api,
+        peer=peer_of(scope),
+        path=scope.get("path", ""),
+        tenant=principal.name if principal is not None else None,
+        credential=principal.credential if principal is not None else None,
+        outcome=error.code,
+        message=error.message,
+    )
 
 
 def peer_of(scope: Mapping[str, Any]) -> str:

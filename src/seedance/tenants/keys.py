@@ -90,6 +90,14 @@ def add_key(path: Path, tenant: str, role: str = "user") -> NewKey:
     return NewKey(key=key, id=key_id, tenant=tenant, role=role)
 
 
+class KeyNotFound(ConfigError):
+    """No key with that id in the file."""
+
+
+class KeyAlreadyRevoked(ConfigError):
+    """The key is revoked in the file already."""
+
+
 def revoke_key(path: Path, key_id: str) -> str:
     """Mark key ``key_id`` revoked in ``path``; returns its tenant."""
     doc, _ = _read(path)
@@ -97,12 +105,12 @@ def revoke_key(path: Path, key_id: str) -> str:
         for entry in table.get("keys") or ():
             if entry.get("id") == key_id:
                 if entry.get("revoked"):
-                    raise ConfigError(f"key {key_id} is already revoked")
+                    raise KeyAlreadyRevoked(f"key {key_id} is already revoked")
                 entry["revoked"] = True
                 entry["revoked_at"] = _now()
                 _write(path, doc)
                 return str(tenant)
-    raise ConfigError(f"no key {key_id} in {path}")
+    raise KeyNotFound(f"no key {key_id} in {path}")
 
 
 def list_keys(path: Path) -> list[dict[str, Any]]:

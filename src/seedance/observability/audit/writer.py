@@ -28,12 +28,20 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 import msgspec
 
 from seedance import __version__
-from seedance.observability.audit.records import GENESIS, seal, sign, utc_now
+from seedance.observability.audit.kinds import (
+    AuditRecord,
+    Checkpoint,
+    Continue,
+    Start,
+    WriterRecovered,
+    as_dict,
+)
+from seedance.observability.audit.records import GENESIS, seal, sign
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -127,7 +135,7 @@ class AuditLog:
             return True, ""
         return False, f"audit log {self.settings.path}: {self.error}"
 
-    def submit(self, record: dict[str, Any]) -> Future[None] | None:
+    def submit(self, record: AuditRecord) -> Future[None] | None:
         """Queue a record; with ``fsync = "record"`` the future completes once it is on
         disk."""
         future: Future[None] | None = Future() if self.settings.fsync == "record" else None
@@ -168,10 +176,10 @@ class AuditLog:
             os.close(self._fd)
             self._fd = -1
 
-    def _take(self) -> tuple[list[tuple[dict[str, Any], Future[None] | None]], bool]:
+    def _take(self) -> tuple[list[tuple[AuditRecord, Future[None] | None]], bool]:
         """What is queued (waiting at most until an fsync, checkpoint or retry is due)."""
         wait = RETRY_S if self.error is not None else self._next_due()
-        batch: list[tuple[dict[str, Any], Future[None] | None]] = []
+        batch: list[tuple[AuditRecord, Future[None] | None]] = []
         try:
             item = self._queue.get(timeout=max(wait, 0.001))
         except queue.Empty:
@@ -196,7 +204,7 @@ class AuditLog:
             due.append(self._opened_at + s.rotate_interval_s - now)
         return min(due)
 
-    def _write_batch(self, batch: list[tuple[dict[str, Any], Future[None] | None]]) -> None:
+    def _write_batch(self, batch: list[tuple[AuditRecord, Future[None] | None]]) -> None:
         if not batch:
             return
         records = [record for record, _ in batch]
@@ -243,46 +251,46 @@ class AuditLog:
         path = self.settings.path
         stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
         rotated = path.with_name(f"{path.name}.{stamp}")
-        self._append(self._checkpoint("rotate", {"next_file": path.name}))
+        self._append(self._checkpoint("rotate", next_file=path.name))
         self._sync()
         os.close(self._fd)
         self._fd = -1
         os.rename(path, rotated)
         self._open(recover=False)
-        self._append({"kind": "continue", "time": utc_now(), "previous_file": rotated.name})
+        self._append(Continue(previous_file=rotated.name))
         self._sync()
         logger.info("audit log rotated: %s", rotated)
 
     def _checkpoint(
         self,
-        kind: str,
-        extra: dict[str, Any] | None = None,
+        kind: Literal["checkpoint", "rotate", "seal"],
         head: tuple[int, str] | None = None,
-    ) -> dict[str, Any]:
+        **extra: str,
+    ) -> Checkpoint:
         """A checkpoint (``checkpoint``, ``rotate``, ``seal``): signs the chain's head, which
         is the last record written unless ``head`` (seq after it, hash) says otherwise."""
         seq, head_hash = head or (self._seq, self._prev)
-        record = {"kind": kind, "time": utc_now(), "records": seq}
         key = self.settings.signing_key
-        record["signature"] = sign(key, head_hash) if key is not None else None
-        record.update(extra or {})
+        signature = sign(key, head_hash) if key is not None else None
+        record = Checkpoint(kind=kind, records=seq, signature=signature, **extra)
         self._since_checkpoint = 0
         self._checkpoint_at = self.clock()
         return record
 
-    def _append(self, record: dict[str, Any]) -> None:
+    def _append(self, record: AuditRecord) -> None:
         self._append_many([record])
 
-    def _append_many(self, records: list[dict[str, Any]], *, signed: bool = False) -> None:
+    def _append_many(self, records: list[AuditRecord], *, signed: bool = False) -> None:
         """Chain and write ``records`` in one write; ``signed``: then a checkpoint signing the
         head they make."""
         lines = []
         seq, prev = self._seq, self._prev
         for record in records:
-            lines.append(seal(record, seq, prev))
-            seq, prev = seq + 1, record["hash"]
+            fields = as_dict(record)
+            lines.append(seal(fields, seq, prev))
+            seq, prev = seq + 1, fields["hash"]
         if signed:
-            checkpoint = self._checkpoint("checkpoint", head=(seq, prev))
+            checkpoint = as_dict(self._checkpoint("checkpoint", head=(seq, prev)))
             lines.append(seal(checkpoint, seq, prev))
             seq, prev = seq + 1, checkpoint["hash"]
         data = b"".join(lines)
@@ -314,9 +322,9 @@ class AuditLog:
 
     def _open(self, *, recover: bool) -> None:
         path = self.settings.path
-        start: dict[str, Any] = {"kind": "start", "time": utc_now(), "server": __version__}
+        start = Start(server=__version__)
         if recover:
-            start.update(self._recover_chain(path))
+            start = self._recover_chain(path, start)
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         self._opened_at = self.clock()
         if recover:
@@ -324,22 +332,21 @@ class AuditLog:
             self._append(start)
             self._sync()
 
-    def _recover_chain(self, path: Path) -> dict[str, Any]:
+    def _recover_chain(self, path: Path, start: Start) -> Start:
         """Continue the chain of an existing log: seq and hash of its last whole record (a
         partial last line, never acknowledged, is cut off and noted in the start record)."""
         last, partial = last_record(path)
-        notes: dict[str, Any] = {}
         if partial:
             os.truncate(path, path.stat().st_size - partial)
-            notes["discarded_partial_bytes"] = partial
+            start.discarded_partial_bytes = partial
             logger.warning(
                 "audit log %s: cut off an incomplete last record (%d bytes)", path, partial
             )
         if last is None:
-            return notes
+            return start
         self._seq, self._prev = int(last["seq"]) + 1, str(last["hash"])
-        notes["previous_end"] = "sealed" if last.get("kind") == "seal" else "unsealed"
-        return notes
+        start.previous_end = "sealed" if last.get("kind") == "seal" else "unsealed"
+        return start
 
     # ------------------------------------------------------------------ failures
 
@@ -353,7 +360,7 @@ class AuditLog:
         try:
             if self._fd < 0:
                 self._open(recover=not self._chained)
-            self._append({"kind": "writer_recovered", "time": utc_now(), "error": self.error})
+            self._append(WriterRecovered(error=self.error))
             self._sync()
         except OSError as exc:
             self._fail(exc)

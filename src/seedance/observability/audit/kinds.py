@@ -1,0 +1,128 @@
+"""Every record of the audit log, one struct per kind (docs/audit.md lists them).
+
+The server builds these and hands them to the writer, which numbers and chains them
+(:func:`~seedance.observability.audit.records.seal`). A field that does not apply to a record
+is left out of its line (``UNSET``); a field that applies but has no value is ``null``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+from msgspec import UNSET, UnsetType
+
+from seedance.observability.audit.records import utc_now
+
+
+class AuditRecord(msgspec.Struct, kw_only=True):
+    time: str = msgspec.field(default_factory=utc_now)
+
+
+class Request(AuditRecord, kw_only=True):
+    """A request ended, or was refused before it started (then only the first fields)."""
+
+    kind: Literal["request"] = "request"
+    api: Literal["websocket", "http"]
+    tenant: str
+    credential: str
+    request_id: str
+    model: str | None
+    outcome: str  # a finish reason, cancelled, aborted, or an error code
+    connection: str | UnsetType = UNSET  # websocket only
+    session: str | UnsetType = UNSET  # websocket only
+    trace_id: str | UnsetType = UNSET
+    model_version: str | UnsetType | None = UNSET
+    engine: str | UnsetType | None = UNSET
+    prompt_tokens: int | UnsetType = UNSET
+    completion_tokens: int | UnsetType = UNSET
+    prompt_sha256: str | UnsetType | None = UNSET  # of the messages, as canonical JSON
+    completion_sha256: str | UnsetType = UNSET
+    queue_ms: float | UnsetType | None = UNSET
+    ttft_ms: float | UnsetType | None = UNSET
+    total_ms: float | UnsetType | None = UNSET
+
+
+class Connection(AuditRecord, kw_only=True):
+    """A WebSocket connection ended."""
+
+    kind: Literal["connection"] = "connection"
+    tenant: str
+    credential: str
+    connection: str
+    peer: str
+    session: str
+    model: str
+    duration_ms: float
+    close_code: int
+    requests: int
+
+
+class Refused(AuditRecord, kw_only=True):
+    """A connection or HTTP request refused at the door."""
+
+    kind: Literal["refused"] = "refused"
+    api: str
+    peer: str
+    path: str
+    tenant: str | None
+    credential: str | None
+    outcome: str  # the error code
+    message: str
+
+
+class Admin(AuditRecord, kw_only=True):
+    """An administrative action."""
+
+    kind: Literal["admin"] = "admin"
+    action: Literal["revoke_key", "end_session"]
+    actor_tenant: str
+    actor_credential: str
+    tenant: str
+    key: str | UnsetType = UNSET
+    session: str | UnsetType = UNSET
+
+
+class KeysRevoked(AuditRecord, kw_only=True):
+    """Keys stopped passing (an admin's revoke, or the config file changed)."""
+
+    kind: Literal["keys_revoked"] = "keys_revoked"
+    keys: list[str]
+
+
+class Start(AuditRecord, kw_only=True):
+    """The server opened the log."""
+
+    kind: Literal["start"] = "start"
+    server: str
+    previous_end: Literal["sealed", "unsealed"] | UnsetType = UNSET
+    discarded_partial_bytes: int | UnsetType = UNSET
+
+
+class Checkpoint(AuditRecord, kw_only=True):
+    """A signature of the chain's head: periodically, before a new file, at the end."""
+
+    kind: Literal["checkpoint", "rotate", "seal"]
+    records: int
+    signature: str | None
+    next_file: str | UnsetType = UNSET  # rotate
+
+
+class Continue(AuditRecord, kw_only=True):
+    """The first record of a rotated-to file."""
+
+    kind: Literal["continue"] = "continue"
+    previous_file: str
+
+
+class WriterRecovered(AuditRecord, kw_only=True):
+    """The log is writable again after a failure."""
+
+    kind: Literal["writer_recovered"] = "writer_recovered"
+    error: str | None
+
+
+def as_dict(record: AuditRecord) -> dict[str, Any]:
+    """The record's fields as the line will hold them (``kind`` included)."""
+    fields: dict[str, Any] = msgspec.to_builtins(record)
+    return fields

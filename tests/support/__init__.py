@@ -1,0 +1,1 @@
+"""What the tests share: servers, clients, stand-ins, models made on the spot."""

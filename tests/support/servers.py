@@ -1,0 +1,158 @@
+"""Real servers on real sockets for the tests: in a thread of the test process
+(:class:`RunningServer`, any ASGI app with :func:`asgi_server`), or ``seedance serve`` as a
+subprocess (:class:`ServerProcess`, :func:`serve_fails`)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from seedance.config import ServerConfig
+from seedance.engines.base import Engine
+from seedance.engines.synthetic import SyntheticEngine
+from seedance.observability.tracing import Tracing
+from seedance.server.app import create_app
+from seedance.server.runner import SeedanceServer, build_server
+from seedance.server.state import ServerState
+
+SEEDANCE = str(Path(sys.executable).with_name("seedance"))
+
+
+class RunningServer:
+    """A server on 127.0.0.1 with an ephemeral port, served from a background thread."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        engines: Sequence[Engine] | None,
+        tracing: Tracing | None = None,
+    ) -> None:
+        self.config = dataclasses.replace(config, host="127.0.0.1", port=0)
+        self.app = create_app(self.config, engines=engines, tracing=tracing)
+        self.state: ServerState = self.app.state.seedance
+        self.server: SeedanceServer = build_server(self.config, self.app)
+        self._thread = threading.Thread(target=self.server.run, name="test-server", daemon=True)
+
+    @property
+    def engine(self) -> Any:
+        return self.state.models[self.state.default_model].engine
+
+    def start(self) -> RunningServer:
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("test server did not start")
+            time.sleep(0.01)
+        _, self.port = self.server.bound_addresses()[0]
+        self.url = f"ws://127.0.0.1:{self.port}"
+        self.infer_url = f"{self.url}/v2/infer"
+        self.http_url = f"http://127.0.0.1:{self.port}"
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout=30)
+
+
+@contextlib.contextmanager
+def asgi_server(app: Any) -> Iterator[str]:
+    """Serve any ASGI app on 127.0.0.1 from a thread; yields ``http://127.0.0.1:PORT``."""
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "the ASGI server did not start"
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def slow_engine(tokens_per_s: float = 50.0, ttft_ms: float = 0.0, **kwargs: Any) -> SyntheticEngine:
+    return SyntheticEngine(tokens_per_s=tokens_per_s, ttft_ms=ttft_ms, **kwargs)
+
+
+class ServerProcess:
+    """``seedance serve`` in a subprocess (for signals and the CLI)."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+        self.proc = subprocess.Popen(
+            [SEEDANCE, "serve", "--port", "0", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            # The synthetic engine unless a test names another (the default loads a model).
+            env={**os.environ, "SEEDANCE_ENGINE": "synthetic", **(env or {})},
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        deadline = time.monotonic() + 20
+        while True:
+            match = next(
+                (
+                    re.search(r"ws://127\.0\.0\.1:(\d+)/v2/infer", line)
+                    for line in self.lines
+                    if "connect to" in line
+                ),
+                None,
+            )
+            if match:
+                self.port = int(match.group(1))
+                break
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                self.stop()
+                raise RuntimeError("server did not start:\n" + "".join(self.lines))
+            time.sleep(0.02)
+        self.url = f"ws://127.0.0.1:{self.port}"
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def signal(self, sig: int = signal.SIGTERM) -> None:
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout: float = 30) -> int:
+        code = self.proc.wait(timeout)
+        self._reader.join(timeout=5)
+        return code
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def serve_fails(*args: str, timeout_s: float = 60) -> str:
+    """``seedance serve ARGS`` must stop at once with exit code 2 and no traceback; its
+    stderr."""
+    result = subprocess.run(
+        [SEEDANCE, "serve", *args], capture_output=True, text=True, timeout=timeout_s
+    )
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    return result.stderr
