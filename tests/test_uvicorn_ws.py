@@ -1,5 +1,5 @@
-"""The uvicorn internals that ``seedance.server.uvicorn_ws`` and ``seedance.server.handshake``
-reach into, named one by one.
+"""The uvicorn internals that ``seedance.server.uvicorn_ws``, ``seedance.server.handshake`` and
+``seedance.server.runner`` reach into, named one by one.
 
 Those two modules subclass uvicorn's protocols and use attributes and methods uvicorn does not
 promise to keep. pyproject.toml pins uvicorn to the releases this suite passed with; a release
@@ -15,6 +15,7 @@ from importlib.metadata import version
 
 import pytest
 import uvicorn
+from uvicorn import Server
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.server import ServerProtocol
@@ -56,6 +57,15 @@ HTTP_METHODS = {
     "connection_lost": ["exc"],
     "data_received": ["data"],
 }
+#: uvicorn.Server's, for runner.py (its main loop wakes when should_exit is set).
+SERVER_ATTRIBUTES = ["config", "should_exit", "force_exit", "servers", "started"]
+SERVER_METHODS = {
+    "main_loop": [],
+    "on_tick": ["counter"],
+    "startup": ["sockets"],
+    "shutdown": ["sockets"],
+    "handle_exit": ["sig", "frame"],
+}
 
 
 def _assigned(cls: type, name: str) -> bool:
@@ -68,6 +78,7 @@ def _assigned(cls: type, name: str) -> bool:
     [
         (WebSocketsSansIOProtocol, WS_ATTRIBUTES, "seedance/server/uvicorn_ws.py"),
         (H11Protocol, HTTP_ATTRIBUTES, "seedance/server/handshake.py"),
+        (Server, SERVER_ATTRIBUTES, "seedance/server/runner.py"),
     ],
 )
 def test_the_attributes_are_there(cls: type, attributes: list[str], user: str) -> None:
@@ -83,6 +94,7 @@ def test_the_attributes_are_there(cls: type, attributes: list[str], user: str) -
     [
         (WebSocketsSansIOProtocol, WS_METHODS, "seedance/server/uvicorn_ws.py"),
         (H11Protocol, HTTP_METHODS, "seedance/server/handshake.py"),
+        (Server, SERVER_METHODS, "seedance/server/runner.py"),
     ],
 )
 def test_the_methods_are_there(cls: type, methods: dict[str, list[str]], user: str) -> None:

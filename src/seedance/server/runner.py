@@ -16,6 +16,7 @@ A third signal exits at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import socket
@@ -35,11 +36,34 @@ logger = logging.getLogger("seedance")
 
 
 class SeedanceServer(uvicorn.Server):
-    """uvicorn's server with a drain before its own shutdown."""
+    """uvicorn's server with a drain before its own shutdown, and a main loop that starts the
+    shutdown as soon as it is asked for (uvicorn's polls every 100 ms)."""
 
     def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        self._wake: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         super().__init__(config)
         self.state = state
+
+    @property
+    def should_exit(self) -> bool:
+        return self._should_exit
+
+    @should_exit.setter
+    def should_exit(self, value: bool) -> None:
+        """Set by a signal, or by a thread that embeds the server: wakes the main loop."""
+        self._should_exit = value
+        loop, wake = self._loop, self._wake
+        if value and loop is not None and wake is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(wake.set)
+
+    async def main_loop(self) -> None:
+        self._loop, self._wake = asyncio.get_running_loop(), asyncio.Event()
+        counter = 0
+        while not await self.on_tick(counter):  # the date header, max requests, the exit
+            counter = (counter + 1) % 864000
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), 0.1)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
