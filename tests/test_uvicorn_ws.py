@@ -58,10 +58,19 @@ HTTP_METHODS = {
     "data_received": ["data"],
 }
 #: uvicorn.Server's, for runner.py (its main loop wakes when should_exit is set).
-SERVER_ATTRIBUTES = ["config", "should_exit", "force_exit", "servers", "started"]
+SERVER_ATTRIBUTES = [
+    "config",
+    "should_exit",
+    "force_exit",
+    "servers",
+    "started",
+    "server_state",
+    "lifespan",
+]
 SERVER_METHODS = {
     "main_loop": [],
     "on_tick": ["counter"],
+    "_wait_tasks_to_complete": [],
     "startup": ["sockets"],
     "shutdown": ["sockets"],
     "handle_exit": ["sig", "frame"],

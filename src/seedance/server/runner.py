@@ -117,8 +117,32 @@ class SeedanceServer(uvicorn.Server):
                 break
             await asyncio.wait({drain}, timeout=0.1)
         await asyncio.gather(drain, return_exceptions=True)
-        await super().shutdown(sockets)
+        await self._close_connections(sockets)
         logger.info("stopped")
+
+    async def _close_connections(self, sockets: list[socket.socket] | None) -> None:
+        """uvicorn's own shutdown (uvicorn.Server.shutdown), without its fixed 100 ms pause
+        when the drain left no connection open: stop listening, ask each connection to close,
+        wait for them and their tasks (at most ``timeout_graceful_shutdown``), then the app's
+        lifespan shutdown (the engines stop, the audit log is sealed)."""
+        for sock in sockets or []:
+            sock.close()
+        connections = list(self.server_state.connections)
+        for connection in connections:
+            connection.shutdown()
+        if connections:
+            await asyncio.sleep(0.1)
+        try:
+            await asyncio.wait_for(
+                self._wait_tasks_to_complete(), timeout=self.config.timeout_graceful_shutdown
+            )
+        except asyncio.TimeoutError:
+            tasks = self.server_state.tasks
+            logger.error("cancelling %d task(s): graceful shutdown timed out", len(tasks))
+            for task in tasks:
+                task.cancel()
+        if not self.force_exit:
+            await self.lifespan.shutdown()
 
 
 def build_server(config: ServerConfig, app: Starlette | None = None) -> SeedanceServer:
