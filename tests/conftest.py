@@ -45,6 +45,16 @@ def server(make_server: Callable[..., RunningServer]) -> RunningServer:
     return make_server()
 
 
+@pytest.fixture(scope="session")
+def transformers_server() -> Iterator[RunningServer]:
+    """The transformers engine on the embedded GGUF, 4 rows of 1,024 tokens on the CPU: it
+    takes seconds to load, so the conformance suite and test_transformers.py share one."""
+    config = ServerConfig(engine="transformers", device="cpu", parallel=4, n_ctx=4 * 1024)
+    server = RunningServer(config, None).start()
+    yield server
+    server.stop()
+
+
 @pytest.fixture
 def server_process() -> Iterator[Callable[..., ServerProcess]]:
     procs: list[ServerProcess] = []

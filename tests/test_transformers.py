@@ -7,7 +7,6 @@ sequences) serves every test that needs the model.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,14 +31,10 @@ N_CTX_SEQ = 1024
 pytestmark = [pytest.mark.timeout(300), pytest.mark.model]
 
 
-@pytest.fixture(scope="module")
-def hf() -> Iterator[RunningServer]:
-    config = ServerConfig(
-        engine="transformers", device="cpu", parallel=PARALLEL, n_ctx=PARALLEL * N_CTX_SEQ
-    )
-    server = RunningServer(config, None).start()
-    yield server
-    server.stop()
+@pytest.fixture
+def hf(transformers_server: RunningServer) -> RunningServer:
+    """The session's transformers server (conftest.py): PARALLEL rows of N_CTX_SEQ tokens."""
+    return transformers_server
 
 
 def engine_of(server: RunningServer) -> TransformersEngine:
