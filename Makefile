@@ -87,8 +87,8 @@ $(LITELLM_VENV)/.installed:
 	@touch $@
 
 lint: $(VENV)/.installed-dev
-	$(BIN)/ruff check src tests
-	$(BIN)/ruff format --check src tests
+	$(BIN)/ruff check src tests scripts
+	$(BIN)/ruff format --check src tests scripts
 	$(BIN)/mypy
 
 clean:
