@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -26,6 +26,7 @@ import pytest
 from seedance.client import connect
 from seedance.config import ServerConfig, load_config
 from tests.support.servers import RunningServer
+from tests.support.waits import eventually
 from tests.support.ws import assert_contiguous, read
 
 PROMPT = "Tell me about the sea."
@@ -131,7 +132,7 @@ async def test_a_cancel_ends_the_reply_and_frees_the_engine(served: RunningServe
         after = await session.complete(PROMPT, temperature=0, seed=1, max_tokens=4)
         assert after.finish_reason in ("stop", "length")
     engine = served.engine
-    await _eventually(lambda: not engine.unfinished_requests())
+    await eventually(lambda: not engine.unfinished_requests(), what="the engine is free")
 
 
 async def test_concurrent_requests_all_complete(served: RunningServer) -> None:
@@ -142,11 +143,3 @@ async def test_concurrent_requests_all_complete(served: RunningServer) -> None:
 
     counts = await asyncio.gather(*(ask(i) for i in range(6)))
     assert all(0 < n <= 8 for n in counts)
-
-
-async def _eventually(ok: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not ok():
-        assert loop.time() < deadline, "condition not reached"
-        await asyncio.sleep(0.02)

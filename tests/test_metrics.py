@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from seedance.client import connect
 from tests.support.servers import RunningServer, slow_engine
+from tests.support.waits import eventually
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -44,7 +45,7 @@ async def test_a_stream_moves_the_counters_and_histograms(server: RunningServer)
         done = await session.complete("hello", max_tokens=5)
         assert done.usage.completion_tokens == 5
         during, _ = scrape(server)
-    await asyncio.sleep(0.2)  # the server sees the close
+    await eventually(lambda: not server.state.connections, what="the server sees the close")
     after, text = scrape(server)
 
     def delta(name: str, **labels: str) -> float:
@@ -77,7 +78,8 @@ async def test_running_waiting_and_cancelled(make_server: Callable[..., RunningS
         await anext(aiter(first))
         second = b.generate("two", max_tokens=200)
         waiting = asyncio.create_task(second.collect())  # sends the request, then waits
-        await asyncio.sleep(0.2)
+        admission = server.state.models["synthetic"].admission
+        await eventually(lambda: admission.waiting == 1, what="the second request waits")
         live, _ = scrape(server)
         assert value(live, "seedance_requests_running", **MODEL) == 1
         assert value(live, "seedance_requests_waiting", **MODEL) == 1

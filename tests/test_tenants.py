@@ -21,6 +21,7 @@ import pytest
 from seedance.config import load_access, load_config
 from seedance.tenants.keys import add_key
 from tests.support.servers import SEEDANCE, RunningServer, ServerProcess, serve_fails, slow_engine
+from tests.support.waits import eventually
 from tests.support.ws import collect, generate, open_session, raw_connect, recv_json, wait_closed
 
 CHAT = {"model": "synthetic", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -420,7 +421,8 @@ async def test_one_tenants_flood_does_not_starve_another(
         make_server, path, [slow_engine(tokens_per_s=100)], max_running=2, max_waiting=64
     )
     flood = await flood_of(server, acme, 16, max_tokens=20)
-    await asyncio.sleep(0.2)  # the flood is queued
+    models = server.state.models.values()
+    await eventually(lambda: sum(m.admission.waiting for m in models) >= 12, what="flood queued")
     ws, _ = await open_session(server.url, additional_headers=auth(globex))
     async with ws:
         done = (await generate(ws, prompt="me", max_tokens=20))[-1]
