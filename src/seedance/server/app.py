@@ -23,9 +23,10 @@ from seedance.engines.base import Engine
 from seedance.engines.registry import create_engine
 from seedance.observability.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from seedance.observability.tracing import Tracing
+from seedance.protocol.errors import UpgradeRequired
 from seedance.server.admin import admin_routes
 from seedance.server.endpoint import InferEndpoint
-from seedance.server.errors import EXCEPTION_HANDLERS, UpgradeRequired
+from seedance.server.errors import EXCEPTION_HANDLERS
 from seedance.server.openai_api import OpenAIEndpoint, authenticate_http
 from seedance.server.state import ServerState
 from seedance.sessions.store import SessionStore

@@ -223,14 +223,18 @@ class Connection:
             self.requests,
         )
 
-    def close(self, code: int, reason: str = "") -> None:
-        """Close after the queued frames are sent; drop the socket if they cannot be."""
+    def close(self, code: int, reason: str = "", *, past_writer: bool = False) -> None:
+        """Close after the queued frames are sent; drop the socket if they cannot be.
+        ``past_writer``: the writer failed, so the close frame goes out without it."""
         if self._closing:
             return
         self._closing = True
         self.close_code = code
         self._cancel_generation(silent=True)
-        self.out.close(code, reason)
+        if past_writer:
+            self._failure_close = asyncio.ensure_future(close_websocket(self.ws, code, reason))
+        else:
+            self.out.close(code, reason)
         self._loop.call_later(CLOSE_FLUSH_TIMEOUT_S, self._abort, "close did not flush")
 
     async def shutdown(self) -> None:
@@ -254,7 +258,7 @@ class Connection:
     def _on_writer_failure(self, exc: BaseException) -> None:
         """The writer of this connection failed (a fault of ours, not the client going away):
         say so in the log with the connection and the request it was writing, and end the
-        connection with 1011. Nothing more can be written, so the socket is dropped."""
+        connection with 1011 (the close frame sent past the failed writer)."""
         generation = self._generation
         request = generation.request_id if generation is not None else "-"
         logger.error(
@@ -264,15 +268,7 @@ class Connection:
             CLOSE_INTERNAL_ERROR,
             exc_info=exc,
         )
-        if self._closing:
-            return
-        self._closing = True
-        self.close_code = CLOSE_INTERNAL_ERROR
-        self._cancel_generation(silent=True)
-        self._failure_close = asyncio.ensure_future(
-            close_websocket(self.ws, CLOSE_INTERNAL_ERROR, "internal error")
-        )
-        self._loop.call_later(CLOSE_FLUSH_TIMEOUT_S, self._abort, "close did not flush")
+        self.close(CLOSE_INTERNAL_ERROR, "internal error", past_writer=True)
 
     def _audit_record(self, duration_s: float) -> audit.Connection:
         return audit.Connection(

@@ -1,8 +1,8 @@
 """Every HTTP error the server answers, rendered in one place, in the OpenAI API's shape.
 
-- :func:`error_body` (the JSON) and :func:`error_headers` (``Retry-After``,
-  ``WWW-Authenticate``, ``Upgrade``) serve the plain-ASGI endpoints that write their own
-  responses (the OpenAI API's streaming calls);
+- :func:`error_headers` (``Retry-After``, ``WWW-Authenticate``, ``Upgrade``), with the body
+  from :func:`~seedance.protocol.openai.error_body`, serves the plain-ASGI endpoints that write
+  their own responses (the OpenAI API's streaming calls);
 - :func:`error_response` is the same as a Starlette response;
 - :data:`EXCEPTION_HANDLERS` make the app answer a :class:`SeedanceError` raised by any route,
   and the router's own refusals (404, 405), the same way.
@@ -20,9 +20,14 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from seedance.protocol.errors import InvalidRequest, NotFound, SeedanceError, Unauthorized
-from seedance.protocol.errors import UpgradeRequired as UpgradeRequired
-from seedance.protocol.openai import error_body as error_body
+from seedance.protocol.errors import (
+    InvalidRequest,
+    NotFound,
+    SeedanceError,
+    Unauthorized,
+    UpgradeRequired,
+)
+from seedance.protocol.openai import error_body
 
 
 def error_headers(error: SeedanceError) -> list[tuple[bytes, bytes]]:

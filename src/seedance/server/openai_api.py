@@ -37,8 +37,8 @@ from seedance.protocol.errors import (
     SeedanceError,
 )
 from seedance.protocol.messages import FinishReason, RequestId, ms
-from seedance.protocol.openai import OpenAIRequest, decode_chat, decode_completion
-from seedance.server.errors import error_body, error_headers
+from seedance.protocol.openai import OpenAIRequest, decode_chat, decode_completion, error_body
+from seedance.server.errors import error_headers
 from seedance.server.state import ServedModel, ServerState
 from seedance.tenants.auth import OPEN_PRINCIPAL, Principal, refusal_record
 from seedance.tenants.policy import check_model, check_priority
