@@ -10,10 +10,9 @@ from typing import Any
 
 import pytest
 
-from seedance.config import ServerConfig
 from seedance.engines.base import Engine
 from seedance.observability.tracing import Tracing
-from tests.support.servers import RunningServer, ServerProcess
+from tests.support.servers import RunningServer, ServerProcess, server_config
 
 # The llamacpp engine caches its CPU probe's decision (--repack auto) here, not in the user's
 # cache; servers started by the tests, in process or not, share it.
@@ -30,7 +29,7 @@ def make_server() -> Iterator[Callable[..., RunningServer]]:
         engines: Sequence[Engine] | None = None, tracing: Tracing | None = None, **fields: Any
     ) -> RunningServer:
         fields.setdefault("engine", "synthetic")  # the default engine loads a real model
-        server = RunningServer(ServerConfig(**fields), engines, tracing).start()
+        server = RunningServer(server_config(**fields), engines, tracing).start()
         servers.append(server)
         return server
 
@@ -49,8 +48,9 @@ def server(make_server: Callable[..., RunningServer]) -> RunningServer:
 def transformers_server() -> Iterator[RunningServer]:
     """The transformers engine on the embedded GGUF, 4 rows of 1,024 tokens on the CPU: it
     takes seconds to load, so the conformance suite and test_transformers.py share one."""
-    config = ServerConfig(engine="transformers", device="cpu", parallel=4, n_ctx=4 * 1024)
-    server = RunningServer(config, None).start()
+    server = RunningServer(
+        server_config(engine="transformers", device="cpu", parallel=4, n_ctx=4 * 1024), None
+    ).start()
     yield server
     server.stop()
 

@@ -159,4 +159,4 @@ def test_serve_rejects_bad_settings_clearly(tmp_path: Path) -> None:
 def test_engines_lists_the_builtin_engine() -> None:
     result = run("engines")
     assert result.returncode == 0
-    assert "synthetic\tseedance.engines.synthetic:create_engine" in result.stdout
+    assert "synthetic\tseedance.engines.synthetic:ENGINE" in result.stdout

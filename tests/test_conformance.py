@@ -25,13 +25,13 @@ import pytest
 
 from seedance.client import connect
 from seedance.config import ServerConfig, load_config
-from tests.support.servers import RunningServer
+from tests.support.servers import RunningServer, server_config
 from tests.support.waits import eventually
 from tests.support.ws import assert_contiguous, read
 
 PROMPT = "Tell me about the sea."
 #: Paced engines, so that a cancel arrives while the reply runs.
-SYNTHETIC = {"engine": "synthetic", "synthetic_tokens_per_s": 200.0}
+SYNTHETIC = {"engine": "synthetic", "tokens_per_s": 200.0}
 
 
 def _engines() -> list[Any]:
@@ -47,12 +47,12 @@ def _engines() -> list[Any]:
 
 def _config(kind: str) -> ServerConfig:
     if kind == "synthetic":
-        return ServerConfig(**SYNTHETIC)
+        return server_config(**SYNTHETIC)
     if kind == "llamacpp":
-        return ServerConfig(engine="llamacpp", parallel=4, n_ctx=4 * 1024, threads=2)
+        return server_config(engine="llamacpp", parallel=4, n_ctx=4 * 1024, threads=2)
     if kind == "vllm":
         model = os.environ["SEEDANCE_VLLM_MODEL"]
-        return ServerConfig(engine="vllm", model_path=model, gpu_memory_utilization=0.5)
+        return server_config(engine="vllm", model_path=model, gpu_memory_utilization=0.5)
     return load_config({"engine": kind}, dict(os.environ))  # a third-party engine
 
 
@@ -65,12 +65,12 @@ def served(request: pytest.FixtureRequest) -> Iterator[RunningServer]:
         return
     started: list[RunningServer] = []
     if kind == "gateway":
-        upstream = RunningServer(ServerConfig(**SYNTHETIC), None).start()
+        upstream = RunningServer(server_config(**SYNTHETIC), None).start()
         started.append(upstream)
-        config = ServerConfig(engine="openai", upstream=(f"{upstream.http_url}/v1",))
+        served = server_config(engine="openai", upstream=(f"{upstream.http_url}/v1",))
     else:
-        config = _config(kind)
-    started.append(RunningServer(config, None).start())
+        served = _config(kind)
+    started.append(RunningServer(served, None).start())
     yield started[-1]
     for server in reversed(started):
         server.stop()

@@ -13,6 +13,7 @@ from seedance.engines.registry import available_engines, create_engine
 from seedance.engines.stops import StopMatcher
 from seedance.engines.synthetic import SyntheticEngine
 from seedance.protocol.messages import ChatMessage, RequestId
+from tests.support.servers import server_config
 
 
 def run_matcher(pieces: list[str], stops: tuple[str, ...]) -> tuple[str, int, bool, list[int]]:
@@ -141,7 +142,7 @@ async def test_synthetic_respects_the_context_window() -> None:
 
 def test_registry_finds_the_builtin_engine() -> None:
     assert "synthetic" in available_engines()
-    engine = create_engine(ServerConfig(engine="synthetic", model="named", synthetic_ttft_ms=5))
+    engine = create_engine(server_config(engine="synthetic", model="named", ttft_ms=5))
     assert isinstance(engine, SyntheticEngine)
     assert engine.info.name == "named" and engine.ttft_s == 0.005
     with pytest.raises(ConfigError, match=r"unknown engine 'nope'; installed engines: .*synthetic"):

@@ -26,8 +26,8 @@ from starlette.routing import Route
 
 from seedance.bench.peers.openai_sse import create_app as openai_app
 from seedance.client import connect
-from seedance.engines.llamacpp import default_model_path
 from seedance.engines.llamacpp.native import backend_cwd
+from seedance.engines.local import default_model_path
 from seedance.engines.openai_upstream import OpenAIUpstreamEngine
 from seedance.engines.synthetic import SyntheticEngine
 from seedance.protocol.errors import SeedanceError
@@ -169,7 +169,7 @@ async def test_fewest_in_flight_routing(make_server) -> None:  # type: ignore[no
 @pytest.mark.slow
 async def test_a_failing_upstream_is_retried_elsewhere_and_cooled_down(make_server) -> None:  # type: ignore[no-untyped-def]
     with asgi_server(faulty_app("error")) as bad, synthetic_upstream() as (good, engine_good):
-        server = gateway(make_server, f"{bad}/v1", good, upstream_cooldown_s=0.5)
+        server = gateway(make_server, f"{bad}/v1", good, cooldown_s=0.5)
         engine = upstream_engine(server)
         broken = engine.upstreams[0]
         async with connect(server.url) as session:
@@ -185,7 +185,7 @@ async def test_a_failing_upstream_is_retried_elsewhere_and_cooled_down(make_serv
 @pytest.mark.slow
 async def test_a_stalled_upstream_times_out_before_the_first_token(make_server) -> None:  # type: ignore[no-untyped-def]
     with asgi_server(faulty_app("stall")) as slow, synthetic_upstream() as (good, _):
-        server = gateway(make_server, f"{slow}/v1", good, upstream_timeout_s=0.5)
+        server = gateway(make_server, f"{slow}/v1", good, timeout_s=0.5)
         async with connect(server.url) as session:
             started = time.monotonic()
             done = await session.complete("hi", max_tokens=5)
@@ -236,7 +236,7 @@ async def test_cancel_aborts_the_upstream_request(make_server) -> None:  # type:
 
 async def test_every_upstream_down_fails_healthz(make_server) -> None:  # type: ignore[no-untyped-def]
     with asgi_server(faulty_app("error")) as bad:
-        server = gateway(make_server, f"{bad}/v1", upstream_cooldown_s=60)
+        server = gateway(make_server, f"{bad}/v1", cooldown_s=60)
         async with connect(server.url) as session:
             with pytest.raises(SeedanceError) as info:
                 await session.complete("hi", max_tokens=5)

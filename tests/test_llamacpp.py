@@ -18,12 +18,12 @@ import pytest
 
 from seedance.client import connect
 from seedance.client.session import TokenChunk
-from seedance.config import ServerConfig
 from seedance.engines.base import GenerationRequest, SamplingParams
-from seedance.engines.llamacpp import LlamaCppEngine, default_model_path
+from seedance.engines.llamacpp.engine import LlamaCppEngine
+from seedance.engines.local import default_model_path
 from seedance.protocol.errors import SeedanceError
 from seedance.protocol.messages import ChatMessage, RequestId
-from tests.support.servers import RunningServer, serve_fails
+from tests.support.servers import RunningServer, serve_fails, server_config
 from tests.support.ws import assert_contiguous, read
 
 pytestmark = pytest.mark.model
@@ -32,10 +32,8 @@ N_CTX_SEQ = 1024
 
 
 def llama_server(**fields: Any) -> RunningServer:
-    config = ServerConfig(
-        engine="llamacpp", **{"parallel": 8, "n_ctx": 8 * N_CTX_SEQ, "threads": 2, **fields}
-    )
-    return RunningServer(config, None).start()
+    fields = {"parallel": 8, "n_ctx": 8 * N_CTX_SEQ, "threads": 2, **fields}
+    return RunningServer(server_config(engine="llamacpp", **fields), None).start()
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 
 from seedance.client import connect
-from seedance.config import ConfigError, ServerConfig
-from seedance.engines.llamacpp import LlamaCppEngine, default_model_path
+from seedance.config import ConfigError
 from seedance.engines.llamacpp.cpu import (
     ProbeRun,
     choose,
@@ -24,8 +23,10 @@ from seedance.engines.llamacpp.cpu import (
     resolve_repack,
     run_probe,
 )
+from seedance.engines.llamacpp.engine import LlamaCppEngine
+from seedance.engines.local import default_model_path
 from seedance.protocol.errors import SeedanceError
-from tests.support.servers import RunningServer, ServerProcess
+from tests.support.servers import RunningServer, ServerProcess, server_config
 
 pytestmark = pytest.mark.model
 
@@ -39,7 +40,7 @@ def dies_of(sig: signal.Signals) -> list[str]:
 
 @pytest.mark.parametrize("mode", ["on", "off"])
 async def test_each_forced_layout_serves_the_model(mode: str) -> None:
-    config = ServerConfig(engine="llamacpp", parallel=2, n_ctx=2048, threads=2, repack=mode)
+    config = server_config(engine="llamacpp", parallel=2, n_ctx=2048, threads=2, repack=mode)
     server = RunningServer(config, None).start()
     try:
         engine = server.engine
@@ -110,7 +111,7 @@ def crashing_server(tmp_path: Path, how: str) -> ServerProcess:
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: crash-plugin\nVersion: 0\n")
     (info / "entry_points.txt").write_text(
-        "[seedance.engines]\ncrashing = tests.support.crash_plugin:create_engine\n"
+        "[seedance.engines]\ncrashing = tests.support.crash_plugin:ENGINE\n"
     )
     env = {
         "SEEDANCE_ENGINE": "crashing",

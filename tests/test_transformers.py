@@ -18,12 +18,12 @@ pytest.importorskip("transformers", reason=NEEDS)
 
 from seedance.client import connect  # noqa: E402
 from seedance.client.session import TokenChunk  # noqa: E402
-from seedance.config import ConfigError, ServerConfig  # noqa: E402
-from seedance.engines.hf import create_engine  # noqa: E402
+from seedance.config import ConfigError  # noqa: E402
 from seedance.engines.hf.engine import TransformersEngine  # noqa: E402
+from seedance.engines.registry import create_engine  # noqa: E402
 from seedance.protocol.errors import SeedanceError  # noqa: E402
 from seedance.protocol.messages import ChatMessage  # noqa: E402
-from tests.support.servers import RunningServer, serve_fails  # noqa: E402
+from tests.support.servers import RunningServer, serve_fails, server_config  # noqa: E402
 from tests.support.ws import assert_contiguous, read  # noqa: E402
 
 PARALLEL = 4
@@ -235,4 +235,4 @@ def test_cuda_without_a_gpu_is_refused() -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has a CUDA GPU")
     with pytest.raises(ConfigError, match="no CUDA GPU"):
-        create_engine(ServerConfig(engine="transformers", device="cuda"))
+        create_engine(server_config(engine="transformers", device="cuda"))

@@ -24,12 +24,12 @@ from typing import Any
 import pytest
 
 from seedance.client import connect
-from seedance.config import ConfigError, ServerConfig
+from seedance.config import ConfigError
 from seedance.engines.base import GenerationRequest, SamplingParams, TokenDelta
 from seedance.engines.local import default_model_path
 from seedance.protocol.errors import EngineError, InvalidRequest
 from seedance.protocol.messages import ChatMessage
-from tests.support.servers import RunningServer, serve_fails
+from tests.support.servers import RunningServer, serve_fails, server_config
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 MODEL = os.environ.get("SEEDANCE_VLLM_MODEL", "")
@@ -63,8 +63,8 @@ def vllm_server() -> Iterator[RunningServer]:
     reason = _why_not()
     if reason:
         pytest.skip(reason)
-    config = ServerConfig(engine="vllm", model_path=MODEL, model="m", gpu_memory_utilization=0.5)
-    server = RunningServer(config, None).start()
+    fields = {"model_path": MODEL, "model": "m", "gpu_memory_utilization": 0.5}
+    server = RunningServer(server_config(engine="vllm", **fields), None).start()
     yield server
     server.stop()
 

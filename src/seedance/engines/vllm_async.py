@@ -28,12 +28,14 @@ import itertools
 import logging
 import re
 from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
-from seedance.config import ConfigError
+from seedance.config import ConfigError, Option, non_negative
 from seedance.engines.base import EngineHealth, GenerationRequest, ModelInfo, TokenDelta
 from seedance.engines.prompts import PromptedEngine
+from seedance.engines.registry import EngineSpec
 from seedance.protocol.errors import EngineError, InvalidRequest, SeedanceError
 from seedance.protocol.messages import FinishReason
 
@@ -290,8 +292,43 @@ def _finish_reason(reason: str, request_id: str) -> FinishReason:
     raise EngineError(f"vLLM ended request {request_id} with an error ({reason}); retry")
 
 
-def create_engine(config: ServerConfig) -> VllmEngine:
-    """Entry point ``vllm``: ``--model-path`` (a Hugging Face model folder, or a GGUF file)."""
+@dataclass(frozen=True)
+class VllmOptions:
+    n_ctx: int = 0
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.9
+
+
+OPTIONS = (
+    Option(
+        "n_ctx",
+        "--n-ctx",
+        int,
+        "the most tokens of one sequence (vLLM's max_model_len; 0: the model's)",
+        non_negative,
+        "0 or more",
+    ),
+    Option(
+        "tensor_parallel_size",
+        "--tensor-parallel-size",
+        int,
+        "GPUs the model is split across",
+        lambda v: v >= 1,
+        "1 or more",
+    ),
+    Option(
+        "gpu_memory_utilization",
+        "--gpu-memory-utilization",
+        float,
+        "share of each GPU's memory vLLM may take",
+        lambda v: 0 < v <= 1,
+        "above 0 and at most 1",
+    ),
+)
+
+
+def create_engine(config: ServerConfig, options: VllmOptions) -> VllmEngine:
+    """``--model-path`` (a Hugging Face model folder, or a GGUF file)."""
     require_vllm()
     if not config.model_path:
         raise ConfigError(
@@ -301,8 +338,17 @@ def create_engine(config: ServerConfig) -> VllmEngine:
     return VllmEngine(
         model_path=path,
         name=config.model or path.name,
-        tensor_parallel_size=config.tensor_parallel_size,
-        gpu_memory_utilization=config.gpu_memory_utilization,
-        max_model_len=config.n_ctx,
+        tensor_parallel_size=options.tensor_parallel_size,
+        gpu_memory_utilization=options.gpu_memory_utilization,
+        max_model_len=options.n_ctx,
         max_num_seqs=config.max_running or VLLM_MAX_SEQS,
     )
+
+
+ENGINE = EngineSpec(
+    create_engine,
+    VllmOptions,
+    OPTIONS,
+    "Models on NVIDIA GPUs through vLLM's AsyncLLM (pip install 'seedance[vllm]'; needs "
+    "--model-path).",
+)

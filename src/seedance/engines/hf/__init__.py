@@ -9,16 +9,47 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from seedance.config import Option
+from seedance.engines.local import N_CTX, PARALLEL, THREADS
+from seedance.engines.registry import EngineSpec
 
 if TYPE_CHECKING:
     from seedance.config import ServerConfig
     from seedance.engines.hf.engine import TransformersEngine
 
 
-def create_engine(config: ServerConfig) -> TransformersEngine:
-    """Entry point ``transformers``: ``--model-path`` (a folder or a GGUF file) or the
-    embedded SmolLM2, on ``--device``."""
+@dataclass(frozen=True)
+class TransformersOptions:
+    device: str = "auto"
+    parallel: int = 8
+    n_ctx: int = 0
+    threads: int = 0
+
+
+def _device(value: str) -> bool:
+    return value in ("auto", "cpu", "cuda") or (value.startswith("cuda:") and value[5:].isdigit())
+
+
+OPTIONS = (
+    Option(
+        "device",
+        "--device",
+        str.lower,
+        "where the model runs (auto: the first CUDA GPU if there is one)",
+        _device,
+        "auto, cpu, cuda or cuda:N",
+    ),
+    PARALLEL,
+    N_CTX,
+    THREADS,
+)
+
+
+def create_engine(config: ServerConfig, options: TransformersOptions) -> TransformersEngine:
+    """``--model-path`` (a folder or a GGUF file) or the embedded SmolLM2, on ``--device``."""
     from seedance.engines.hf.loader import require_torch
 
     require_torch()
@@ -29,8 +60,17 @@ def create_engine(config: ServerConfig) -> TransformersEngine:
     return TransformersEngine(
         model_path=path,
         name=name,
-        device=config.device,
-        parallel=config.parallel,
-        n_ctx=config.n_ctx,
-        threads=config.threads,
+        device=options.device,
+        parallel=options.parallel,
+        n_ctx=options.n_ctx,
+        threads=options.threads,
     )
+
+
+ENGINE = EngineSpec(
+    create_engine,
+    TransformersOptions,
+    OPTIONS,
+    "PyTorch models through Hugging Face transformers, on the CPU or a CUDA GPU "
+    "(pip install 'seedance[transformers]').",
+)

@@ -3,9 +3,89 @@
 - :mod:`~seedance.engines.llamacpp.native`: a typed layer over llama.cpp's C API;
 - :mod:`~seedance.engines.llamacpp.scheduler`: the decode thread (continuous batching, KV reuse);
 - :mod:`~seedance.engines.llamacpp.engine`: the :class:`~seedance.engines.base.Engine`.
+
+This module only declares the engine's options: llama.cpp is loaded when the engine is built.
 """
 
-from seedance.engines.llamacpp.engine import LlamaCppEngine, create_engine
-from seedance.engines.local import default_model_path
+from __future__ import annotations
 
-__all__ = ["LlamaCppEngine", "create_engine", "default_model_path"]
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from seedance.config import Option, boolean
+from seedance.engines.local import N_CTX, PARALLEL, THREADS
+from seedance.engines.registry import EngineSpec
+
+if TYPE_CHECKING:
+    from seedance.config import ServerConfig
+    from seedance.engines.llamacpp.engine import LlamaCppEngine
+
+SWITCH = ("auto", "on", "off")
+
+
+@dataclass(frozen=True)
+class LlamaCppOptions:
+    parallel: int = 8
+    n_ctx: int = 0
+    threads: int = 0
+    kv_reuse: bool = True
+    repack: str = "auto"
+    flash_attn: str = "auto"
+
+
+OPTIONS = (
+    PARALLEL,
+    N_CTX,
+    THREADS,
+    Option(
+        "kv_reuse",
+        "--kv-reuse",
+        boolean,
+        "reuse the KV cache of earlier turns (off: every prompt is prefilled whole)",
+    ),
+    Option(
+        "repack",
+        "--repack",
+        str.lower,
+        "lay the weights out for this CPU's own kernels (llama.cpp's extra buffer types, AMX "
+        "included); auto: measured once per CPU, build and model by a probe in a child "
+        "process, off where it crashes or is not faster",
+        lambda v: v in SWITCH,
+        "auto, on or off",
+    ),
+    Option(
+        "flash_attn",
+        "--flash-attn",
+        str.lower,
+        "llama.cpp's flash attention (auto: on where the backend has it, the CPU included); off "
+        "makes a short message after a long history faster and batches and long prompts slower",
+        lambda v: v in SWITCH,
+        "auto, on or off",
+    ),
+)
+
+
+def create_engine(config: ServerConfig, options: LlamaCppOptions) -> LlamaCppEngine:
+    """``--model-path`` (a GGUF file) or the embedded SmolLM2."""
+    from seedance.engines.llamacpp.engine import LlamaCppEngine
+    from seedance.engines.local import model_source
+
+    path, name = model_source(config.model_path, config.model)
+    return LlamaCppEngine(
+        model_path=path,
+        name=name,
+        parallel=options.parallel,
+        n_ctx=options.n_ctx,
+        threads=options.threads,
+        kv_reuse=options.kv_reuse,
+        repack=options.repack,
+        flash_attn=options.flash_attn,
+    )
+
+
+ENGINE = EngineSpec(
+    create_engine,
+    LlamaCppOptions,
+    OPTIONS,
+    "GGUF models on llama.cpp in this process, continuous batching and KV reuse (the default).",
+)

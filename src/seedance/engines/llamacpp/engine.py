@@ -5,23 +5,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from seedance.engines.base import ModelInfo, SamplingParams
 from seedance.engines.batching import BatchedEngine
 from seedance.engines.llamacpp.cpu import resolve_repack
 from seedance.engines.llamacpp.native import ContextShape, LlamaContext, LlamaModel, on_abort
 from seedance.engines.llamacpp.scheduler import Job, Scheduler
-from seedance.engines.local import (
-    context_per_sequence,
-    machine_cores,
-    model_source,
-)
+from seedance.engines.local import context_per_sequence, machine_cores
 from seedance.engines.prompts import Prompts
 from seedance.engines.template import ChatTemplate
-
-if TYPE_CHECKING:
-    from seedance.config import ServerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -106,19 +99,4 @@ def model_template(model: LlamaModel) -> ChatTemplate:
         model.chat_template(),
         bos_token=model.token_text(model.bos_token()),
         eos_token=model.token_text(model.eos_token()),
-    )
-
-
-def create_engine(config: ServerConfig) -> LlamaCppEngine:
-    """Entry point ``llamacpp``: ``--model-path`` or the embedded SmolLM2."""
-    path, name = model_source(config.model_path, config.model)
-    return LlamaCppEngine(
-        model_path=path,
-        name=name,
-        parallel=config.parallel,
-        n_ctx=config.n_ctx,
-        threads=config.threads,
-        kv_reuse=config.kv_reuse,
-        repack=config.repack,
-        flash_attn=config.flash_attn,
     )
