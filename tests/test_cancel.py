@@ -8,6 +8,7 @@ import json
 import pytest
 
 from tests.support.servers import slow_engine
+from tests.support.waits import eventually
 from tests.support.ws import collect, generate, open_session, recv_json
 
 
@@ -78,7 +79,7 @@ async def test_disconnect_stops_the_engine(make_server) -> None:  # type: ignore
     for _ in range(4):
         await recv_json(ws)
     ws.transport.abort()  # vanish without a close frame
-    await asyncio.sleep(0.2)
+    await eventually(lambda: engine.stats.active == 0, what="the engine freed")
     produced = await settle(engine)
     assert produced < 2000
     assert engine.stats.active == 0 and engine.stats.requests_aborted == 1

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -13,6 +12,7 @@ from seedance.engines.base import GenerationRequest, TokenDelta
 from seedance.engines.synthetic import SyntheticEngine
 from seedance.protocol.messages import ChatMessage
 from tests.support.servers import RunningServer, slow_engine
+from tests.support.waits import eventually
 from tests.support.ws import (
     assert_seq_contiguous,
     collect,
@@ -130,13 +130,15 @@ async def test_invalid_session_id_is_refused(server: RunningServer) -> None:
 
 async def test_overloaded_when_the_queue_is_full(make_server) -> None:  # type: ignore[no-untyped-def]
     server = make_server(engines=[slow_engine(100)], max_running=1, max_waiting=1)
+    admission = server.state.models[server.state.default_model].admission
     sockets = [(await open_session(server.url))[0] for _ in range(3)]
     try:
         for i, ws in enumerate(sockets):
             await ws.send(json.dumps({"prompt": "x", "max_tokens": 10, "request_id": f"r{i}"}))
             if i == 0:
                 assert (await recv_json(ws))["type"] == "start"
-        await asyncio.sleep(0.05)
+            if i == 1:  # the second waits in the queue; the third finds it full
+                await eventually(lambda: admission.waiting == 1)
         third = await recv_json(sockets[2])
         body = error_of(third, "overloaded")
         assert body["retryable"] is True and third["request_id"] == "r2"

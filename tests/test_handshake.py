@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from tests.support.servers import RunningServer, ServerProcess
+from tests.support.waits import eventually
 from tests.support.ws import open_session
 
 UPGRADE = (
@@ -87,7 +88,7 @@ async def test_connections_still_sending_headers_are_capped_per_address(
 ) -> None:
     server: RunningServer = make_server(max_handshakes_per_address=3)
     idle = [await _open(server.port) for _ in range(3)]
-    await asyncio.sleep(0.2)
+    await eventually(lambda: server.handshakes.total == 3)
     with caplog.at_level(logging.WARNING, logger="seedance.server.handshake"):
         for _ in range(5):
             reader, writer = await _open(server.port)
@@ -99,7 +100,7 @@ async def test_connections_still_sending_headers_are_capped_per_address(
     assert "3 connections from 127.0.0.1" in refusals[0].getMessage()
     for _, writer in idle:
         writer.close()
-    await asyncio.sleep(0.2)
+    await eventually(lambda: server.handshakes.total == 0)
     ws, session = await open_session(server.url)  # ... and the address is served again
     async with ws:
         assert session["type"] == "session"
@@ -109,7 +110,7 @@ async def test_connections_still_sending_headers_are_capped_per_address(
 async def test_connections_still_sending_headers_are_capped_in_all(make_server: Any) -> None:
     server: RunningServer = make_server(max_handshakes=2)
     idle = [await _open(server.port) for _ in range(2)]
-    await asyncio.sleep(0.2)
+    await eventually(lambda: server.handshakes.total == 2)
     reader, writer = await _open(server.port)
     status, _ = await _answer(reader)
     assert status == 503

@@ -30,7 +30,7 @@ async def test_shutdown_drains_running_generations_then_closes_1001(server_proce
         await ws.send(json.dumps({"prompt": "finish me", "max_tokens": 40, "request_id": "r1"}))
         frames = [await recv_json(ws) for _ in range(3)]
         server.signal(sig)
-        await asyncio.sleep(0.3)
+        await server.logged("shutting down")
         # New connections are refused while draining ...
         with pytest.raises(OSError):
             async with raw_connect(server.url, open_timeout=2):
@@ -79,7 +79,7 @@ async def test_a_second_signal_skips_the_wait_and_streams_still_end_well(
         await ws.send(json.dumps({"prompt": "too long", "max_tokens": 1000}))
         await recv_json(ws)
         server.signal(sig)
-        await asyncio.sleep(0.3)
+        await server.logged("shutting down")
         server.signal(sig)
         code, frames = await wait_closed(ws, timeout=5)  # not the 30 s of the drain
     done = frames[-1]
@@ -124,7 +124,7 @@ async def test_sse_streams_end_with_an_error_event_and_done_at_shutdown(
         await asyncio.wait_for(streaming.wait(), 10)
         server.signal(signal.SIGTERM)
         if second_signal:
-            await asyncio.sleep(0.3)
+            await server.logged("shutting down")
             server.signal(signal.SIGTERM)
         await asyncio.wait_for(reading, 5)
     assert lines[-1] == "data: [DONE]"
@@ -143,10 +143,20 @@ async def test_a_whole_reply_still_running_at_shutdown_gets_503(server_process: 
     body = {"model": "synthetic", "prompt": "too long", "max_tokens": 1000}
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=20) as http:
         reply = asyncio.create_task(http.post("/v1/completions", json=body))
-        await asyncio.sleep(0.5)
+        await _running(http, 1)
         server.signal(signal.SIGTERM)
         response = await reply
     assert response.status_code == 503
     assert response.json()["error"]["code"] == "overloaded"
     server.wait(timeout=10)
     assert "Traceback" not in server.output
+
+
+async def _running(http: httpx.AsyncClient, count: int) -> None:
+    """Wait until the server's /metrics counts ``count`` generations running."""
+    line = f'seedance_requests_running{{engine="synthetic",model="synthetic"}} {float(count)}'
+    for _ in range(500):
+        if line in (await http.get("/metrics")).text:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"not running: {line}")

@@ -106,10 +106,10 @@ class SeedanceServer(uvicorn.Server):
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         state = self.state
-        open_now = len(state.connections) + len(state.http_calls)
-        logger.info("shutting down: %d connection(s) open", open_now)
         for server in self.servers:
             server.close()  # 1. stop accepting
+        open_now = len(state.connections) + len(state.http_calls)
+        logger.info("shutting down: %d connection(s) open", open_now)
         drain = asyncio.create_task(state.drain(state.config.drain_timeout_s))
         while not drain.done():
             if self.force_exit:  # a third signal: leave now
