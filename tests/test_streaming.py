@@ -40,6 +40,7 @@ async def test_reference_exchange(server: RunningServer) -> None:
             "heartbeat_interval": 25.0,
             "idle_timeout": 30.0,
             "server": SERVER_NAME,
+            "epoch": server.state.streams.epoch,
         }
         await ws.send(
             json.dumps(

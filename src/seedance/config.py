@@ -68,6 +68,9 @@ class ServerConfig:
     write_timeout_s: float = 30.0
     merge_window_ms: float = 5.0
     drain_timeout_s: float = 30.0
+    resume_grace_s: float = 60.0
+    resume_window_s: float = 600.0
+    resume_max_bytes: int = 64 * 1024 * 1024
     allowed_origins: tuple[str, ...] = ()
     labels: tuple[tuple[str, str], ...] = ()
     audit_file: str | None = None
@@ -360,6 +363,31 @@ OPTIONS: tuple[Option, ...] = (
         "--drain-timeout",
         float,
         "on shutdown, wait this long for running generations",
+        non_negative,
+        "0 or more",
+    ),
+    Option(
+        "resume_grace_s",
+        "--resume-grace",
+        float,
+        "seconds a resumable generation runs on after its last reader left; then it ends cancelled",
+        non_negative,
+        "0 or more",
+    ),
+    Option(
+        "resume_window_s",
+        "--resume-window",
+        float,
+        "seconds a resumable generation's frames can still be read (resume) after it ended",
+        non_negative,
+        "0 or more",
+    ),
+    Option(
+        "resume_max_bytes",
+        "--resume-max-bytes",
+        int,
+        "bytes of ended resumable streams kept per tenant; past it the oldest are dropped "
+        "(a resume then gets history_lost trimmed)",
         non_negative,
         "0 or more",
     ),

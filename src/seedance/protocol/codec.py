@@ -30,6 +30,7 @@ from seedance.protocol.messages import (
     ErrorFrame,
     Generate,
     Ping,
+    Resume,
     ServerFrame,
 )
 
@@ -46,6 +47,7 @@ _PATH_RE: Final = re.compile(r" - at `\$\.?(.*)`$")
 _MESSAGE_TYPES: Final[dict[str, type[ClientMessage]]] = {
     "generate": Generate,
     "cancel": Cancel,
+    "resume": Resume,
     "ping": Ping,
     "end_session": EndSession,
 }
@@ -113,6 +115,13 @@ def decode_client_text(data: str | bytes, limits: FrameLimits) -> ClientMessage:
         validate_generate(message, limits, request_id)
     elif isinstance(message, Cancel) and message.request_id is not None:
         _check_id("request_id", message.request_id)
+    elif isinstance(message, Resume):
+        _check_id("request_id", message.request_id)
+        if message.after_seq < -1:
+            raise InvalidRequest(
+                f"after_seq: must be -1 or more, got {message.after_seq}",
+                request_id=message.request_id,
+            )
     return message
 
 
@@ -245,6 +254,7 @@ def encode_error(error: SeedanceError, request_id: str | None = None) -> str:
         message=error.message,
         retryable=error.retryable,
         retry_after=error.retry_after_s,
+        reason=error.reason,
     )
     return encode_frame(ErrorFrame(error=body, request_id=request_id or error.request_id))
 

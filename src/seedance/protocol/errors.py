@@ -18,6 +18,7 @@ the OpenAI-compatible API::
     ├── PayloadTooLarge                 payload_too_large   closes 1009         HTTP 413
     ├── EngineError                     engine_error        (retryable)         HTTP 503
     ├── InternalError                   internal_error                          HTTP 500
+    ├── HistoryLost                     history_lost        (with a reason)     HTTP 410
     ├── NotFound                        not_found           (admin API only)    HTTP 404
     ├── Conflict                        conflict            (admin API only)    HTTP 409
     ├── UpgradeRequired                 upgrade_required    (HTTP only)         HTTP 426
@@ -67,6 +68,8 @@ class SeedanceError(Exception):
         self.message = message
         self.request_id = request_id
         self.retry_after_s = retry_after_s
+        #: Why, in one word, for errors that have several causes (``history_lost``).
+        self.reason: str | None = None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(code={self.code!r}, message={self.message!r})"
@@ -91,6 +94,21 @@ class SessionBusy(SeedanceError):
     code = "session_busy"
     retryable = True
     http_status = 409
+
+
+class HistoryLost(SeedanceError):
+    """A stream cannot be resumed: what the client lacks is gone. ``reason`` says why:
+    ``epoch_changed`` (the server lost its stream log), ``expired`` (the stream ended longer
+    than the resume window ago, or never was), ``trimmed`` (dropped to keep the tenant's log
+    under its byte cap) or ``cursor_ahead`` (the client claims tokens the server never sent)."""
+
+    code = "history_lost"
+    http_status = 410
+    REASONS: ClassVar[tuple[str, ...]] = ("epoch_changed", "expired", "trimmed", "cursor_ahead")
+
+    def __init__(self, reason: str, message: str, *, request_id: str | None = None) -> None:
+        super().__init__(message, request_id=request_id)
+        self.reason = reason
 
 
 class ContextOverflow(SeedanceError):
@@ -192,6 +210,7 @@ ERRORS_BY_CODE: dict[str, type[SeedanceError]] = {
         UnsupportedFrame,
         SessionBusy,
         ContextOverflow,
+        HistoryLost,
         ModelNotFound,
         Unauthorized,
         Forbidden,
@@ -210,9 +229,12 @@ def error_from_wire(
     *,
     request_id: str | None = None,
     retry_after_s: float | None = None,
+    reason: str | None = None,
 ) -> SeedanceError:
     """Rebuild the typed error of a received ``error`` frame (unknown codes: the base class)."""
     cls = ERRORS_BY_CODE.get(code, SeedanceError)
+    if cls is HistoryLost:
+        return HistoryLost(reason or "", message, request_id=request_id)
     err = cls(message, request_id=request_id, retry_after_s=retry_after_s)
     if cls is SeedanceError:
         err.code = code  # type: ignore[misc]  # keep the server's code visible to the caller

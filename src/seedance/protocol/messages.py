@@ -17,7 +17,7 @@ TenantId = NewType("TenantId", str)
 Role = Literal["system", "user", "assistant"]
 FinishReason = Literal["stop", "length", "cancelled"]
 
-PROTOCOL_VERSION = "2.0"
+PROTOCOL_VERSION = "2.1"
 SUBPROTOCOL = "seedance.v2"
 
 # Compact binary heartbeat frames (PROTOCOL.md section 4).
@@ -53,6 +53,9 @@ class Generate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     traceparent: str | None = None
     #: -10 .. 10, higher first in the admission queue (a tenant may ask up to its maximum).
     priority: int = 0
+    #: Survive disconnects: the generation runs on for ``--resume-grace`` without a reader,
+    #: and its frames can be read again (``resume``) for ``--resume-window`` after it ends.
+    resumable: bool = False
 
     def turns(self) -> list[ChatMessage]:
         """The turns this request appends to the session context."""
@@ -75,6 +78,17 @@ class Cancel(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     request_id: str | None = None
 
 
+class Resume(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``resume``: read a generation of this session from the token after ``after_seq``
+    (-1: from the start), live to its ``done``."""
+
+    type: Literal["resume"] = "resume"
+    request_id: str
+    after_seq: int = -1
+    #: The ``epoch`` of the ``session`` frame the client's tokens came with.
+    epoch: str | None = None
+
+
 class Ping(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """``ping``: answered by a ``pong`` carrying the same ``id``."""
 
@@ -88,7 +102,7 @@ class EndSession(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     type: Literal["end_session"] = "end_session"
 
 
-ClientMessage = Generate | Cancel | Ping | EndSession
+ClientMessage = Generate | Cancel | Resume | Ping | EndSession
 
 
 # --------------------------------------------------------------------------- server -> client
@@ -96,6 +110,15 @@ ClientMessage = Generate | Cancel | Ping | EndSession
 
 class _ServerFrame(msgspec.Struct, tag_field="type", omit_defaults=True):
     pass
+
+
+class ActiveStream(msgspec.Struct):
+    """The session's generation that can be resumed: running, or done within the window."""
+
+    request_id: str
+    #: The index of the next token the server will log (the count logged so far).
+    next_seq: int
+    state: Literal["running", "done"]
 
 
 class SessionFrame(_ServerFrame, tag="session"):
@@ -107,6 +130,9 @@ class SessionFrame(_ServerFrame, tag="session"):
     heartbeat_interval: float
     idle_timeout: float
     server: str
+    #: Changes whenever the server lost the session's stream log (a restart, in memory).
+    epoch: str = ""
+    active: ActiveStream | None = None
 
 
 class StartFrame(_ServerFrame, tag="start"):
@@ -155,6 +181,7 @@ class ErrorBody(msgspec.Struct, omit_defaults=True):
     message: str
     retryable: bool
     retry_after: float | None = None
+    reason: str | None = None
 
 
 class ErrorFrame(_ServerFrame, tag="error"):

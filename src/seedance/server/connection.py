@@ -1,8 +1,10 @@
 """One client connection on ``/v2/infer``: frames in, generations out, heartbeats, timeouts.
 
 The receive loop never waits on a generation: each ``generate`` runs in its own task, which
-writes ``start``, ``token`` and ``done`` frames through the connection's :class:`Outbound`
-queue. A ``cancel`` or a disconnect closes the engine's iterator, which stops the engine.
+writes its frames to a stream log; the connection follows the log (a :class:`Follower`) and
+sends them through its :class:`Outbound` queue, as does any other connection that resumes the
+same generation. A ``cancel`` closes the engine's iterator, which stops the engine; so does a
+disconnect of the last reader of a request that is not resumable.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from seedance.protocol.errors import (
     CLOSE_INTERNAL_ERROR,
     CLOSE_NORMAL,
     InternalError,
+    InvalidRequest,
     Overloaded,
     SeedanceError,
     SessionBusy,
@@ -44,12 +47,14 @@ from seedance.protocol.messages import (
     Ping,
     PongFrame,
     RequestId,
+    Resume,
 )
-from seedance.server.generation import Generation, new_request_id
-from seedance.server.outbound import Outbound, close_websocket
+from seedance.server.generation import Generation, Requester, new_request_id
+from seedance.server.outbound import Outbound, TokenStream, close_websocket
 from seedance.server.transport import AsgiWebSocket
 from seedance.sessions.context import fit_context
 from seedance.sessions.session import Session, Turn
+from seedance.streams.log import StreamLog
 from seedance.tenants.auth import OPEN_PRINCIPAL, Principal
 from seedance.tenants.policy import check_priority
 
@@ -62,6 +67,39 @@ logger = logging.getLogger(__name__)
 
 # How long a close may wait for queued frames before the socket is dropped.
 CLOSE_FLUSH_TIMEOUT_S = 5.0
+
+
+class Follower:
+    """A connection reading one generation's stream log: frames go out as they are logged."""
+
+    __slots__ = ("connection", "log", "tokens")
+
+    def __init__(self, connection: Connection, log: StreamLog, seq: int = 0) -> None:
+        self.connection = connection
+        self.log = log
+        self.tokens = TokenStream(log.request_id, connection.state.merger)
+        self.tokens.seq = seq  # the first token this reader lacks
+
+    def on_start(self, frame: str) -> None:
+        # Shares a write with the first token when that comes at once.
+        self.connection.out.put_soon(frame)
+
+    def on_tokens(self, text: str, tokens: int) -> None:
+        self.connection.out.put_token(self.tokens, text, tokens)
+
+    def on_end(self, frame: str) -> None:
+        connection = self.connection
+        if frame:
+            connection.out.put(frame)
+        if connection._follower is self:
+            connection._follower = None
+
+    @property
+    def congested(self) -> bool:
+        return self.connection.out.congested
+
+    async def wait_writable(self) -> None:
+        await self.connection.out.wait_writable()
 
 
 class Connection:
@@ -104,7 +142,7 @@ class Connection:
         self._ping_sent_clock = 0.0  # time.monotonic(), for the round trip
         self.last_rtt_s: float | None = None
         self._timer: asyncio.TimerHandle | None = None
-        self._generation: Generation | None = None
+        self._follower: Follower | None = None  # the generation this connection reads
         self._run_task: asyncio.Task[object] | None = None
         self._closing = False
         self._failure_close: asyncio.Future[None] | None = None  # the 1011 after a fault
@@ -208,7 +246,7 @@ class Connection:
     async def _finish(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
-        await self._stop_generation(silent=True)  # disconnect: abort the engine, send nothing
+        await self._leave_stream()  # a disconnect: the last reader's leaving may abort it
         await self.out.stop()
         duration = self._loop.time() - self.opened_at
         code = "1006" if self.close_code is None else str(self.close_code)
@@ -230,7 +268,7 @@ class Connection:
             return
         self._closing = True
         self.close_code = code
-        self._cancel_generation(silent=True)
+        self._leave_stream_soon()
         if past_writer:
             self._failure_close = asyncio.ensure_future(close_websocket(self.ws, code, reason))
         else:
@@ -259,8 +297,8 @@ class Connection:
         """The writer of this connection failed (a fault of ours, not the client going away):
         say so in the log with the connection and the request it was writing, and end the
         connection with 1011 (the close frame sent past the failed writer)."""
-        generation = self._generation
-        request = generation.request_id if generation is not None else "-"
+        follower = self._follower
+        request = follower.log.request_id if follower is not None else "-"
         logger.error(
             "conn %s: the writer failed (request %s); closing with %d",
             self.id,
@@ -314,9 +352,11 @@ class Connection:
         elif isinstance(message, Ping):
             self.out.put(encode_frame(PongFrame(id=message.id)))
         elif isinstance(message, Cancel):
-            generation = self._generation
+            generation = self._running()
             if generation is not None and message.request_id in (None, generation.request_id):
-                self._cancel_generation(silent=False)
+                generation.cancel(silent=False)
+        elif isinstance(message, Resume):
+            self._resume(message)
 
     def _on_binary(self, data: bytes) -> None:
         check_frame_size(data, self.config.max_frame_bytes)
@@ -328,7 +368,10 @@ class Connection:
             self.state.metrics.heartbeat_rtt.observe(self.last_rtt_s)
 
     async def _end_session(self) -> None:
-        self._cancel_generation(silent=True)
+        generation = self._running()
+        if generation is not None:
+            generation.cancel(silent=True)
+        self.state.streams.forget(self.tenant, self.session.session_id)
         await self.state.sessions.delete(self.session)
         logger.info("session %s ended by client (conn %s)", self.session.session_id, self.id)
         self.close(CLOSE_NORMAL, "session ended")
@@ -386,16 +429,34 @@ class Connection:
         usage = self.state.usage
         usage.start_request(self.tenant, self.quotas, prompt_tokens, message.max_tokens)
         try:
+            log = self.state.streams.open(
+                self.tenant,
+                session.session_id,
+                request_id,
+                resumable=message.resumable,
+                stream=message.stream,
+            )
+            requester = Requester(self.principal, session, self.model, self.id, self.trace)
             generation = Generation(
-                self, message, request_id, new_turns, context, prompt_tokens, received, trace_parent
+                self.state,
+                requester,
+                log,
+                message,
+                request_id,
+                new_turns,
+                context,
+                prompt_tokens,
+                received,
+                trace_parent,
             )
         except BaseException:
             usage.end_request(self.tenant, 0)
             raise
         session.begin(request_id)
-        self._generation = generation
+        self._follower = follower = Follower(self, log)
+        log.attach(follower)
         self.requests += 1
-        generation.start()
+        self.state.generation_started(generation)
 
     def _trace_refusal(
         self, message: Generate, request_id: RequestId, received: float, error: SeedanceError
@@ -447,12 +508,6 @@ class Connection:
             room -= max(over, exact - estimate)
         return context, exact
 
-    def generation_ended(self, generation: Generation) -> None:
-        """Called by a generation as it ends, whatever the outcome."""
-        self.session.end(generation.request_id)
-        if self._generation is generation:
-            self._generation = None
-
     def _history(self) -> list[Turn]:
         """The session's turns, recounted if they were counted for another model."""
         engine, name = self.model.engine, self.model.name
@@ -461,14 +516,63 @@ class Connection:
             for t in self.session.turns
         ]
 
-    def _cancel_generation(self, *, silent: bool) -> None:
-        if self._generation is not None:
-            self._generation.cancel(silent=silent)
+    def _running(self) -> Generation | None:
+        """The session's running generation (started here or on another connection)."""
+        return self.state.generations.get((self.tenant, self.session.session_id))
+
+    def _resume(self, message: Resume) -> None:
+        """Follow a generation of this session from the token after ``after_seq``."""
+        if self._follower is not None:
+            raise InvalidRequest(
+                f"this connection is reading {self._follower.log.request_id}; "
+                "resume another stream once it is done",
+                request_id=message.request_id,
+            )
+        session_id = self.session.session_id
+        log = self.state.streams.find(self.tenant, session_id, message.request_id, message.epoch)
+        follower = Follower(self, log, message.after_seq + 1)
+        log.attach(follower, message.after_seq)
+        if log.running:
+            self._follower = follower
+            generation = self._running()
+            if generation is not None:
+                generation.reader_joined()
+        logger.info(
+            "conn %s resumed %s after seq %d (%s)",
+            self.id,
+            message.request_id,
+            message.after_seq,
+            "live" if log.running else "done",
+        )
+
+    def _leave_stream_soon(self) -> None:
+        """Stop reading; the generation decides what that means (see ``reader_left``)."""
+        follower, self._follower = self._follower, None
+        if follower is None:
+            return
+        follower.log.detach(follower)
+        generation = self._running()
+        if generation is not None and generation.log is follower.log:
+            generation.reader_left()
+
+    async def _leave_stream(self) -> None:
+        """Stop reading, and wait for the generation if that aborted it."""
+        follower = self._follower
+        self._leave_stream_soon()
+        generation = self._running()
+        if follower is None or generation is None or generation.log is not follower.log:
+            return
+        log = generation.log
+        if not log.resumable and not log.readers and generation.task is not None:
+            await asyncio.gather(generation.task, return_exceptions=True)
 
     async def _stop_generation(self, *, silent: bool) -> None:
-        """Cancel the running generation and wait until it has ended."""
-        generation = self._generation
-        if generation is not None and generation.task is not None:
+        """Cancel the generation this connection reads and wait until it has ended."""
+        follower = self._follower
+        generation = self._running()
+        if follower is None or generation is None or generation.log is not follower.log:
+            return
+        if generation.task is not None:
             generation.cancel(silent=silent)
             await asyncio.gather(generation.task, return_exceptions=True)
 

@@ -11,7 +11,13 @@ from seedance import SERVER_NAME
 from seedance.observability.tracing import Tracing
 from seedance.protocol.codec import encode_error, encode_frame, validate_session_id
 from seedance.protocol.errors import CLOSE_GOING_AWAY, Overloaded, SeedanceError
-from seedance.protocol.messages import SUBPROTOCOL, SessionFrame, SessionId, TenantId
+from seedance.protocol.messages import (
+    SUBPROTOCOL,
+    ActiveStream,
+    SessionFrame,
+    SessionId,
+    TenantId,
+)
 from seedance.server.connection import Connection
 from seedance.server.state import ServerState
 from seedance.server.transport import AsgiWebSocket
@@ -78,6 +84,15 @@ class InferEndpoint:
         try:
             await ws.accept(subprotocol)
             config = state.config
+            streams = state.streams
+            log = streams.active(principal.name, session.session_id)
+            active = (
+                None
+                if log is None
+                else ActiveStream(
+                    log.request_id, log.next_seq, "running" if log.running else "done"
+                )
+            )
             await ws.send(
                 encode_frame(
                     SessionFrame(
@@ -89,6 +104,8 @@ class InferEndpoint:
                         heartbeat_interval=config.heartbeat_interval_s,
                         idle_timeout=config.idle_timeout_s,
                         server=SERVER_NAME,
+                        epoch=streams.epoch,
+                        active=active,
                     )
                 )
             )

@@ -1,8 +1,13 @@
-"""One request on a connection, from admission to its ``done`` (or ``error``) frame.
+"""One ``generate`` request, from admission to its ``done`` (or ``error``) frame.
 
-A :class:`Generation` runs in its own task. Cancelling the task aborts it: the engine's iterator
-is closed, which stops the engine. When the cancel came from the client (``cancel``, shutdown),
-the ``done`` frame says ``cancelled``; on a disconnect nothing is sent.
+A :class:`Generation` runs in its own task and writes every frame to its stream log
+(:mod:`seedance.streams`); the connections reading the log send them. It knows its
+:class:`Requester` (tenant, session, model, the connection it came from), not the socket, so it
+can outlive the connection: a ``resumable`` generation runs on for ``--resume-grace`` after its
+last reader left. Cancelling the task aborts it: the engine's iterator is closed, which stops
+the engine. When the cancel came from a client (``cancel``, shutdown, the grace running out)
+the ``done`` frame says ``cancelled``; when it came from the last reader leaving a request that
+is not resumable, nothing is sent.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import logging
 import secrets
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from seedance.engines.base import GenerationRequest, SamplingParams
@@ -33,13 +39,15 @@ from seedance.protocol.messages import (
     Usage,
     ms,
 )
-from seedance.server.outbound import TokenStream
-from seedance.sessions.session import Turn
+from seedance.sessions.session import Session, Turn
+from seedance.streams.log import StreamLog
+from seedance.tenants.auth import Principal
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context
 
-    from seedance.server.connection import Connection
+    from seedance.observability.tracing import ConnectionTrace
+    from seedance.server.state import ServedModel, ServerState
 
 logger = logging.getLogger(__name__)
 
@@ -48,12 +56,29 @@ def new_request_id() -> RequestId:
     return RequestId("r-" + secrets.token_hex(6))
 
 
+@dataclass(frozen=True, slots=True)
+class Requester:
+    """Who asked for a generation: what its accounting, trace and audit record name."""
+
+    principal: Principal
+    session: Session
+    model: ServedModel
+    connection_id: str
+    connection_trace: ConnectionTrace
+
+    @property
+    def tenant(self) -> str:
+        return self.principal.name
+
+
 class Generation:
     """The state of one request; :meth:`run` is its task."""
 
     def __init__(
         self,
-        connection: Connection,
+        state: ServerState,
+        requester: Requester,
+        log: StreamLog,
         message: Generate,
         request_id: RequestId,
         new_turns: list[Turn],
@@ -62,7 +87,9 @@ class Generation:
         received: float,
         trace_parent: Context | None,
     ) -> None:
-        self.connection = connection
+        self.state = state
+        self.requester = requester
+        self.log = log
         self.message = message
         self.request_id = request_id
         self.new_turns = new_turns
@@ -71,19 +98,27 @@ class Generation:
         self.received = received
         self.admitted_at: float | None = None
         self.completion_tokens = 0
-        self.parts: list[str] = []
+        self.parts = log.texts  # the reply's text as logged
         self.cancel_requested = False
+        self.ending = False  # past the engine: a cancel comes too late
+        #: The done or error frame, logged once the audit record is written ("": none).
+        self.terminal = ""
         self.task: asyncio.Task[None] | None = None
-        model = connection.model
-        self.trace = connection.state.tracing.request(
-            f"chat {model.name}", trace_parent, received, self._span_attributes, connection.trace
+        self._grace: asyncio.TimerHandle | None = None
+        model = requester.model
+        self.trace = state.tracing.request(
+            f"chat {model.name}",
+            trace_parent,
+            received,
+            self._span_attributes,
+            requester.connection_trace,
         )
         self.trace_id = self.trace.trace_id
         self.meter = RequestMeter(
-            connection.state.metrics,
+            state.metrics,
             model.name,
             model.engine.info.engine,
-            connection.tenant,
+            requester.tenant,
             received,
             self.trace.token_times,
         )
@@ -93,39 +128,71 @@ class Generation:
         self.task = asyncio.create_task(self.run(), name=f"generate-{self.request_id}")
 
     def cancel(self, *, silent: bool) -> None:
-        """Abort; unless ``silent``, the client gets a ``done`` saying ``cancelled``."""
-        if self.task is not None and not self.task.done():
+        """Abort; unless ``silent``, the log (and every reader) gets a ``done`` saying
+        ``cancelled``."""
+        if self.task is not None and not self.task.done() and not self.ending:
             self.cancel_requested = not silent
             self.task.cancel()
 
+    def reader_left(self) -> None:
+        """A reader detached. With none left, a request that is not resumable is aborted at
+        once; a resumable one runs on for the grace period, then ends ``cancelled``."""
+        if self.log.readers or self.task is None or self.task.done():
+            return
+        if not self.log.resumable:
+            self.cancel(silent=True)
+        elif self._grace is None:
+            grace_s = self.state.config.resume_grace_s
+            self._grace = asyncio.get_running_loop().call_later(grace_s, self._abandon)
+
+    def reader_joined(self) -> None:
+        if self._grace is not None:
+            self._grace.cancel()
+            self._grace = None
+
+    def _abandon(self) -> None:
+        self._grace = None
+        if not self.log.readers:
+            logger.info(
+                "request %s: no reader for %g s, cancelling",
+                self.request_id,
+                self.state.config.resume_grace_s,
+            )
+            self.cancel(silent=False)
+
     async def run(self) -> None:
-        connection = self.connection
-        out = connection.out
-        model = connection.model
+        """The task: the generation, then its log's last frame, whatever happened."""
+        try:
+            await self._run()
+        finally:
+            self.state.generation_ended(self, self.terminal)
+
+    async def _run(self) -> None:
+        requester = self.requester
+        state = self.state
+        session = requester.session
+        model = requester.model
         outcome = ""
-        terminal = ""  # the done or error frame, sent once the audit record is written
         audited: Future[None] | None = None
         bind_request(self.request_id, self.trace_id)
-        if connection.config.log_prompts:
+        if state.config.log_prompts:
             logger.debug(
                 "request %s prompt=%r", self.request_id, [t.message for t in self.new_turns]
             )
         try:
-            tenant = connection.principal.tenant
+            tenant = requester.principal.tenant
             # Room for the new turns' history (a reset frees what the session held).
             growth = sum(t.size for t in self.new_turns)
             if self.message.reset:
-                growth -= connection.session.size
+                growth -= session.size
             if growth > 0:
-                await connection.state.sessions.reserve(
-                    connection.session, growth, tenant.quotas.session_bytes
-                )
+                await state.sessions.reserve(session, growth, tenant.quotas.session_bytes)
             await model.admission.acquire(
                 self.message.priority, tenant=tenant.name, weight=tenant.tier
             )
             self.admitted_at = time.monotonic()
             self.meter.admitted(self.admitted_at, self.prompt_tokens)
-            out.put_soon(  # shares a write with the first token when that comes at once
+            self.log.open(
                 encode_frame(
                     StartFrame(
                         request_id=self.request_id,
@@ -141,11 +208,11 @@ class Generation:
             # The reply's tokens are known: no need to tokenize it again.
             reply_tokens = self.completion_tokens + model.engine.message_overhead_tokens
             turns = [*self.new_turns, Turn(answer, reply_tokens, model.name)]
-            connection.session.commit(
+            session.commit(
                 turns, reset=self.message.reset, max_tokens=model.engine.info.context_length
             )
-            await connection.state.sessions.save(connection.session)
-            outcome, terminal = finish, self._done(finish)
+            await state.sessions.save(session)
+            outcome, self.terminal = finish, self._done(finish)
         except asyncio.CancelledError:
             if not self.cancel_requested:
                 outcome = "aborted"
@@ -153,36 +220,36 @@ class Generation:
             task = asyncio.current_task()
             if task is not None and hasattr(task, "uncancel"):  # Python >= 3.11
                 task.uncancel()  # the cancel was ours and is handled here
-            outcome, terminal = "cancelled", self._done("cancelled")
+            outcome, self.terminal = "cancelled", self._done("cancelled")
         except SeedanceError as exc:
             outcome = exc.code
             self.error = exc
-            terminal = encode_error(exc, self.request_id)
+            self.terminal = encode_error(exc, self.request_id)
         except Exception:
             outcome = "internal_error"
             logger.exception("request %s failed", self.request_id)
             self.error = InternalError(f"internal error on request {self.request_id}")
-            terminal = encode_error(self.error, self.request_id)
+            self.terminal = encode_error(self.error, self.request_id)
         finally:
+            self.ending = True
+            self.reader_joined()  # no grace timer past the end
             if self.admitted_at is not None:
                 model.admission.release()
-            connection.state.usage.end_request(connection.tenant, self.completion_tokens)
-            connection.generation_ended(self)
+            state.usage.end_request(requester.tenant, self.completion_tokens)
+            session.end(self.request_id)
             self.meter.ended(time.monotonic(), outcome or "aborted")
             self._end_trace(outcome or "aborted")
             self._log(outcome)
-            audited = connection.state.audit_submit(lambda: self._audit_record(outcome))
+            audited = state.audit_submit(lambda: self._audit_record(outcome))
         try:  # the reply ends once its record is on disk
-            await connection.state.audit_wait(audited, f"request {self.request_id}")
+            await state.audit_wait(audited, f"request {self.request_id}")
         except Overloaded as unaudited:
             if self.error is None:  # a reply that cannot be audited is not confirmed
-                terminal = encode_error(unaudited, self.request_id)
-        out.put(terminal)
+                self.terminal = encode_error(unaudited, self.request_id)
 
     async def _stream(self) -> FinishReason:
-        """Run the engine and send its tokens; returns the finish reason."""
-        connection = self.connection
-        out = connection.out
+        """Run the engine and log its tokens; returns the finish reason."""
+        log = self.log
         message = self.message
         clock = time.monotonic
         request = GenerationRequest(
@@ -192,19 +259,15 @@ class Generation:
             prompt_tokens=self.prompt_tokens,
             priority=message.priority,
         )
-        merger = connection.state.merger
-        tokens = TokenStream(self.request_id, merger) if message.stream else None
-        stream = connection.model.engine.generate(request)
+        stream = self.requester.model.engine.generate(request)
         meter = self.meter
         try:
             async for delta in stream:
                 if delta.tokens:
                     meter.tokens(clock(), delta.tokens)
-                    self.parts.append(delta.text)
-                    if tokens is not None:
-                        out.put_token(tokens, delta.text, delta.tokens)
-                        if out.congested:
-                            await out.wait_writable()
+                    log.append(delta.text, delta.tokens)
+                    if log.congested:
+                        await log.wait_writable()
                     self.completion_tokens += delta.tokens
                 if delta.finish_reason is not None:
                     return delta.finish_reason
@@ -218,16 +281,16 @@ class Generation:
             await stream.aclose()
 
     def _audit_record(self, outcome: str) -> audit.Request:
-        connection = self.connection
-        model = connection.model
+        requester = self.requester
+        model = requester.model
         messages = [{"role": t.message.role, "content": t.message.content} for t in self.context]
         timing = self._timing()
         return audit.Request(
             api="websocket",
-            tenant=connection.tenant,
-            credential=connection.principal.credential,
-            connection=connection.id,
-            session=connection.session.session_id,
+            tenant=requester.tenant,
+            credential=requester.principal.credential,
+            connection=requester.connection_id,
+            session=requester.session.session_id,
             request_id=self.request_id,
             trace_id=self.trace_id,
             model=model.name,
@@ -245,16 +308,16 @@ class Generation:
 
     def _span_attributes(self) -> Attributes:
         """The request span's attributes when it opens (OpenTelemetry's GenAI names)."""
-        connection, message = self.connection, self.message
+        requester, message = self.requester, self.message
         return {
             "gen_ai.operation.name": "chat",
-            "gen_ai.request.model": connection.model.name,
+            "gen_ai.request.model": requester.model.name,
             **request_attributes(message),
-            "seedance.engine": connection.model.engine.info.engine,
+            "seedance.engine": requester.model.engine.info.engine,
             "seedance.request_id": self.request_id,
-            "seedance.tenant": connection.tenant,
-            "seedance.session_id": connection.session.session_id,
-            "seedance.connection_id": connection.id,
+            "seedance.tenant": requester.tenant,
+            "seedance.session_id": requester.session.session_id,
+            "seedance.connection_id": requester.connection_id,
             "gen_ai.usage.input_tokens": self.prompt_tokens,
         }
 
@@ -271,7 +334,7 @@ class Generation:
             error=None if error is None else (error.code, error.message),
             attributes={
                 "gen_ai.response.id": self.request_id,
-                "gen_ai.response.model": self.connection.model.name,
+                "gen_ai.response.model": self.requester.model.name,
                 "gen_ai.usage.output_tokens": self.completion_tokens,
             },
         )
@@ -310,7 +373,7 @@ class Generation:
         )
 
     def _log(self, outcome: str) -> None:
-        connection = self.connection
+        requester = self.requester
         if not logger.isEnabledFor(logging.INFO):  # the line's figures cost more than the check
             return
         timing = self._timing()
@@ -318,10 +381,10 @@ class Generation:
             "request %s conn=%s tenant=%s session=%s model=%s outcome=%s prompt_tokens=%d "
             "completion_tokens=%d queue_ms=%.1f ttft_ms=%s total_ms=%.1f",
             self.request_id,
-            connection.id,
-            connection.tenant,
-            connection.session.session_id,
-            connection.model.name,
+            requester.connection_id,
+            requester.tenant,
+            requester.session.session_id,
+            requester.model.name,
             outcome,
             self.prompt_tokens,
             self.completion_tokens,
@@ -329,5 +392,5 @@ class Generation:
             "-" if timing.ttft_ms is None else f"{timing.ttft_ms:.1f}",
             timing.total_ms,
         )
-        if connection.config.log_prompts and self.parts:
+        if self.state.config.log_prompts and self.parts:
             logger.debug("request %s completion=%r", self.request_id, "".join(self.parts))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -22,11 +23,13 @@ from seedance.server.admission import Admission
 from seedance.server.gauges import state_metrics
 from seedance.server.outbound import FrameMerger
 from seedance.sessions.store import MemorySessionStore, SessionStore
+from seedance.streams.store import MemoryStreamStore, StreamStore
 from seedance.tenants.access import Access
 from seedance.tenants.usage import Usage
 
 if TYPE_CHECKING:
     from seedance.server.connection import Connection
+    from seedance.server.generation import Generation
     from seedance.server.openai_api import HttpCall
 
 logger = logging.getLogger(__name__)
@@ -76,6 +79,11 @@ class ServerState:
             max_sessions=config.max_sessions,
             max_bytes=config.max_session_bytes,
         )
+        self.streams: StreamStore = MemoryStreamStore(
+            window_s=config.resume_window_s, max_bytes_per_tenant=config.resume_max_bytes
+        )
+        #: Running WebSocket generations by (tenant, session id): one per session at most.
+        self.generations: dict[tuple[str, str], Generation] = {}
         self.connections: set[Connection] = set()
         self.http_calls: set[HttpCall] = set()  # OpenAI API requests being answered
         # Merges the token frames of fast streams (None: one frame per token).
@@ -100,6 +108,21 @@ class ServerState:
             served = ", ".join(sorted(self.models))
             raise ModelNotFound(f"model {name!r} is not served here; served models: {served}")
         return model
+
+    def generation_started(self, generation: Generation) -> None:
+        session = generation.requester.session
+        self.generations[(session.tenant, session.session_id)] = generation
+        generation.start()
+
+    def generation_ended(self, generation: Generation, terminal: str) -> None:
+        """A generation is over: its log gets its last frame (none after a silent abort)
+        and is kept for resumes or dropped."""
+        session = generation.requester.session
+        key = (session.tenant, session.session_id)
+        if self.generations.get(key) is generation:
+            del self.generations[key]
+        generation.log.close(terminal, time.monotonic())
+        self.streams.ended(session.tenant, session.session_id, generation.log)
 
     @property
     def running_generations(self) -> int:
