@@ -103,7 +103,7 @@ async def test_end_session_and_closed_errors(server: RunningServer) -> None:
 @pytest.mark.slow
 async def test_server_shutdown_fails_the_stream_with_connection_closed(make_server) -> None:  # type: ignore[no-untyped-def]
     server = make_server(engines=[slow_engine(50)], drain_timeout_s=0.2)
-    async with connect(server.url) as session:
+    async with connect(server.url, reconnect=None) as session:
         stream = session.generate("x", max_tokens=500)
         await stream.__anext__()
         await asyncio.to_thread(server.stop)

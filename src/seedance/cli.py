@@ -287,9 +287,15 @@ async def _chat_main(args: argparse.Namespace) -> int:
 
 
 async def _reply(session: ClientSession, prompt: str, args: argparse.Namespace) -> None:
+    # Resumable: a reply survives a dropped connection or a server restart that keeps the log.
     stream = session.generate(
-        prompt, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
+        prompt,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+        resumable=True,
     )
+    reconnects = session.reconnects
     loop = asyncio.get_running_loop()
     cancel_tasks: list[asyncio.Task[None]] = []
 
@@ -302,7 +308,8 @@ async def _reply(session: ClientSession, prompt: str, args: argparse.Namespace) 
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
     except SeedanceError as exc:
-        print(f"\n[{exc.code}] {exc.message}", file=sys.stderr)
+        reason = f" {exc.reason}" if exc.reason else ""
+        print(f"\n[{exc.code}{reason}] {exc.message}", file=sys.stderr)
         if exc.code == "connection_closed":
             raise
         return
@@ -315,6 +322,8 @@ async def _reply(session: ClientSession, prompt: str, args: argparse.Namespace) 
         sys.stdout.write(" [cancelled]")
     sys.stdout.write("\n")
     sys.stdout.flush()
+    if session.reconnects != reconnects:
+        print("[the connection dropped; the reply was resumed]", file=sys.stderr)
     if args.verbose and done is not None:
         usage, timing = done.usage, done.timing
         ttft = "-" if timing.ttft_ms is None else f"{timing.ttft_ms:.1f} ms"

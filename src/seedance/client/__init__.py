@@ -1,12 +1,20 @@
 """Python client for Seedance's ``/v2/infer`` WebSocket protocol."""
 
-from seedance.client.session import ClientSession, Stream, TokenChunk, connect, infer_url
+from seedance.client.session import (
+    ClientSession,
+    Reconnect,
+    Stream,
+    TokenChunk,
+    connect,
+    infer_url,
+)
 from seedance.client.sync import SyncSession, SyncStream, connect_sync
 from seedance.protocol.errors import (
     ConnectionClosed,
     ContextOverflow,
     EngineError,
     Forbidden,
+    HistoryLost,
     InternalError,
     InvalidJSON,
     InvalidRequest,
@@ -26,6 +34,7 @@ __all__ = [
     "ContextOverflow",
     "EngineError",
     "Forbidden",
+    "HistoryLost",
     "InternalError",
     "InvalidJSON",
     "InvalidRequest",
@@ -33,6 +42,7 @@ __all__ = [
     "Overloaded",
     "PayloadTooLarge",
     "QuotaExceeded",
+    "Reconnect",
     "SeedanceError",
     "SessionBusy",
     "Stream",

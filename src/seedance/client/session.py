@@ -3,19 +3,28 @@
 ::
 
     async with connect("ws://127.0.0.1:8000", session_id="abc") as session:
-        async for chunk in session.generate("hello", max_tokens=32):
+        async for chunk in session.generate("hello", max_tokens=32, resumable=True):
             print(chunk.text, end="", flush=True)
         rtt_s = await session.ping()
 
 Server errors are raised as the typed exceptions of :mod:`seedance.protocol.errors`.
+
+When the connection drops (no close frame, a server restart or shutdown, 1011, 1013), the
+session reconnects on its own (:class:`Reconnect`: jittered, doubling waits, a bounded number
+of tries) to the same session and resumes every ``resumable`` stream from the last token it
+holds: the iterator goes on as if nothing happened, every token once. A stream the server can
+no longer resume raises :class:`~seedance.protocol.errors.HistoryLost` with its ``reason``; a
+stream that was not resumable raises :class:`~seedance.protocol.errors.ConnectionClosed`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import random
 import secrets
 from collections import deque
-from collections.abc import Generator, Sequence
+from collections.abc import Awaitable, Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -44,11 +53,33 @@ from seedance.protocol.messages import (
     Generate,
     Ping,
     PongFrame,
+    Resume,
     ServerFrame,
     SessionFrame,
     StartFrame,
     TokenFrame,
 )
+
+logger = logging.getLogger(__name__)
+
+#: Close codes after which the session reconnects: no close frame, the server going away or
+#: restarting, a fault of the server, try again later.
+RECONNECT_CODES = frozenset({1001, 1006, 1011, 1012, 1013})
+
+
+@dataclass(frozen=True, slots=True)
+class Reconnect:
+    """How a session reconnects after its connection dropped: up to ``attempts`` tries, each
+    after a wait drawn uniformly below ``first_delay_s`` doubled per try (at most
+    ``max_delay_s``): full jitter, so that many clients of one server do not come back at once."""
+
+    attempts: int = 6
+    first_delay_s: float = 0.1
+    max_delay_s: float = 5.0
+
+    def delays(self, rng: random.Random) -> Iterator[float]:
+        for attempt in range(self.attempts):
+            yield rng.uniform(0, min(self.max_delay_s, self.first_delay_s * 2**attempt))
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,10 +116,14 @@ class Stream:
         self.request_id: str = message.request_id or ""
         self.start: StartFrame | None = None
         self.done: DoneFrame | None = None
+        self.resumable = message.resumable
+        #: The index of the last token received (-1: none): where a resume starts from.
+        self.last_seq = -1
         self._parts: list[str] = []
         # Unbounded: the reader never waits on one stream (heartbeats keep flowing).
         self._queue: asyncio.Queue[ServerFrame | BaseException] = asyncio.Queue()
         self._sent = False
+        self._on_wire = False  # its generate went out on a connection
         self._failure: BaseException | None = None
 
     @property
@@ -112,10 +147,14 @@ class Stream:
                 self._failure = item
                 raise item
             if isinstance(item, TokenFrame):
+                last = item.seq + item.n - 1
+                if last <= self.last_seq:  # already held (a resume after a drop)
+                    continue
+                self.last_seq = last
                 self._parts.append(item.token)
                 return TokenChunk(item.token, item.seq, item.n)
             if isinstance(item, StartFrame):
-                self.start = item
+                self.start = self.start or item  # a resume sends it again
             elif isinstance(item, DoneFrame):
                 self.done = item
         raise StopAsyncIteration
@@ -131,12 +170,29 @@ class Stream:
         await self._session.cancel(self.request_id)
 
 
+Opener = Callable[[str], Awaitable[tuple[ClientConnection, SessionFrame]]]
+
+
 class ClientSession:
     """One connection to a server session. Create it with :func:`connect`."""
 
-    def __init__(self, ws: ClientConnection, info: SessionFrame) -> None:
+    def __init__(
+        self,
+        ws: ClientConnection,
+        info: SessionFrame,
+        reopen: Opener | None = None,
+        reconnect: Reconnect | None = None,
+    ) -> None:
         self._ws = ws
         self.info = info
+        self._reopen = reopen
+        self._reconnect_policy = reconnect if reopen is not None else None
+        self._rng = random.Random()
+        #: Times the session reconnected after a drop.
+        self.reconnects = 0
+        self._closing = False  # close() or end() was called: no reconnect
+        self._connected = asyncio.Event()
+        self._connected.set()
         self._streams: dict[str, Stream] = {}
         self._pongs: deque[tuple[asyncio.Future[float], float]] = deque()
         self._json_pongs: dict[str, asyncio.Future[float]] = {}
@@ -180,9 +236,12 @@ class ClientSession:
         request_id: str | None = None,
         reset: bool = False,
         priority: int = 0,
+        resumable: bool = False,
     ) -> Stream:
         """Ask for a reply; iterate the result for its tokens. ``priority`` (-10 to 10, within
-        the tenant's maximum) orders the request in the server's admission queue."""
+        the tenant's maximum) orders the request in the server's admission queue.
+        ``resumable``: the reply survives a dropped connection (the session reconnects and
+        resumes it)."""
         fields: dict[str, Any] = {
             "prompt": prompt,
             "stream": stream,
@@ -190,6 +249,7 @@ class ClientSession:
             "request_id": request_id or "c-" + secrets.token_hex(6),
             "reset": reset,
             "priority": priority,
+            "resumable": resumable,
         }
         if messages is not None:
             fields["messages"] = [
@@ -235,11 +295,13 @@ class ClientSession:
 
     async def end(self) -> None:
         """Delete the session on the server (``end_session``) and wait for the close."""
+        self._closing = True
         await self._send(encode_client_message(EndSession()))
         await asyncio.gather(self._reader, return_exceptions=True)
 
     async def close(self) -> None:
         """Close the connection; the session lives on on the server until its TTL."""
+        self._closing = True
         await self._ws.close()
         await asyncio.gather(self._reader, return_exceptions=True)
 
@@ -256,18 +318,44 @@ class ClientSession:
         except BaseException:
             self._streams.pop(stream.request_id, None)
             raise
+        stream._on_wire = True
 
     async def _send(self, data: str | bytes) -> None:
-        if self._closed is not None:
-            raise self._error or self._closed
-        try:
-            await self._ws.send(data)
-        except WsConnectionClosed:
-            await asyncio.gather(self._reader, return_exceptions=True)
-            raise self._error or self._closed or ConnectionClosed(1006) from None
+        while True:
+            await self._connected.wait()  # not while reconnecting
+            if self._closed is not None:
+                raise self._error or self._closed
+            ws = self._ws
+            try:
+                await ws.send(data)
+                return
+            except WsConnectionClosed:
+                if self._ws is ws:  # the reader reconnects, or gives up and closes
+                    self._connected.clear()
 
     async def _read_forever(self) -> None:
-        ws = self._ws
+        try:
+            while True:
+                await self._read(self._ws)
+                if not await self._reconnect():
+                    return
+        finally:
+            ws = self._ws
+            self._closed = ConnectionClosed(ws.close_code or 1006, ws.close_reason or "")
+            self._connected.set()  # senders waiting for a reconnect: it will not come
+            failure: BaseException = self._error or self._closed
+            for stream in self._streams.values():
+                stream._queue.put_nowait(failure)
+            self._streams.clear()
+            for future, _ in self._pongs:
+                if not future.done():
+                    future.set_exception(self._closed)
+            for future in self._json_pongs.values():
+                if not future.done():
+                    future.set_exception(self._closed)
+
+    async def _read(self, ws: ClientConnection) -> None:
+        """Handle frames until the connection closes."""
         try:
             async for data in ws:
                 if isinstance(data, bytes):
@@ -281,18 +369,53 @@ class ClientSession:
         except SeedanceError as exc:  # the server broke the protocol
             self._error = exc
             await ws.close(1002, "protocol error")
-        finally:
-            self._closed = ConnectionClosed(ws.close_code or 1006, ws.close_reason or "")
-            failure: BaseException = self._error or self._closed
-            for stream in self._streams.values():
-                stream._queue.put_nowait(failure)
-            self._streams.clear()
-            for future, _ in self._pongs:
-                if not future.done():
-                    future.set_exception(self._closed)
-            for future in self._json_pongs.values():
-                if not future.done():
-                    future.set_exception(self._closed)
+
+    def _closed_by_us(self) -> bool:
+        return self._closing
+
+    async def _reconnect(self) -> bool:
+        """After a drop: open the same session again and resume the resumable streams; the
+        streams that are not resumable fail. False: no reconnect (closed on purpose, a close
+        code that says not to, or every try failed)."""
+        policy, reopen = self._reconnect_policy, self._reopen
+        code = self._ws.close_code or 1006
+        if policy is None or reopen is None or self._closing or self._error is not None:
+            return False
+        if code not in RECONNECT_CODES:
+            return False
+        self._connected.clear()
+        dropped = ConnectionClosed(code, self._ws.close_reason or "")
+        for stream in [s for s in self._streams.values() if s._on_wire and not s.resumable]:
+            self._streams.pop(stream.request_id, None)
+            stream._queue.put_nowait(dropped)
+        epoch = self.info.epoch or None
+        for attempt, delay in enumerate(policy.delays(self._rng), 1):
+            await asyncio.sleep(delay)
+            if self._closed_by_us():  # close() during the wait
+                return False
+            try:
+                ws, info = await reopen(self.session_id)
+            except (OSError, TimeoutError, SeedanceError) as exc:
+                logger.info("reconnect %d/%d failed: %r", attempt, policy.attempts, exc)
+                continue
+            self._ws, self.info = ws, info
+            self.reconnects += 1
+            for stream in [s for s in self._streams.values() if s._on_wire]:
+                resume = Resume(
+                    request_id=stream.request_id, after_seq=stream.last_seq, epoch=epoch
+                )
+                try:
+                    await ws.send(encode_client_message(resume))
+                except WsConnectionClosed:
+                    break  # dropped again: the next round of reading notices
+            self._connected.set()
+            logger.info(
+                "reconnected to session %s (%d stream(s) resumed)",
+                self.session_id,
+                len(self._streams),
+            )
+            return True
+        return False
 
     async def _on_binary(self, data: bytes) -> None:
         if data == HEARTBEAT_PING:
@@ -316,7 +439,11 @@ class ClientSession:
         if isinstance(frame, ErrorFrame):
             body = frame.error
             error = error_from_wire(
-                body.code, body.message, request_id=request_id, retry_after_s=body.retry_after
+                body.code,
+                body.message,
+                request_id=request_id,
+                retry_after_s=body.retry_after,
+                reason=body.reason,
             )
             if stream is None:
                 self._error = error
@@ -337,6 +464,7 @@ class connect:
     """Open a session: ``async with connect(url) as session`` or ``await connect(url)``.
 
     ``url`` is ``ws://host:port`` (``/v2/infer`` is added) or a full ``/v2/infer`` URL.
+    ``reconnect``: how the session comes back after a dropped connection (None: it does not).
     """
 
     def __init__(
@@ -348,17 +476,21 @@ class connect:
         api_key: str | None = None,
         open_timeout_s: float = 10.0,
         max_frame_bytes: int | None = 64 * 1024 * 1024,
+        reconnect: Reconnect | None = Reconnect(),
     ) -> None:
+        self.base_url = url
+        self.model = model
         self.url = infer_url(url, session_id=session_id, model=model)
         self.api_key = api_key
         self.open_timeout_s = open_timeout_s
         self.max_frame_bytes = max_frame_bytes
+        self.reconnect = reconnect
         self._session: ClientSession | None = None
 
-    async def _open(self) -> ClientSession:
+    async def _handshake(self, url: str) -> tuple[ClientConnection, SessionFrame]:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
         ws = await ws_connect(
-            self.url,
+            url,
             subprotocols=[SUBPROTOCOL],  # type: ignore[list-item]
             additional_headers=headers,
             open_timeout=self.open_timeout_s,
@@ -380,7 +512,16 @@ class connect:
         except BaseException:
             await ws.close()
             raise
-        return ClientSession(ws, frame)
+        return ws, frame
+
+    async def _reopen(self, session_id: str) -> tuple[ClientConnection, SessionFrame]:
+        return await self._handshake(
+            infer_url(self.base_url, session_id=session_id, model=self.model)
+        )
+
+    async def _open(self) -> ClientSession:
+        ws, frame = await self._handshake(self.url)
+        return ClientSession(ws, frame, self._reopen, self.reconnect)
 
     def __await__(self) -> Generator[Any, None, ClientSession]:
         return self._open().__await__()
