@@ -18,7 +18,7 @@ from websockets.asyncio.client import ClientConnection
 
 from tests.support.servers import RunningServer
 from tests.support.waits import eventually
-from tests.support.ws import collect, generate, open_session, recv_json, tokens_text
+from tests.support.ws import collect, generate, open_session, recv_json, tokens_text, wait_closed
 
 PROMPT = "tell me a long story"
 
@@ -307,3 +307,35 @@ async def test_the_embedded_model_resumes_exactly(make_server: Any) -> None:
     assert reading.end is not None and reading.end["type"] == "done"
     assert reading.text == expected
     assert reading.end["usage"]["completion_tokens"] == reading.last_seq + 1
+
+
+@pytest.mark.slow
+async def test_shutdown_closes_idle_connections_spread_out_and_lets_streams_finish(
+    make_server: Any,
+) -> None:
+    server: RunningServer = make_server(tokens_per_s=200.0, drain_timeout_s=10.0)
+    idle = [(await open_session(server.url))[0] for _ in range(10)]
+    ws, _ = await open_session(server.url, "session_id=busy")
+    await ws.send(
+        json.dumps({"prompt": PROMPT, "max_tokens": 400, "resumable": True, "request_id": "r"})
+    )
+    reading = Reading("r")
+    await read(ws, reading, until_seq=5)
+    loop = asyncio.get_running_loop()
+    stopping = asyncio.ensure_future(asyncio.to_thread(server.stop))
+    closed: list[tuple[float, int | None]] = []
+
+    async def closes(client: ClientConnection) -> None:
+        code, _ = await wait_closed(client, timeout=10)
+        closed.append((loop.time(), code))
+
+    await asyncio.gather(*(closes(client) for client in idle))
+    assert [code for _, code in closed] == [1001] * 10
+    times = sorted(at for at, _ in closed)
+    assert times[-1] - times[0] > 0.5  # spread out, not all at once
+    await read(ws, reading)  # the running stream goes on to its end
+    assert reading.end is not None and reading.end["finish_reason"] == "length"
+    assert reading.last_seq == 399
+    code, _ = await wait_closed(ws)
+    assert code == 1001
+    await stopping

@@ -7,14 +7,13 @@ from typing import Any
 import pytest
 
 from seedance.protocol.errors import HistoryLost, InvalidRequest
-from seedance.streams.log import StreamLog
+from seedance.streams.log import FRAME_BYTES, StreamLog
 from seedance.streams.store import MemoryStreamStore
 
 
 class Reader:
     def __init__(self) -> None:
         self.frames: list[Any] = []
-        self.congested = False
 
     def on_start(self, frame: str) -> None:
         self.frames.append(("start", frame))
@@ -24,9 +23,6 @@ class Reader:
 
     def on_end(self, frame: str) -> None:
         self.frames.append(("end", frame))
-
-    async def wait_writable(self) -> None:
-        pass
 
 
 def logged(*deltas: tuple[str, int]) -> StreamLog:
@@ -65,7 +61,7 @@ def test_a_reply_that_is_not_streamed_hands_over_only_the_end() -> None:
 
 def test_the_store_keeps_resumable_logs_for_the_window_and_says_why_they_went() -> None:
     now = [0.0]
-    store = MemoryStreamStore(window_s=10, max_bytes_per_tenant=100, clock=lambda: now[0])
+    store = MemoryStreamStore(window_s=10, max_bytes_per_tenant=1000, clock=lambda: now[0])
     plain = store.open("t", "s1", "a", resumable=False, stream=True)
     assert store.active("t", "s1") is plain  # running: readable by a second reader
     plain.close("D", now[0])
@@ -79,7 +75,8 @@ def test_the_store_keeps_resumable_logs_for_the_window_and_says_why_they_went() 
     kept.append("x" * 30, 1)
     kept.close("D", now[0])
     store.ended("t", "s1", kept)
-    assert store.find("t", "s1", "b", None) is kept and store.bytes_of("t") == 31
+    assert store.find("t", "s1", "b", None) is kept
+    assert store.bytes_of("t") == FRAME_BYTES + 30  # the end frame and the text
     with pytest.raises(HistoryLost) as lost:
         store.find("t", "s1", "b", "another epoch")
     assert lost.value.reason == "epoch_changed"
@@ -90,7 +87,8 @@ def test_the_store_keeps_resumable_logs_for_the_window_and_says_why_they_went() 
 
 
 def test_the_tenant_byte_cap_drops_the_oldest_ended_logs() -> None:
-    store = MemoryStreamStore(window_s=60, max_bytes_per_tenant=100, clock=lambda: 0.0)
+    each = FRAME_BYTES + 39
+    store = MemoryStreamStore(window_s=60, max_bytes_per_tenant=2 * each + 1, clock=lambda: 0.0)
     for i in range(4):
         log = store.open("t", f"s{i}", f"r{i}", resumable=True, stream=True)
         log.append("x" * 39, 1)
@@ -105,4 +103,4 @@ def test_the_tenant_byte_cap_drops_the_oldest_ended_logs() -> None:
     with pytest.raises(HistoryLost):
         store.find("t", "s1", "r1", None)
     assert store.find("t", "s3", "r3", None).request_id == "r3"
-    assert store.bytes_of("t") == 80 and store.find("u", "s0", "u0", None) is other
+    assert store.bytes_of("t") == 2 * each and store.find("u", "s0", "u0", None) is other

@@ -43,6 +43,14 @@ class _StreamOptions(msgspec.Struct):
     include_usage: bool = False
 
 
+class _Extension(msgspec.Struct, forbid_unknown_fields=True):
+    """Seedance's own fields, in ``"seedance": {...}``."""
+
+    #: The reply survives a dropped connection: ``GET /v1/streams/{id}`` with ``Last-Event-ID``
+    #: reads the rest (SSE events then carry ``id: <request id>:<seq>``).
+    resumable: bool = False
+
+
 class _Common(msgspec.Struct, kw_only=True):
     model: str | None = None
     max_tokens: int | None = None
@@ -54,6 +62,7 @@ class _Common(msgspec.Struct, kw_only=True):
     stream: bool = False
     stream_options: _StreamOptions | None = None
     n: int = 1
+    seedance: _Extension | None = None
 
 
 class _ChatBody(_Common, kw_only=True):
@@ -158,6 +167,7 @@ def _request(
         "seed": body.seed,
         "priority": body.priority,
         "stream": body.stream,
+        "resumable": bool(body.seedance and body.seedance.resumable),
     }
     generate = Generate(**fields, **text)
     validate_generate(generate, limits)
@@ -225,6 +235,7 @@ _ERROR_TYPES: Final = {
     403: "permission_error",
     404: "not_found_error",
     409: "conflict_error",
+    410: "invalid_request_error",
     413: "invalid_request_error",
     426: "invalid_request_error",
     429: "rate_limit_error",
@@ -235,6 +246,12 @@ _encode_json = msgspec.json.Encoder().encode
 def error_body(error: SeedanceError) -> bytes:
     """An error as the OpenAI API shapes it (``{"error": {"message", "type", ...}}``)."""
     kind = _ERROR_TYPES.get(error.http_status, "server_error")
-    return _encode_json(
-        {"error": {"message": error.message, "type": kind, "param": None, "code": error.code}}
-    )
+    body: dict[str, Any] = {
+        "message": error.message,
+        "type": kind,
+        "param": None,
+        "code": error.code,
+    }
+    if error.reason is not None:  # history_lost: why
+        body["reason"] = error.reason
+    return _encode_json({"error": body})

@@ -27,7 +27,7 @@ from seedance.protocol.errors import UpgradeRequired
 from seedance.server.admin import admin_routes
 from seedance.server.endpoint import InferEndpoint
 from seedance.server.errors import EXCEPTION_HANDLERS
-from seedance.server.openai_api import OpenAIEndpoint, authenticate_http
+from seedance.server.openai_api import OpenAIEndpoint, StreamsEndpoint, authenticate_http
 from seedance.server.state import ServerState
 from seedance.sessions.store import SessionStore
 from seedance.tenants.policy import may_use
@@ -126,6 +126,7 @@ def create_app(
             Route("/v1/models", models),
             Route("/v1/chat/completions", OpenAIEndpoint(state, "chat"), methods=["POST"]),
             Route("/v1/completions", OpenAIEndpoint(state, "completion"), methods=["POST"]),
+            Route("/v1/streams/{request_id}", StreamsEndpoint(state), methods=["GET"]),
             *admin_routes(state),
         ],
         lifespan=lifespan,

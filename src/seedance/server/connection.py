@@ -33,30 +33,29 @@ from seedance.protocol.errors import (
     CLOSE_NORMAL,
     InternalError,
     InvalidRequest,
-    Overloaded,
     SeedanceError,
-    SessionBusy,
 )
 from seedance.protocol.messages import (
     HEARTBEAT_PING,
     HEARTBEAT_PONG,
     Cancel,
     ClientMessage,
+    DoneFrame,
     EndSession,
+    ErrorFrame,
     Generate,
     Ping,
     PongFrame,
     RequestId,
     Resume,
+    StartFrame,
 )
-from seedance.server.generation import Generation, Requester, new_request_id
 from seedance.server.outbound import Outbound, TokenStream, close_websocket
+from seedance.server.requests import Generation, Requester, admit, new_request_id
 from seedance.server.transport import AsgiWebSocket
-from seedance.sessions.context import fit_context
-from seedance.sessions.session import Session, Turn
+from seedance.sessions.session import Session
 from seedance.streams.log import StreamLog
 from seedance.tenants.auth import OPEN_PRINCIPAL, Principal
-from seedance.tenants.policy import check_priority
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context
@@ -72,34 +71,45 @@ CLOSE_FLUSH_TIMEOUT_S = 5.0
 class Follower:
     """A connection reading one generation's stream log: frames go out as they are logged."""
 
-    __slots__ = ("connection", "log", "tokens")
+    __slots__ = ("behind", "connection", "log", "on_tokens", "out", "tokens")
 
     def __init__(self, connection: Connection, log: StreamLog, seq: int = 0) -> None:
         self.connection = connection
+        self.out = out = connection.out
         self.log = log
         self.tokens = TokenStream(log.request_id, connection.state.merger)
         self.tokens.seq = seq  # the first token this reader lacks
+        self.on_tokens = functools.partial(out.put_token, self.tokens)
+        self.behind = False
+        out.watcher = self._watch
+        if out.congested:
+            self._watch(True)
 
-    def on_start(self, frame: str) -> None:
+    def _watch(self, congested: bool) -> None:
+        """The connection's socket fell behind or caught up: the log's writer waits for it."""
+        if congested != self.behind:
+            self.behind = congested
+            self.log.set_behind(congested)
+
+    def on_start(self, frame: StartFrame) -> None:
         # Shares a write with the first token when that comes at once.
-        self.connection.out.put_soon(frame)
+        self.out.put_soon(encode_frame(frame))
 
-    def on_tokens(self, text: str, tokens: int) -> None:
-        self.connection.out.put_token(self.tokens, text, tokens)
+    def on_end(self, frame: DoneFrame | ErrorFrame | None) -> None:
+        if frame is not None:
+            self.out.put(encode_frame(frame))
+        self.stop()
 
-    def on_end(self, frame: str) -> None:
+    def stop(self) -> None:
+        """No longer this connection's stream."""
+        if self.out.watcher == self._watch:
+            self.out.watcher = None
+        if self.behind:
+            self.behind = False
+            self.log.set_behind(False)
         connection = self.connection
-        if frame:
-            connection.out.put(frame)
         if connection._follower is self:
             connection._follower = None
-
-    @property
-    def congested(self) -> bool:
-        return self.connection.out.congested
-
-    async def wait_writable(self) -> None:
-        await self.connection.out.wait_writable()
 
 
 class Connection:
@@ -128,6 +138,8 @@ class Connection:
         #: The client's trace context from the handshake: the parent of requests' spans.
         self.trace_parent = trace_parent
         self.trace = state.tracing.connection(trace_parent, self._span_attributes)
+        #: Who asks, for every generation this connection starts.
+        self.requester = Requester(principal, model, "websocket", session, self.id, self.trace)
         self.out = Outbound(
             ws,
             max_pending_bytes=self.config.max_pending_bytes,
@@ -275,6 +287,11 @@ class Connection:
             self.out.close(code, reason)
         self._loop.call_later(CLOSE_FLUSH_TIMEOUT_S, self._abort, "close did not flush")
 
+    @property
+    def idle(self) -> bool:
+        """Reads no stream and is not closing: a shutdown may close it at once."""
+        return self._follower is None and not self._closing
+
     async def shutdown(self) -> None:
         """Server shutdown: cancel what still runs (its ``done`` says so), then close 1001."""
         await self._stop_generation(silent=False)
@@ -407,56 +424,16 @@ class Connection:
             ) from exc
 
     def _admit(self, message: Generate, request_id: RequestId, received: float) -> None:
-        """Check the request against the session and the context window, then start it."""
-        if self.state.draining:
-            raise Overloaded("the server is shutting down; retry on another server")
-        self.state.check_audit()
-        session = self.session
-        if session.active_request is not None:
-            raise SessionBusy(
-                f"request {session.active_request} is still running on this session; "
-                "cancel it or wait for its done frame"
-            )
-        check_priority(self.principal, message.priority)
-        engine = self.model.engine
-        name = self.model.name
-        new_turns = [Turn(m, engine.count_message_tokens(m), name) for m in message.turns()]
+        """Start a generation on this session and follow its log."""
         trace_parent = (
             Tracing.from_field(message.traceparent) if message.traceparent else self.trace_parent
         )
-        history = [] if message.reset else self._history()
-        context, prompt_tokens = self._fit(history, new_turns, message.max_tokens)
-        usage = self.state.usage
-        usage.start_request(self.tenant, self.quotas, prompt_tokens, message.max_tokens)
-        try:
-            log = self.state.streams.open(
-                self.tenant,
-                session.session_id,
-                request_id,
-                resumable=message.resumable,
-                stream=message.stream,
-            )
-            requester = Requester(self.principal, session, self.model, self.id, self.trace)
-            generation = Generation(
-                self.state,
-                requester,
-                log,
-                message,
-                request_id,
-                new_turns,
-                context,
-                prompt_tokens,
-                received,
-                trace_parent,
-            )
-        except BaseException:
-            usage.end_request(self.tenant, 0)
-            raise
-        session.begin(request_id)
-        self._follower = follower = Follower(self, log)
-        log.attach(follower)
+        generation = admit(
+            self.state, self.requester, message, request_id, received, trace_parent=trace_parent
+        )
+        self._follower = follower = Follower(self, generation.log)
+        generation.log.attach(follower)
         self.requests += 1
-        self.state.generation_started(generation)
 
     def _trace_refusal(
         self, message: Generate, request_id: RequestId, received: float, error: SeedanceError
@@ -483,42 +460,9 @@ class Connection:
             attributes={"gen_ai.request.model": self.model.name},
         )
 
-    def _fit(
-        self, history: list[Turn], new_turns: list[Turn], max_tokens: int
-    ) -> tuple[list[Turn], int]:
-        """Trim the history so that the prompt leaves room for ``max_tokens``.
-
-        Turn counts are estimates (each message tokenized alone); an engine that counts the
-        rendered prompt exactly may find more, and then the history is trimmed further.
-        """
-        engine = self.model.engine
-        room = engine.info.context_length
-        for _ in range(4):
-            context, estimate = fit_context(
-                history,
-                new_turns,
-                context_length=room,
-                reply_overhead=engine.reply_overhead_tokens,
-                max_tokens=max_tokens,
-            )
-            exact = engine.prompt_tokens([t.message for t in context], estimate)
-            over = exact + max_tokens - engine.info.context_length
-            if exact <= estimate or over <= 0 or len(context) == len(new_turns):
-                break
-            room -= max(over, exact - estimate)
-        return context, exact
-
-    def _history(self) -> list[Turn]:
-        """The session's turns, recounted if they were counted for another model."""
-        engine, name = self.model.engine, self.model.name
-        return [
-            t if t.model == name else Turn(t.message, engine.count_message_tokens(t.message), name)
-            for t in self.session.turns
-        ]
-
     def _running(self) -> Generation | None:
         """The session's running generation (started here or on another connection)."""
-        return self.state.generations.get((self.tenant, self.session.session_id))
+        return self.state.running_on(self.session)
 
     def _resume(self, message: Resume) -> None:
         """Follow a generation of this session from the token after ``after_seq``."""
@@ -531,7 +475,11 @@ class Connection:
         session_id = self.session.session_id
         log = self.state.streams.find(self.tenant, session_id, message.request_id, message.epoch)
         follower = Follower(self, log, message.after_seq + 1)
-        log.attach(follower, message.after_seq)
+        try:
+            log.attach(follower, message.after_seq)
+        except BaseException:
+            follower.stop()  # a cursor the log refused: this connection reads nothing
+            raise
         if log.running:
             self._follower = follower
             generation = self._running()
@@ -547,10 +495,11 @@ class Connection:
 
     def _leave_stream_soon(self) -> None:
         """Stop reading; the generation decides what that means (see ``reader_left``)."""
-        follower, self._follower = self._follower, None
+        follower = self._follower
         if follower is None:
             return
         follower.log.detach(follower)
+        follower.stop()
         generation = self._running()
         if generation is not None and generation.log is follower.log:
             generation.reader_left()

@@ -1,9 +1,14 @@
 """The OpenAI-compatible HTTP API: ``POST /v1/chat/completions`` and ``POST /v1/completions``.
 
-Same engines, admission queue, limits and cancellation as ``/v2/infer``, without sessions: the
-request carries the whole conversation. Streaming replies are Server-Sent Events (``data:``
-chunks, ``data: [DONE]``, ``stream_options.include_usage``). A client that drops the connection
-aborts the generation at once, also while it waits for admission or for its first token.
+Same engines, admission, limits and request lifecycle as ``/v2/infer``
+(:func:`seedance.server.requests.admit`), without sessions: the request carries the whole
+conversation. The response is a reader of the generation's stream log, as a WebSocket
+connection is. Streaming replies are Server-Sent Events (``data:`` chunks, ``data: [DONE]``,
+``stream_options.include_usage``). A client that drops the connection aborts the generation
+at once, also while it waits for admission or for its first token, unless the request asked
+to survive it (``"seedance": {"resumable": true}``): its events then carry
+``id: <request id>:<seq>`` and ``GET /v1/streams/{request id}`` with ``Last-Event-ID`` reads
+the rest.
 
 Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, with the HTTP
 status each Seedance error names (``http_status``); ``code`` is the Seedance error code.
@@ -17,34 +22,30 @@ import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 import msgspec
 
-from seedance.engines.base import GenerationRequest, SamplingParams, TokenDelta
 from seedance.observability.audit import kinds as audit
-from seedance.observability.audit.records import json_text, text_sha256
 from seedance.observability.logs import bind_request
-from seedance.observability.metrics import RequestMeter
 from seedance.observability.tracing import Attributes, Tracing, request_attributes
 from seedance.protocol.codec import FrameLimits
 from seedance.protocol.errors import (
-    EngineError,
     InternalError,
     InvalidRequest,
     Overloaded,
     PayloadTooLarge,
     SeedanceError,
+    error_from_wire,
 )
-from seedance.protocol.messages import FinishReason, RequestId, ms
+from seedance.protocol.messages import DoneFrame, ErrorFrame, RequestId, StartFrame, ms
 from seedance.protocol.openai import OpenAIRequest, decode_chat, decode_completion, error_body
 from seedance.server.errors import error_headers
+from seedance.server.requests import Generation, Prompt, Requester, admit
 from seedance.server.state import ServedModel, ServerState
+from seedance.streams.log import StreamLog
 from seedance.tenants.auth import OPEN_PRINCIPAL, Principal, refusal_record
-from seedance.tenants.policy import check_model, check_priority
-
-if TYPE_CHECKING:
-    pass
+from seedance.tenants.policy import check_model
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,9 @@ _SSE_HEADERS: Final = [
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
 ]
+#: Reply text waiting for a response's socket past which the generation waits (backpressure).
+HIGH_WATER_BYTES: Final = 64 * 1024
+SHUTTING_DOWN: Final = "the server is shutting down; retry on another server"
 
 
 class _Disconnected(Exception):
@@ -85,7 +89,7 @@ class OpenAIEndpoint:
         request_id = RequestId(
             ("chatcmpl-" if self.kind == "chat" else "cmpl-") + secrets.token_hex(12)
         )
-        call = HttpCall(self, request_id, scope, send)
+        call = HttpCall(self.state, request_id, scope, send, self)
         bind_request(request_id, call.trace.trace_id)  # for this task and those it starts
         try:
             # The door first: a caller that is not let in costs no body read and no parse.
@@ -99,190 +103,206 @@ class OpenAIEndpoint:
             await call.fail(exc)
             call.ended()
             return
-        call.work = work = asyncio.create_task(call.run(body))
-        watcher = asyncio.create_task(_wait_disconnect(receive))
-        calls = self.state.http_calls
-        calls.add(call)
-        try:
-            done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if watcher in done:  # the client left: abort the generation behind it
-                work.cancel()
-                call.outcome = call.outcome or "aborted"
-            else:
-                watcher.cancel()
-            await asyncio.gather(work, watcher, return_exceptions=True)
-            if call.interrupted is not None and work.cancelled() and watcher not in done:
-                with contextlib.suppress(OSError):  # the client left meanwhile
-                    await call.fail(call.interrupted)  # shutdown: the reply still ends well
-        finally:
-            calls.discard(call)
-        call.ended()
+        await call.serve(call.run(body), receive)
 
 
 class HttpCall:
-    """One HTTP request, from its body to the last byte of its response."""
+    """One HTTP request, from its body to the last byte of its response.
+
+    Refusals before a generation starts are reported here (metrics, trace, audit, log line);
+    an admitted request's are its :class:`~seedance.server.requests.Generation`'s.
+    """
 
     def __init__(
         self,
-        endpoint: OpenAIEndpoint,
+        state: ServerState,
         request_id: RequestId,
         scope: Scope,
         send: Send,
+        endpoint: OpenAIEndpoint | None = None,
     ) -> None:
         self.endpoint = endpoint
+        self.operation = endpoint.operation if endpoint is not None else "stream"
+        self.path = endpoint.path if endpoint is not None else scope.get("path", "")
         self.scope = scope
         self.authenticated = False
-        self.parts: list[str] = []  # the reply, for its hash in the audit record
         self._audited = False
-        self._counted = False  # the metrics have the request (see _count)
-        self.state = endpoint.state
+        self.state = state
         self.request_id = request_id
         self.send = send
         self.started = False  # response headers sent
         self.received = time.monotonic()
         self.model: ServedModel | None = None
         self.request: OpenAIRequest | None = None
-        self.prompt_tokens = 0
-        self.completion_tokens = 0
-        self.admitted_at: float | None = None
         self.outcome = ""
         self.error: SeedanceError | None = None
-        self.meter: RequestMeter | None = None
         self.principal = OPEN_PRINCIPAL
-        self.work: asyncio.Task[None] | None = None  # run(), once the body is read
-        self.interrupted: SeedanceError | None = None  # why the server stopped it
-        self.trace = self.state.tracing.request(
-            endpoint.operation,
+        self.generation: Generation | None = None
+        self.trace = state.tracing.request(
+            self.operation,
             Tracing.from_headers(scope.get("headers", ())),
             self.received,
             self._span_attributes,
         )
         self._trace_header = (b"traceparent", self.trace.traceparent.encode())
 
+    async def serve(self, work: Awaitable[None], receive: Receive) -> None:
+        """Run ``work`` (the response) while watching for the client leaving, which stops it."""
+        task = asyncio.ensure_future(work)
+        watcher = asyncio.create_task(_wait_disconnect(receive))
+        calls = self.state.http_calls
+        calls.add(self)
+        try:
+            done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if watcher in done:  # the client left: stop reading the log (see reader_left)
+                task.cancel()
+                self.outcome = self.outcome or "aborted"
+            else:
+                watcher.cancel()
+            await asyncio.gather(task, watcher, return_exceptions=True)
+        finally:
+            calls.discard(self)
+        self.ended()
+
     async def run(self, body: bytes) -> None:
         try:
-            tenant = self.principal.tenant
-            limits = self.endpoint.limits.capped(tenant.quotas.max_tokens)
-            self.request = request = self.endpoint._decode(body, limits)
-            self.model = model = self.state.resolve_model(request.model)
-            check_model(self.principal, model.name, self.state.models)
-            check_priority(self.principal, request.generate.priority)
-            self.meter = RequestMeter(
-                self.state.metrics,
-                model.name,
-                model.engine.info.engine,
-                self.principal.name,
-                self.received,
-                self.trace.token_times,
-            )
-            if model.limits.max_tokens < request.generate.max_tokens:
-                raise InvalidRequest(f"max_tokens must be between 1 and {model.limits.max_tokens}")
-            if self.state.draining:
-                raise Overloaded("the server is shutting down; retry on another server")
-            self.state.check_audit()
-            engine = model.engine
-            messages = request.messages
-            raw = request.kind == "completion"
-            self.prompt_tokens = engine.prompt_tokens(messages, raw=raw)
-            usage = self.state.usage
-            usage.start_request(
-                tenant.name, tenant.quotas, self.prompt_tokens, request.generate.max_tokens
-            )
-            try:
-                await model.admission.acquire(
-                    request.generate.priority, tenant=tenant.name, weight=tenant.tier
-                )
-                self.admitted_at = time.monotonic()
-                self.meter.admitted(self.admitted_at, self.prompt_tokens)
-                try:
-                    await self._generate(model, request)
-                finally:
-                    model.admission.release()
-            finally:
-                usage.end_request(tenant.name, self.completion_tokens)
-        except asyncio.CancelledError:
-            raise
+            generation = self._admit(body)
         except SeedanceError as exc:
             await self.fail(exc)
+            return
         except Exception:
             logger.exception("request %s failed", self.request_id)
             await self.fail(InternalError(f"internal error on request {self.request_id}"))
-
-    async def _generate(self, model: ServedModel, request: OpenAIRequest) -> None:
-        message = request.generate
-        generation = GenerationRequest(
-            request_id=self.request_id,
-            messages=request.messages,
-            params=SamplingParams.of(message, request.unset),
-            prompt_tokens=self.prompt_tokens,
-            priority=message.priority,
-            raw=request.kind == "completion",
-        )
-        chunks = _Chunks(request, self.request_id, model.name)
-        parts = self.parts
-        finish: FinishReason = "stop"
-        stream = model.engine.generate(generation)
-        meter = self.meter
-        assert meter is not None
-        try:
-            async for delta in stream:
-                if delta.tokens:
-                    meter.tokens(time.monotonic(), delta.tokens)
-                self.completion_tokens += delta.tokens
-                parts.append(delta.text)
-                if request.stream:
-                    await self._stream_delta(chunks, delta)
-                if delta.finish_reason is not None:
-                    finish = delta.finish_reason
-                    break
-        except (asyncio.CancelledError, SeedanceError):
-            raise
-        except Exception as exc:
-            logger.exception("engine failed on request %s", self.request_id)
-            raise EngineError(f"the model failed on request {self.request_id}; retry") from exc
-        finally:
-            await stream.aclose()
-        usage = {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            return
+        request = self.request
+        assert request is not None
+        generation.log.meta = {
+            "kind": request.kind,
+            "include_usage": request.include_usage,
+            "created": int(time.time()),
+            "model": generation.requester.model.name,
         }
-        self.outcome = finish
-        await self._audit()  # the reply ends once its record is on disk
-        self._count()
-        if request.stream:
-            await self._stream_end(chunks, finish, usage)
+        await self.relay(generation.log, generation)
+
+    def _admit(self, body: bytes) -> Generation:
+        assert self.endpoint is not None
+        state = self.state
+        tenant = self.principal.tenant
+        limits = self.endpoint.limits.capped(tenant.quotas.max_tokens)
+        self.request = request = self.endpoint._decode(body, limits)
+        self.model = model = state.resolve_model(request.model)
+        check_model(self.principal, model.name, state.models)
+        message = request.generate
+        if model.limits.max_tokens < message.max_tokens:
+            raise InvalidRequest(f"max_tokens must be between 1 and {model.limits.max_tokens}")
+        raw = request.kind == "completion"
+        messages = request.messages
+        prompt = Prompt(
+            messages,
+            model.engine.prompt_tokens(messages, raw=raw),
+            raw=raw,
+            unset=request.unset,
+        )
+        requester = Requester(self.principal, model, "http")
+        self.generation = generation = admit(
+            state,
+            requester,
+            message,
+            self.request_id,
+            self.received,
+            prompt=prompt,
+            operation=self.endpoint.operation,
+            trace=self.trace,
+        )
+        return generation
+
+    async def relay(
+        self, log: StreamLog, generation: Generation | None, after_seq: int = -1
+    ) -> None:
+        """Follow ``log`` from ``after_seq`` and write the response, to the log's end."""
+        follower = HttpFollower(log, after_seq)
+        log.attach(follower, after_seq)
+        if generation is not None:
+            generation.reader_joined()
+        meta = log.meta
+        assert meta is not None  # an OpenAI API request's log
+        chunks = _Chunks(meta["kind"], log.request_id, meta["model"], meta["created"])
+        ids = log.resumable
+        try:
+            while True:
+                await follower.wait()
+                if log.stream:
+                    text, last_seq = follower.take()
+                    if not self.started and text:  # headers with the first text
+                        await self._start(200, _SSE_HEADERS)
+                        if chunks.chat:  # the role comes first, as OpenAI sends it
+                            await self._event(chunks.delta({"role": "assistant", "content": ""}))
+                    if text:
+                        event_id = f"{log.request_id}:{last_seq}" if ids else None
+                        await self._event(chunks.delta(text), event_id)
+                if follower.ended:
+                    break
+        finally:
+            log.detach(follower)
+            follower.caught_up()
+            if generation is not None:
+                generation.reader_left()
+        await self._finish(log, follower.end, chunks)
+
+    async def _finish(
+        self, log: StreamLog, end: DoneFrame | ErrorFrame | None, chunks: _Chunks
+    ) -> None:
+        """The response's last bytes: the reply's end, or its error."""
+        if end is None:
+            return
+        if isinstance(end, ErrorFrame):
+            body = end.error
+            error = error_from_wire(
+                body.code,
+                body.message,
+                request_id=end.request_id,
+                retry_after_s=body.retry_after,
+                reason=body.reason,
+            )
+            self.outcome = error.code
+            await self._render_error(error)
+            return
+        if end.finish_reason == "cancelled":  # over HTTP only the server cancels: shutdown
+            self.outcome = "overloaded"
+            await self._render_error(Overloaded(SHUTTING_DOWN))
+            return
+        self.outcome = end.finish_reason
+        usage = {
+            "prompt_tokens": end.usage.prompt_tokens,
+            "completion_tokens": end.usage.completion_tokens,
+            "total_tokens": end.usage.total_tokens,
+        }
+        if log.stream:
+            if not self.started:
+                await self._start(200, _SSE_HEADERS)
+            await self._event(chunks.delta(None, end.finish_reason))
+            if log.meta and log.meta.get("include_usage"):
+                await self._event(chunks.usage(usage))
+            await self.send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
         else:
-            await self._respond(200, _JSON_HEADERS, chunks.whole("".join(parts), finish, usage))
-
-    async def _stream_delta(self, chunks: _Chunks, delta: TokenDelta) -> None:
-        if not self.started:
-            await self._start(200, _SSE_HEADERS)
-            if chunks.request.kind == "chat":  # the role comes first, as OpenAI sends it
-                await self._event(chunks.delta({"role": "assistant", "content": ""}))
-        if delta.text:
-            await self._event(chunks.delta(delta.text))
-
-    async def _stream_end(self, chunks: _Chunks, finish: str, usage: dict[str, int]) -> None:
-        if not self.started:
-            await self._start(200, _SSE_HEADERS)
-        await self._event(chunks.delta(None, finish))
-        if chunks.request.include_usage:
-            await self._event(chunks.usage(usage))
-        await self.send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
-
-    def interrupt(self, error: SeedanceError) -> None:
-        """Stop the generation (the server is shutting down); the client gets ``error``."""
-        if self.work is not None and not self.work.done():
-            self.interrupted = error
-            self.work.cancel()
+            whole = chunks.whole("".join(log.texts), end.finish_reason, usage)
+            await self._respond(200, _JSON_HEADERS, whole)
 
     async def fail(self, error: SeedanceError) -> None:
+        """Refused before a generation started: counted, audited, answered."""
         self.outcome = error.code
         self.error = error
+        self._audited = True
         with contextlib.suppress(Overloaded):  # an error goes out audited or not
-            await self._audit()
-        self._count()
+            await self.state.audited(self._refusal_record, f"request {self.request_id}")
+        model = self.model
+        if model is not None:
+            self.state.metrics.requests.labels(
+                model.name, model.engine.info.engine, self.principal.name, error.code
+            ).inc()
+        await self._render_error(error)
+
+    async def _render_error(self, error: SeedanceError) -> None:
         if not self.started:
             headers = [*_JSON_HEADERS, *error_headers(error)]
             await self._respond(error.http_status, headers, error_body(error))
@@ -300,36 +320,25 @@ class HttpCall:
         headers = [*headers, self._trace_header]
         await self.send({"type": "http.response.start", "status": status, "headers": headers})
 
-    async def _event(self, data: bytes) -> None:
+    async def _event(self, data: bytes, event_id: str | None = None) -> None:
+        head = b"id: " + event_id.encode() + b"\n" if event_id is not None else b""
         await self.send(
-            {"type": "http.response.body", "body": b"data: " + data + b"\n\n", "more_body": True}
+            {
+                "type": "http.response.body",
+                "body": head + b"data: " + data + b"\n\n",
+                "more_body": True,
+            }
         )
 
     async def _respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
         await self._start(status, [*headers, (b"content-length", str(len(body)).encode())])
         await self.send({"type": "http.response.body", "body": body})
 
-    @property
-    def first_token_at(self) -> float | None:
-        return self.meter.first_token if self.meter is not None else None
-
-    async def _audit(self) -> None:
-        """Write this request's record; with ``--audit-fsync record``, wait until it is on
-        disk (when it cannot be written and the log is required: ``overloaded``)."""
-        if self._audited:
-            return
-        self._audited = True
-        await self.state.audited(self._audit_record, f"request {self.request_id}")
-
-    def _audit_record(self) -> audit.AuditRecord:
+    def _refusal_record(self) -> audit.AuditRecord:
         if not self.authenticated:
             error = self.error or InternalError("refused")
             return refusal_record("http", self.scope, None, error)
-        model, request = self.model, self.request
-        prompt: Any = None
-        if request is not None:
-            prompt = [{"role": m.role, "content": m.content} for m in request.messages]
-        timing_end = time.monotonic()
+        model = self.model
         return audit.Request(
             api="http",
             tenant=self.principal.name,
@@ -337,67 +346,49 @@ class HttpCall:
             request_id=self.request_id,
             trace_id=self.trace.trace_id,
             model=model.name if model is not None else None,
-            model_version=model.engine.info.version if model is not None else None,
-            engine=model.engine.info.engine if model is not None else None,
-            prompt_tokens=self.prompt_tokens,
-            completion_tokens=self.completion_tokens,
-            prompt_sha256=text_sha256(json_text(prompt)) if prompt is not None else None,
-            completion_sha256=text_sha256("".join(self.parts)),
             outcome=self.outcome or "aborted",
-            queue_ms=_ms(self.admitted_at, self.received),
-            ttft_ms=_ms(self.first_token_at, self.received),
-            total_ms=_ms(timing_end, self.received),
+            total_ms=ms(time.monotonic() - self.received),
         )
 
-    def _count(self) -> None:
-        """The request's metrics, once: before its last bytes go out when it ends well or
-        with an error, so that a client holding its reply finds it counted."""
-        if self.meter is not None and not self._counted:
-            self._counted = True
-            self.meter.ended(time.monotonic(), self.outcome or "aborted")
-
     def ended(self) -> None:
-        """The response is over: metrics, the trace, the log line, and the audit record if
-        the request ended without one (the client left)."""
+        """The response is over. A refusal (or a client that left before it was admitted)
+        gets its audit record, trace and log line here; an admitted request's generation
+        reported them."""
+        if self.generation is not None:
+            return
         if not self._audited:
             self._audited = True
-            self.state.audit_submit(self._audit_record)
-        self._count()
+            self.state.audit_submit(self._refusal_record)
         self._end_trace()
         self.log()
 
     def _span_attributes(self) -> Attributes:
         return {
-            "gen_ai.operation.name": self.endpoint.operation,
+            "gen_ai.operation.name": self.operation,
             "seedance.tenant": self.principal.name,
             "seedance.request_id": self.request_id,
-            "http.request.method": "POST",
-            "url.path": self.endpoint.path,
+            "http.request.method": self.scope.get("method", "POST"),
+            "url.path": self.path,
         }
 
     def _end_trace(self) -> None:
         trace = self.trace
         if trace.span is None:
             return
-        attributes: dict[str, str | int | float] = {
-            "gen_ai.usage.input_tokens": self.prompt_tokens,
-            "gen_ai.usage.output_tokens": self.completion_tokens,
-            "gen_ai.response.id": self.request_id,
-        }
+        attributes: dict[str, str | int | float] = {"gen_ai.response.id": self.request_id}
         model, request = self.model, self.request
         if model is not None:
             attributes["gen_ai.request.model"] = model.name
-            attributes["gen_ai.response.model"] = model.name
             attributes["seedance.engine"] = model.engine.info.engine
-            trace.span.update_name(f"{self.endpoint.operation} {model.name}")
+            trace.span.update_name(f"{self.operation} {model.name}")
         if request is not None:
             attributes.update(request_attributes(request.generate))
         error = self.error
         trace.end(
             received=self.received,
-            admitted=self.admitted_at,
-            first_token=self.first_token_at,
-            last_token=self.meter.last_token if self.meter is not None else None,
+            admitted=None,
+            first_token=None,
+            last_token=None,
             outcome=self.outcome or "aborted",
             error=None if error is None else (error.code, error.message),
             attributes=attributes,
@@ -406,37 +397,140 @@ class HttpCall:
     def log(self) -> None:
         if not logger.isEnabledFor(logging.INFO):
             return
-        now = time.monotonic()
-        ttft = (
-            "-"
-            if self.first_token_at is None
-            else f"{(self.first_token_at - self.received) * 1000:.1f}"
-        )
         logger.info(
-            "request %s http=%s tenant=%s model=%s outcome=%s prompt_tokens=%d "
-            "completion_tokens=%d ttft_ms=%s total_ms=%.1f",
+            "request %s http=%s tenant=%s model=%s outcome=%s prompt_tokens=0 "
+            "completion_tokens=0 ttft_ms=- total_ms=%.1f",
             self.request_id,
-            self.endpoint.kind,
+            self.endpoint.kind if self.endpoint is not None else "stream",
             self.principal.name,
             self.model.name if self.model else "-",
             self.outcome or "aborted",
-            self.prompt_tokens,
-            self.completion_tokens,
-            ttft,
-            (now - self.received) * 1000,
+            (time.monotonic() - self.received) * 1000,
         )
+
+
+class HttpFollower:
+    """An HTTP response reading a generation's log: the text waits here for the response's
+    task, which takes all of it at once (so a slow client gets fewer, larger events)."""
+
+    __slots__ = ("_texts", "_wake", "behind", "end", "ended", "last_seq", "log", "size")
+
+    def __init__(self, log: StreamLog, after_seq: int = -1) -> None:
+        self.log = log
+        self._texts: list[str] = []
+        self.size = 0
+        self.last_seq = after_seq  # the seq of the last token taken or waiting
+        self.behind = False
+        self.ended = False
+        self.end: DoneFrame | ErrorFrame | None = None
+        self._wake = asyncio.Event()
+
+    def on_start(self, frame: StartFrame) -> None:
+        self._wake.set()
+
+    def on_tokens(self, text: str, tokens: int) -> None:
+        self._texts.append(text)
+        self.size += len(text)
+        self.last_seq += tokens
+        self._wake.set()
+        if self.size > HIGH_WATER_BYTES and not self.behind:
+            self.behind = True
+            self.log.set_behind(True)
+
+    def on_end(self, frame: DoneFrame | ErrorFrame | None) -> None:
+        self.ended = True
+        self.end = frame
+        self._wake.set()
+
+    async def wait(self) -> None:
+        await self._wake.wait()
+        self._wake.clear()
+
+    def take(self) -> tuple[str, int]:
+        """The text waiting, and the seq of its last token."""
+        text = "".join(self._texts)
+        self._texts.clear()
+        self.size = 0
+        self.caught_up()
+        return text, self.last_seq
+
+    def caught_up(self) -> None:
+        if self.behind:
+            self.behind = False
+            self.log.set_behind(False)
+
+
+class StreamsEndpoint:
+    """``GET /v1/streams/{request_id}``: the rest of a resumable reply, as Server-Sent Events.
+
+    The cursor is the ``Last-Event-ID`` header (``<request id>:<seq>``, as the events carry it,
+    and as a browser's ``EventSource`` sends it when it reconnects) or ``?after_seq=N``;
+    without either the whole reply. Events after the cursor, then live, then the end.
+    """
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        request_id = RequestId(scope.get("path_params", {}).get("request_id", ""))
+        call = HttpCall(self.state, request_id, scope, send)
+        try:
+            call.principal = authenticate_http(self.state, scope)
+            call.authenticated = True
+            after_seq = _cursor(scope, request_id)
+            tenant = call.principal.name
+            log = self.state.streams.find(tenant, request_id, request_id, None)
+        except SeedanceError as exc:
+            exc.request_id = request_id
+            await call.fail(exc)
+            call.ended()
+            return
+        call.generation = generation = self.state.generations.get(request_id)
+        call.outcome = "resumed"
+        await call.serve(self._resume(call, log, generation, after_seq), receive)
+
+    async def _resume(
+        self, call: HttpCall, log: StreamLog, generation: Generation | None, after_seq: int
+    ) -> None:
+        try:
+            await call.relay(log, generation, after_seq)
+        except SeedanceError as exc:  # cursor_ahead, a cursor inside an event
+            await call._render_error(exc)
+            return
+        logger.info("request %s resumed over http after seq %d", log.request_id, after_seq)
+
+
+def _cursor(scope: Scope, request_id: str) -> int:
+    """``after_seq`` from ``Last-Event-ID`` or the query (-1: from the start)."""
+    headers = dict(scope.get("headers", ()))
+    raw = headers.get(b"last-event-id")
+    if raw is not None:
+        text = raw.decode("latin-1")
+        owner, sep, seq = text.rpartition(":")
+        if not sep or owner != request_id or not seq.lstrip("-").isdigit():
+            raise InvalidRequest(
+                f"Last-Event-ID: expected {request_id}:<seq>, got {text!r}", request_id=request_id
+            )
+        return int(seq)
+    query = scope.get("query_string", b"").decode("latin-1")
+    for part in query.split("&"):
+        name, _, value = part.partition("=")
+        if name == "after_seq":
+            if not value.lstrip("-").isdigit() or int(value) < -1:
+                raise InvalidRequest("after_seq: must be -1 or more", request_id=request_id)
+            return int(value)
+    return -1
 
 
 class _Chunks:
     """OpenAI's response objects for one request."""
 
-    def __init__(self, request: OpenAIRequest, request_id: str, model: str) -> None:
-        self.request = request
-        self.chat = request.kind == "chat"
+    def __init__(self, kind: str, request_id: str, model: str, created: int) -> None:
+        self.chat = kind == "chat"
         self.head = {
             "id": request_id,
             "object": "chat.completion.chunk" if self.chat else "text_completion",
-            "created": int(time.time()),
+            "created": created,
             "model": model,
         }
 

@@ -171,6 +171,8 @@ class Outbound:
         self._soon: OutFrame | None = None  # see put_soon()
         self._congested = False
         self._drained: asyncio.Future[None] | None = None
+        #: Told when the queue crosses the high-water mark, both ways (the stream it feeds).
+        self.watcher: Callable[[bool], None] | None = None
         self._on_overflow = on_overflow
         self._on_failure = on_failure
         self._merger = merger
@@ -281,7 +283,10 @@ class Outbound:
     def _account(self, size: int) -> None:
         self.pending_bytes += size
         if self.pending_bytes > self.high_water_bytes:
-            self._congested = True
+            if not self._congested:
+                self._congested = True
+                if self.watcher is not None:
+                    self.watcher(True)
             if self.pending_bytes > self.max_pending_bytes:
                 self.closed = True
                 self._on_overflow()
@@ -305,6 +310,8 @@ class Outbound:
             await asyncio.shield(self._drained)
 
     def _set_writable(self) -> None:
+        if self._congested and self.watcher is not None:
+            self.watcher(False)
         self._congested = False
         if self._drained is not None:
             if not self._drained.done():

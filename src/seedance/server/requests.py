@@ -22,8 +22,9 @@ import asyncio
 import logging
 import secrets
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from msgspec import UNSET
@@ -74,7 +75,7 @@ def new_request_id() -> RequestId:
     return RequestId("r-" + secrets.token_hex(6))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Requester:
     """Who asked for a generation: what its accounting, trace and audit record name."""
 
@@ -85,25 +86,24 @@ class Requester:
     session: Session | None = None
     connection_id: str | None = None
     connection_trace: ConnectionTrace | None = None
+    tenant: str = field(init=False)
 
-    @property
-    def tenant(self) -> str:
-        return self.principal.name
+    def __post_init__(self) -> None:
+        self.tenant = self.principal.name
 
-    @property
-    def log_key(self) -> str:
+    def log_key(self, request_id: str) -> str:
         """Where its stream log is kept: the session's, or one of its own (no session)."""
-        return self.session.session_id if self.session is not None else ""
+        return self.session.session_id if self.session is not None else request_id
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Prompt:
     """What the engine is asked to continue, and what a successful reply adds to the session."""
 
     messages: tuple[ChatMessage, ...]
     tokens: int
     #: The turns appended to the session with the reply (none without a session).
-    new_turns: tuple[Turn, ...] = ()
+    new_turns: Sequence[Turn] = ()
     #: The completions API: the one message is the whole prompt, continued as it is.
     raw: bool = False
     #: Sampling fields the client left out where its API lets the server choose.
@@ -141,13 +141,14 @@ def admit(
     else:
         check_fits(requester.model, prompt.tokens)
     usage = state.usage
+    tenant = requester.tenant
     usage.start_request(
-        requester.tenant, requester.principal.tenant.quotas, prompt.tokens, message.max_tokens
+        tenant, requester.principal.tenant.quotas, prompt.tokens, message.max_tokens
     )
     try:
         log = state.streams.open(
-            requester.tenant,
-            requester.log_key or request_id,
+            tenant,
+            requester.log_key(request_id),
             request_id,
             resumable=message.resumable,
             stream=message.stream,
@@ -165,7 +166,7 @@ def admit(
             trace=trace,
         )
     except BaseException:
-        usage.end_request(requester.tenant, 0)
+        usage.end_request(tenant, 0)
         raise
     if session is not None:
         session.begin(request_id)
@@ -205,12 +206,13 @@ def session_prompt(model: ServedModel, session: Session, message: Generate) -> P
             reply_overhead=engine.reply_overhead_tokens,
             max_tokens=max_tokens,
         )
-        exact = engine.prompt_tokens([t.message for t in context], estimate)
+        messages = [t.message for t in context]
+        exact = engine.prompt_tokens(messages, estimate)
         over = exact + max_tokens - engine.info.context_length
         if exact <= estimate or over <= 0 or len(context) == len(new_turns):
             break
         room -= max(over, exact - estimate)
-    return Prompt(tuple(t.message for t in context), exact, tuple(new_turns))
+    return Prompt(tuple(messages), exact, new_turns)
 
 
 def _history(model: ServedModel, session: Session) -> list[Turn]:
@@ -315,12 +317,6 @@ class Generation:
 
     async def run(self) -> None:
         """The task: the generation, then its log's last frame, whatever happened."""
-        try:
-            await self._run()
-        finally:
-            self.state.generation_ended(self, self.end)
-
-    async def _run(self) -> None:
         requester = self.requester
         state = self.state
         session = requester.session
@@ -330,73 +326,76 @@ class Generation:
         if state.config.log_prompts:
             logger.debug("request %s prompt=%r", self.request_id, self.prompt.new_turns)
         try:
-            tenant = requester.principal.tenant
-            if session is not None:
-                # Room for the new turns' history (a reset frees what the session held).
-                growth = sum(t.size for t in self.prompt.new_turns)
-                if self.message.reset:
-                    growth -= session.size
-                if growth > 0:
-                    await state.sessions.reserve(session, growth, tenant.quotas.session_bytes)
-            await model.admission.acquire(
-                self.message.priority, tenant=tenant.name, weight=tenant.tier
-            )
-            self.admitted_at = time.monotonic()
-            self.meter.admitted(self.admitted_at, self.prompt_tokens)
-            self.log.open(
-                StartFrame(
-                    request_id=self.request_id,
-                    trace_id=self.trace_id,
-                    model=model.name,
-                    prompt_tokens=self.prompt_tokens,
+            try:
+                tenant = requester.principal.tenant
+                if session is not None:
+                    # Room for the new turns' history (a reset frees what the session held).
+                    growth = sum(t.size for t in self.prompt.new_turns)
+                    if self.message.reset:
+                        growth -= session.size
+                    if growth > 0:
+                        await state.sessions.reserve(session, growth, tenant.quotas.session_bytes)
+                await model.admission.acquire(
+                    self.message.priority, tenant=tenant.name, weight=tenant.tier
                 )
-            )
-            finish = await self._stream()
-            if session is not None:
-                reply = ChatMessage("assistant", "".join(self.parts))
-                # The reply's tokens are known: no need to tokenize it again.
-                reply_tokens = self.completion_tokens + model.engine.message_overhead_tokens
-                turns = [*self.prompt.new_turns, Turn(reply, reply_tokens, model.name)]
-                session.commit(
-                    turns, reset=self.message.reset, max_tokens=model.engine.info.context_length
+                self.admitted_at = time.monotonic()
+                self.meter.admitted(self.admitted_at, self.prompt_tokens)
+                self.log.open(
+                    StartFrame(
+                        request_id=self.request_id,
+                        trace_id=self.trace_id,
+                        model=model.name,
+                        prompt_tokens=self.prompt_tokens,
+                    )
                 )
-                await state.sessions.save(session)
-            self.outcome, self.end = finish, self._done(finish)
-        except asyncio.CancelledError:
-            if not self.cancel_requested:
-                self.outcome = "aborted"
-                raise
-            task = asyncio.current_task()
-            if task is not None and hasattr(task, "uncancel"):  # Python >= 3.11
-                task.uncancel()  # the cancel was ours and is handled here
-            self.outcome, self.end = "cancelled", self._done("cancelled")
-        except SeedanceError as exc:
-            self.outcome = exc.code
-            self.error = exc
-            self.end = _error_frame(exc, self.request_id)
-        except Exception:
-            self.outcome = "internal_error"
-            logger.exception("request %s failed", self.request_id)
-            self.error = InternalError(f"internal error on request {self.request_id}")
-            self.end = _error_frame(self.error, self.request_id)
+                finish = await self._stream()
+                if session is not None:
+                    reply = ChatMessage("assistant", "".join(self.parts))
+                    # The reply's tokens are known: no need to tokenize it again.
+                    reply_tokens = self.completion_tokens + model.engine.message_overhead_tokens
+                    turns = [*self.prompt.new_turns, Turn(reply, reply_tokens, model.name)]
+                    session.commit(
+                        turns, reset=self.message.reset, max_tokens=model.engine.info.context_length
+                    )
+                    await state.sessions.save(session)
+                self.outcome, self.end = finish, self._done(finish)
+            except asyncio.CancelledError:
+                if not self.cancel_requested:
+                    self.outcome = "aborted"
+                    raise
+                task = asyncio.current_task()
+                if task is not None and hasattr(task, "uncancel"):  # Python >= 3.11
+                    task.uncancel()  # the cancel was ours and is handled here
+                self.outcome, self.end = "cancelled", self._done("cancelled")
+            except SeedanceError as exc:
+                self.outcome = exc.code
+                self.error = exc
+                self.end = _error_frame(exc, self.request_id)
+            except Exception:
+                self.outcome = "internal_error"
+                logger.exception("request %s failed", self.request_id)
+                self.error = InternalError(f"internal error on request {self.request_id}")
+                self.end = _error_frame(self.error, self.request_id)
+            finally:
+                self.ending = True
+                self.reader_joined()  # no grace timer past the end
+                if self.admitted_at is not None:
+                    model.admission.release()
+                state.usage.end_request(requester.tenant, self.completion_tokens)
+                if session is not None:
+                    session.end(self.request_id)
+                outcome = self.outcome or "aborted"
+                self.meter.ended(time.monotonic(), outcome)
+                self._end_trace(outcome)
+                self._log(outcome)
+                audited = state.audit_submit(lambda: self._audit_record(outcome))
+            try:  # the reply ends once its record is on disk
+                await state.audit_wait(audited, f"request {self.request_id}")
+            except Overloaded as unaudited:
+                if self.error is None:  # a reply that cannot be audited is not confirmed
+                    self.end = _error_frame(unaudited, self.request_id)
         finally:
-            self.ending = True
-            self.reader_joined()  # no grace timer past the end
-            if self.admitted_at is not None:
-                model.admission.release()
-            state.usage.end_request(requester.tenant, self.completion_tokens)
-            if session is not None:
-                session.end(self.request_id)
-            outcome = self.outcome or "aborted"
-            self.meter.ended(time.monotonic(), outcome)
-            self._end_trace(outcome)
-            self._log(outcome)
-            audited = state.audit_submit(lambda: self._audit_record(outcome))
-        try:  # the reply ends once its record is on disk
-            await state.audit_wait(audited, f"request {self.request_id}")
-        except Overloaded as unaudited:
-            if self.error is None:  # a reply that cannot be audited is not confirmed
-                self.end = _error_frame(unaudited, self.request_id)
+            state.generation_ended(self, self.end)
 
     async def _stream(self) -> FinishReason:
         """Run the engine and log its tokens; returns the finish reason."""
@@ -415,7 +414,8 @@ class Generation:
         stream = self.requester.model.engine.generate(request)
         tokens_at = self.meter.tokens
         # StreamLog.append, inline: the token path costs no more than before the log.
-        texts, counts, pushes = log.texts.append, log.counts.append, log.pushes
+        texts, counts = log.texts.append, log.counts.append
+        readers = log.readers if log.stream else ()
         try:
             async for delta in stream:
                 n = delta.tokens
@@ -424,8 +424,8 @@ class Generation:
                     tokens_at(clock(), n)
                     texts(text)
                     counts(n)
-                    for push in pushes:
-                        push(text, n)
+                    for reader in readers:
+                        reader.on_tokens(text, n)
                     if log.behind:  # a reader's socket is behind: wait for it
                         await log.wait_writable()
                     self.completion_tokens += n

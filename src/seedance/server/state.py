@@ -18,7 +18,7 @@ from seedance.observability.gpu import open_gpu_memory
 from seedance.observability.metrics import Metrics
 from seedance.observability.tracing import Tracing
 from seedance.protocol.codec import FrameLimits
-from seedance.protocol.errors import ModelNotFound, Overloaded, Unauthorized
+from seedance.protocol.errors import CLOSE_GOING_AWAY, ModelNotFound, Overloaded, Unauthorized
 from seedance.server.admission import Admission
 from seedance.server.gauges import state_metrics
 from seedance.server.outbound import FrameMerger
@@ -28,11 +28,17 @@ from seedance.tenants.access import Access
 from seedance.tenants.usage import Usage
 
 if TYPE_CHECKING:
+    from seedance.protocol.messages import DoneFrame, ErrorFrame
     from seedance.server.connection import Connection
-    from seedance.server.generation import Generation
     from seedance.server.openai_api import HttpCall
+    from seedance.server.requests import Generation
+    from seedance.sessions.session import Session
 
 logger = logging.getLogger(__name__)
+
+#: On shutdown, idle connections are closed over this long (at most the drain timeout).
+DRAIN_STAGGER_S = 2.0
+DRAIN_TICK_S = 0.02
 
 
 @dataclass(frozen=True)
@@ -82,8 +88,8 @@ class ServerState:
         self.streams: StreamStore = MemoryStreamStore(
             window_s=config.resume_window_s, max_bytes_per_tenant=config.resume_max_bytes
         )
-        #: Running WebSocket generations by (tenant, session id): one per session at most.
-        self.generations: dict[tuple[str, str], Generation] = {}
+        #: Running generations by request id.
+        self.generations: dict[str, Generation] = {}
         self.connections: set[Connection] = set()
         self.http_calls: set[HttpCall] = set()  # OpenAI API requests being answered
         # Merges the token frames of fast streams (None: one frame per token).
@@ -110,19 +116,23 @@ class ServerState:
         return model
 
     def generation_started(self, generation: Generation) -> None:
-        session = generation.requester.session
-        self.generations[(session.tenant, session.session_id)] = generation
+        self.generations[generation.request_id] = generation
         generation.start()
 
-    def generation_ended(self, generation: Generation, terminal: str) -> None:
+    def generation_ended(self, generation: Generation, end: DoneFrame | ErrorFrame | None) -> None:
         """A generation is over: its log gets its last frame (none after a silent abort)
         and is kept for resumes or dropped."""
-        session = generation.requester.session
-        key = (session.tenant, session.session_id)
-        if self.generations.get(key) is generation:
-            del self.generations[key]
-        generation.log.close(terminal, time.monotonic())
-        self.streams.ended(session.tenant, session.session_id, generation.log)
+        if self.generations.get(generation.request_id) is generation:
+            del self.generations[generation.request_id]
+        requester = generation.requester
+        generation.log.close(end, time.monotonic())
+        key = requester.log_key(generation.request_id)
+        self.streams.ended(requester.tenant, key, generation.log)
+
+    def running_on(self, session: Session) -> Generation | None:
+        """The generation running on ``session`` (started on any connection)."""
+        request_id = session.active_request
+        return self.generations.get(request_id) if request_id is not None else None
 
     @property
     def running_generations(self) -> int:
@@ -214,12 +224,26 @@ class ServerState:
                 logger.info("conn %s closed: credential %s revoked", connection.id, credential)
                 connection.fail(Unauthorized(f"credential {credential} has been revoked"))
 
+    async def _close_idle(self, spread_s: float) -> None:
+        """Close (1001) the connections that read no stream, spread over ``spread_s``."""
+        idle = [c for c in self.connections if c.idle]
+        if not idle:
+            return
+        batches = min(len(idle), max(1, int(spread_s / DRAIN_TICK_S)))
+        per_batch = -(-len(idle) // batches)  # ceil
+        for start in range(0, len(idle), per_batch):
+            for connection in idle[start : start + per_batch]:
+                if connection.idle:
+                    connection.close(CLOSE_GOING_AWAY, "server shutting down")
+            await asyncio.sleep(spread_s / batches)
+
     async def drain(self, timeout_s: float) -> None:
-        """Refuse new generations, let running ones finish for ``timeout_s`` (or until
-        :attr:`hurry` is set), then end every stream with its final frame and close every
-        connection: a WebSocket's generation ends with ``done`` (``cancelled``) and the close
-        1001; an OpenAI API request with an ``overloaded`` error (an error event and
-        ``[DONE]`` when its stream had begun)."""
+        """Refuse new generations; close the connections that read no stream (1001), spread
+        over a few seconds; let running generations (resumable ones without a reader too)
+        finish for ``timeout_s`` (or until :attr:`hurry` is set), then end every stream with
+        its final frame and close every connection: a WebSocket's generation ends with
+        ``done`` (``cancelled``) and the close 1001; an OpenAI API request with an
+        ``overloaded`` error (an error event and ``[DONE]`` when its stream had begun)."""
         self.draining = True
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
@@ -229,14 +253,18 @@ class ServerState:
                 timeout_s,
                 self.running_generations,
             )
+        # Connections with nothing running go first, spread out, so that their clients do not
+        # all come back at once to the servers that remain.
+        idle = asyncio.create_task(self._close_idle(min(DRAIN_STAGGER_S, timeout_s)))
         while self.running_generations and loop.time() < deadline and not self.hurry:  # noqa: ASYNC110 - polls
             await asyncio.sleep(0.05)
+        idle.cancel()
+        await asyncio.gather(idle, return_exceptions=True)
         if self.running_generations:
             why = "a second signal" if self.hurry else "drain timeout"
             logger.warning("%s: cancelling %d generation(s)", why, self.running_generations)
-        refusal = Overloaded("the server is shutting down; retry on another server")
-        for call in list(self.http_calls):
-            call.interrupt(refusal)
+        for generation in list(self.generations.values()):
+            generation.cancel(silent=False)  # its readers get its done (HTTP: overloaded)
         connections = list(self.connections)
         await asyncio.gather(*(c.shutdown() for c in connections), return_exceptions=True)
         give_up = loop.time() + 5.0

@@ -5,49 +5,68 @@ token as it is appended (a direct call, no queue, no task: the token path stays 
 before the log), and one that attaches later, or again after a disconnect, first gets what it
 lacks from the log. Tokens are addressed by index (``seq``): a reader gets every index after
 its cursor once, in order, however the frames were merged the first time.
+
+A reader whose socket falls behind says so (:meth:`StreamLog.set_behind`); the generation then
+waits (:meth:`StreamLog.wait_writable`) before it takes the next token from the engine, which
+is how a slow client slows the engine down for its own request only.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+import asyncio
+import itertools
+from array import array
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from seedance.protocol.errors import HistoryLost, InvalidRequest
+from seedance.protocol.messages import DoneFrame, ErrorFrame, StartFrame
+
+#: What a frame other than a token counts as in a log's size (bytes).
+FRAME_BYTES = 256
+
+#: Hands ``tokens`` tokens whose text is ``text`` to a reader.
+Push = Callable[[str, int], None]
 
 
 class LogReader(Protocol):
     """A transport reading one generation's log (a WebSocket connection, an SSE response)."""
 
-    def on_start(self, frame: str) -> None:
+    def on_start(self, frame: StartFrame) -> None:
         """The generation's ``start`` frame (again, for a reader that attaches later)."""
 
-    def on_tokens(self, text: str, tokens: int) -> None:
-        """Tokens, in ``seq`` order from where the reader's cursor was."""
-
-    def on_end(self, frame: str) -> None:
-        """The ``done`` or ``error`` frame; the reader is detached."""
-
     @property
-    def congested(self) -> bool:
-        """The reader's socket is behind: the generation waits (backpressure)."""
+    def on_tokens(self) -> Push:
+        """Takes tokens, in ``seq`` order from where the reader's cursor was (a method, or an
+        attribute holding its writer's own method, which saves a call per token)."""
 
-    async def wait_writable(self) -> None: ...
+    def on_end(self, frame: DoneFrame | ErrorFrame | None) -> None:
+        """The ``done`` or ``error`` frame (None: aborted with no word to readers); the reader
+        is detached."""
 
 
 class StreamLog:
-    """One generation's frames, in memory (the embedded default)."""
+    """One generation's frames, in memory (the embedded default).
+
+    The token path is two appends and a call per reader; :class:`~seedance.server.requests.
+    Generation` writes it inline (``texts``, ``counts``, each reader's ``on_tokens``) and
+    :meth:`append` is the same for other writers.
+    """
 
     __slots__ = (
+        "_caught_up",
+        "behind",
+        "counts",
+        "end",
         "ended_at",
-        "ends",
         "epoch",
-        "next_seq",
+        "meta",
         "readers",
         "request_id",
         "resumable",
         "size",
         "start",
         "stream",
-        "terminal",
         "texts",
     )
 
@@ -57,66 +76,90 @@ class StreamLog:
         self.resumable = resumable
         #: Token frames are sent (``stream: true``); otherwise only the ``done`` carries text.
         self.stream = stream
-        self.start: str | None = None
+        self.start: StartFrame | None = None
         self.texts: list[str] = []  # one entry per append
-        self.ends: list[int] = []  # the seq after each entry
-        self.next_seq = 0  # the index of the next token logged
-        self.terminal: str | None = None
-        self.ended_at: float | None = None  # loop time
-        self.size = 0  # bytes held (texts and frames), for the tenant's cap
+        self.counts = array("l")  # the tokens of each entry (not an object the GC tracks)
+        self.end: DoneFrame | ErrorFrame | None = None
+        self.ended_at: float | None = None  # the store's clock (time.monotonic)
+        self.size = 0  # bytes held (frames; texts counted at the end), for the tenant's cap
         self.readers: list[LogReader] = []
+        self.behind = 0  # readers whose socket is behind
+        self._caught_up: asyncio.Future[None] | None = None
+        #: What a transport needs to render the frames again (the OpenAI API's shape).
+        self.meta: dict[str, Any] | None = None
 
     @property
     def running(self) -> bool:
-        return self.terminal is None
+        return self.ended_at is None
+
+    @property
+    def next_seq(self) -> int:
+        """The index of the next token logged (the count so far)."""
+        return sum(self.counts)
 
     # ------------------------------------------------------------------ writing
 
-    def open(self, frame: str) -> None:
+    def open(self, frame: StartFrame) -> None:
         self.start = frame
-        self.size += len(frame)
+        self.size += FRAME_BYTES
         for reader in self.readers:
             reader.on_start(frame)
 
     def append(self, text: str, tokens: int) -> None:
         """Log ``tokens`` tokens whose text is ``text`` and hand them to every reader."""
         self.texts.append(text)
-        self.next_seq += tokens
-        self.ends.append(self.next_seq)
-        self.size += len(text)
+        self.counts.append(tokens)
         if self.stream:
             for reader in self.readers:
                 reader.on_tokens(text, tokens)
 
-    def close(self, frame: str, now: float) -> None:
-        """The generation ended with ``frame``: every reader gets it and is detached (``""``:
+    def close(self, frame: DoneFrame | ErrorFrame | None, now: float) -> None:
+        """The generation ended with ``frame``: every reader gets it and is detached (None:
         an abort that no reader is told of)."""
-        self.terminal = frame
+        self.end = frame
         self.ended_at = now
-        self.size += len(frame)
+        if self.resumable:  # kept for the resume window: counted against the tenant's cap
+            self.size += FRAME_BYTES + sum(map(len, self.texts))
         readers, self.readers = self.readers, []
+        self.behind = 0
+        self._wake()
         for reader in readers:
             reader.on_end(frame)
 
-    @property
-    def congested(self) -> bool:
-        return any(reader.congested for reader in self.readers)
+    def set_behind(self, behind: bool) -> None:
+        """A reader's socket fell behind (True) or caught up (False)."""
+        self.behind += 1 if behind else -1
+        if self.behind <= 0:
+            self.behind = 0
+            self._wake()
 
     async def wait_writable(self) -> None:
-        for reader in self.readers:
-            if reader.congested:
-                await reader.wait_writable()
+        """Wait until no reader is behind."""
+        while self.behind:
+            if self._caught_up is None:
+                self._caught_up = asyncio.get_running_loop().create_future()
+            await asyncio.shield(self._caught_up)
+
+    def _wake(self) -> None:
+        if self._caught_up is not None:
+            if not self._caught_up.done():
+                self._caught_up.set_result(None)
+            self._caught_up = None
 
     # ------------------------------------------------------------------ reading
 
     def attach(self, reader: LogReader, after_seq: int = -1) -> None:
         """Hand ``reader`` the start frame, the tokens after ``after_seq``, and the end if the
         generation has ended; otherwise it stays attached and gets the rest live."""
-        if after_seq >= self.next_seq:
+        if self.start is None and self.ended_at is None and after_seq == -1:
+            self.readers.append(reader)  # the first reader of a new generation
+            return
+        next_seq = self.next_seq
+        if after_seq >= next_seq:
             raise HistoryLost(
                 "cursor_ahead",
                 f"after_seq {after_seq} is past the last token of {self.request_id} "
-                f"({self.next_seq - 1})",
+                f"({next_seq - 1})",
                 request_id=self.request_id,
             )
         missing = self.missing(after_seq)
@@ -124,10 +167,10 @@ class StreamLog:
             reader.on_start(self.start)
         if missing is not None and self.stream:
             reader.on_tokens(*missing)
-        if self.terminal is not None:
-            reader.on_end(self.terminal)
-        else:
-            self.readers.append(reader)
+        if self.ended_at is not None:
+            reader.on_end(self.end)
+            return
+        self.readers.append(reader)
 
     def detach(self, reader: LogReader) -> None:
         if reader in self.readers:
@@ -135,23 +178,18 @@ class StreamLog:
 
     def missing(self, after_seq: int) -> tuple[str, int] | None:
         """The text and count of the tokens after ``after_seq`` (None: none)."""
-        if after_seq + 1 >= self.next_seq:
+        next_seq = self.next_seq
+        if after_seq + 1 >= next_seq:
             return None
-        ends = self.ends
         first = 0
         if after_seq >= 0:
-            lo, hi = 0, len(ends)
-            while lo < hi:  # the first entry that ends past after_seq
-                mid = (lo + hi) // 2
-                if ends[mid] <= after_seq + 1:
-                    lo = mid + 1
-                else:
-                    hi = mid
-            first = lo
-            if first == 0 or ends[first - 1] != after_seq + 1:
+            ends = itertools.accumulate(self.counts)
+            first = next((i + 1 for i, end in enumerate(ends) if end >= after_seq + 1), 0)
+            boundary = sum(self.counts[:first])
+            if first == 0 or boundary != after_seq + 1:
                 raise InvalidRequest(
                     f"after_seq {after_seq} falls inside a token frame of {self.request_id}; "
                     "give the last seq of a frame held whole",
                     request_id=self.request_id,
                 )
-        return "".join(self.texts[first:]), self.next_seq - (after_seq + 1)
+        return "".join(self.texts[first:]), next_seq - (after_seq + 1)

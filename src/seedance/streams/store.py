@@ -5,6 +5,14 @@ A session has at most one log: its running generation's, or its last resumable o
 (``--resume-max-bytes``); past it the oldest are dropped. A resume of a log that is gone says
 why (``history_lost``), and a cursor from another ``epoch`` (the store of a server that
 restarted, in memory) is refused, so a client never takes a gap or a repeat for the reply.
+
+How this maps onto Redis (the cluster issue): a log is a Redis Stream per generation whose
+entry ids are token indexes (``seq``), appended in batches (``XADD`` pipelined, one fenced
+script per batch), read from a cursor (``XRANGE`` after ``after_seq``) and followed live
+(``XREAD BLOCK``) by readers on other nodes; ``epoch`` is a per-session key that changes when
+Redis lost the session's data; retention is a TTL (the resume window) and ``MAXLEN`` plus the
+per-tenant byte count. Readers on the node that runs the generation keep the direct path of
+:class:`~seedance.streams.log.StreamLog` (tokens handed over as they are appended).
 """
 
 from __future__ import annotations
@@ -145,15 +153,17 @@ class MemoryStreamStore:
 
     def sweep(self) -> None:
         """Drop the finished logs older than the window."""
-        limit = self._clock() - self.window_s
         finished = self._finished
+        if not finished:
+            return
+        limit = self._clock() - self.window_s
         while finished:
             key, log = next(iter(finished.items()))
             if log.ended_at is None or log.ended_at > limit:
                 break
             self._drop(key, log, "expired")
 
-    def _drop(self, key: SessionKey, log: StreamLog, reason: str) -> None:
+    def _drop(self, key: SessionKey, log: StreamLog, reason: str = "expired") -> None:
         if self._logs.get(key) is log:
             del self._logs[key]
         if self._finished.get(key) is log:
@@ -164,7 +174,8 @@ class MemoryStreamStore:
                 self._bytes[tenant] = left
             else:
                 self._bytes.pop(tenant, None)
-        gone = self._gone
-        gone[(key[0], key[1], log.request_id)] = reason
-        while len(gone) > GONE_MEMORY:
-            gone.popitem(last=False)
+        if reason != "expired":  # expired is what a resume of an unknown stream is told
+            gone = self._gone
+            gone[(key[0], key[1], log.request_id)] = reason
+            while len(gone) > GONE_MEMORY:
+                gone.popitem(last=False)
