@@ -389,3 +389,17 @@ def test_soak_drives_mixed_traffic_and_judges_it(tmp_path: Path) -> None:
     for action in ("stream", "cancel", "reconnect", "bad frames", "http stream", "vanish"):
         assert f"{action} " in report
     assert (tmp_path / "bench" / "soak-synthetic-memory.svg").read_text().startswith("<svg")
+
+
+def test_the_resume_suite_clients_drop_and_resume_whole(make_server: Any) -> None:
+    server: RunningServer = make_server(tokens_per_s=1000.0)
+    out = subprocess.run(
+        [sys.executable, "-m", "seedance.bench.resume_suite", f"{server.url}/v2/infer", "6", "3"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    results = json.loads(out.stdout)
+    assert len(results) == 6 and all(r["whole"] for r in results)
+    assert all(r["resume_ms"] > 0 and r["ttft_ms"] > 0 for r in results)

@@ -44,7 +44,7 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def _pin(core: int) -> Any:
+def pin_to(core: int) -> Any:
     if _cores() < 2 or not hasattr(os, "sched_setaffinity"):
         return None
     return lambda: os.sched_setaffinity(0, {core})
@@ -110,7 +110,7 @@ class Server:
             contender.command(self.port),
             stdout=subprocess.DEVNULL,
             stderr=self.log,
-            preexec_fn=_pin(contender.core) if contender.pinned else None,
+            preexec_fn=pin_to(contender.core) if contender.pinned else None,
             env={**os.environ, **contender.env} if contender.env else None,
             cwd=contender.cwd,
         )
@@ -186,7 +186,7 @@ def run_bench(
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            preexec_fn=_pin(CLIENT_CORE) if pinned else None,
+            preexec_fn=pin_to(CLIENT_CORE) if pinned else None,
         )
         peak = 0
         while proc.poll() is None:
@@ -742,7 +742,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="rounds per contender (default 2)")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks.md"))
     parser.add_argument(
-        "--suites", default="1,2,3,4,5,6,7,8", help="which suites to run (default all: 1-8)"
+        "--suites", default="1,2,3,4,5,6,7,8,9", help="which suites to run (default all: 1-9)"
     )
     args = parser.parse_args(argv)
     if _cores() < 2:
@@ -751,6 +751,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from seedance.bench.http_suite import http_suite
     from seedance.bench.llama_suite import llama_suite
     from seedance.bench.observability_suite import observability_suite
+    from seedance.bench.resume_suite import resume_suite
 
     report = Report(args.quick, args.rounds, args.out)
     started = time.time()
@@ -764,6 +765,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "6": functools.partial(http_suite, report),
         "7": functools.partial(gateway_suite, report),
         "8": functools.partial(observability_suite, report),
+        "9": functools.partial(resume_suite, report),
     }
     for key in sorted(chosen):
         suites[key]()
