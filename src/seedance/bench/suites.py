@@ -669,15 +669,18 @@ class Report:
             "",
             *(section + "\n" for section in self.sections),
             *self._stack_section(),
-            "## The load generator",
-            "",
-            f"Over every run above, `seedance bench` spent **{fmt(per_frame_us)} µs of CPU per frame "
-            f"received** (all its work included: parsing, timing, bookkeeping), so one core of it can "
-            f"take about **{fmt(1e6 / per_frame_us if per_frame_us == per_frame_us else 0, 0)} frames/s**. "
-            f"In the busiest run it used **{busiest:.0%} of its core**: below 100%, the load "
-            "generator was not what limited the figures.",
-            "",
         ]
+        if frames:  # the suites that ran seedance bench
+            lines += [
+                "## The load generator",
+                "",
+                f"Over every run above, `seedance bench` spent **{fmt(per_frame_us)} µs of CPU "
+                "per frame received** (all its work included: parsing, timing, bookkeeping), so "
+                f"one core of it can take about **{fmt(1e6 / per_frame_us, 0)} frames/s**. In the "
+                f"busiest run it used **{busiest:.0%} of its core**: below 100%, the load "
+                "generator was not what limited the figures.",
+                "",
+            ]
         self.out.write_text("\n".join(lines))
 
 
