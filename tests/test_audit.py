@@ -323,7 +323,7 @@ def test_a_log_whose_last_line_is_not_a_record_stops_the_server_with_one_line(
     write_records(AuditSettings(path=log), 3)
     with log.open("ab") as fh:
         fh.write(b"this line was typed in by someone\n")
-    output = serve_fails("--audit-file", str(log))
+    output = serve_fails("--engine", "synthetic", "--audit-file", str(log))
     assert "its last line is not an audit record" in output
     assert "move it aside" in output and "Traceback" not in output
 

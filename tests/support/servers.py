@@ -102,6 +102,7 @@ def asgi_server(app: Any) -> Iterator[str]:
         yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
+        server.force_exit = True  # a request a test left hanging does not hold the exit
         thread.join(10)
 
 
