@@ -410,10 +410,7 @@ class Connection:
             self._admit(message, request_id, received)
         except SeedanceError as exc:
             exc.request_id = request_id
-            model = self.model
-            self.state.metrics.requests.labels(
-                model.name, model.engine.info.engine, self.tenant, exc.code
-            ).inc()
+            self.state.count_refusal(self.model, self.tenant, exc.code)
             self._trace_refusal(message, request_id, received, exc)
             self.state.audit_submit(functools.partial(self._refusal_record, request_id, exc))
             raise
@@ -493,6 +490,13 @@ class Connection:
             "live" if log.running else "done",
         )
 
+    def _followed(self, follower: Follower | None) -> Generation | None:
+        """The running generation ``follower`` reads (None: none, or it has ended)."""
+        generation = self._running()
+        if follower is None or generation is None or generation.log is not follower.log:
+            return None
+        return generation
+
     def _leave_stream_soon(self) -> None:
         """Stop reading; the generation decides what that means (see ``reader_left``)."""
         follower = self._follower
@@ -500,16 +504,16 @@ class Connection:
             return
         follower.log.detach(follower)
         follower.stop()
-        generation = self._running()
-        if generation is not None and generation.log is follower.log:
+        generation = self._followed(follower)
+        if generation is not None:
             generation.reader_left()
 
     async def _leave_stream(self) -> None:
         """Stop reading, and wait for the generation if that aborted it."""
         follower = self._follower
         self._leave_stream_soon()
-        generation = self._running()
-        if follower is None or generation is None or generation.log is not follower.log:
+        generation = self._followed(follower)
+        if generation is None:
             return
         log = generation.log
         if not log.resumable and not log.readers and generation.task is not None:
@@ -517,11 +521,8 @@ class Connection:
 
     async def _stop_generation(self, *, silent: bool) -> None:
         """Cancel the generation this connection reads and wait until it has ended."""
-        follower = self._follower
-        generation = self._running()
-        if follower is None or generation is None or generation.log is not follower.log:
-            return
-        if generation.task is not None:
+        generation = self._followed(self._follower)
+        if generation is not None and generation.task is not None:
             generation.cancel(silent=silent)
             await asyncio.gather(generation.task, return_exceptions=True)
 

@@ -295,11 +295,8 @@ class HttpCall:
         self._audited = True
         with contextlib.suppress(Overloaded):  # an error goes out audited or not
             await self.state.audited(self._refusal_record, f"request {self.request_id}")
-        model = self.model
-        if model is not None:
-            self.state.metrics.requests.labels(
-                model.name, model.engine.info.engine, self.principal.name, error.code
-            ).inc()
+        if self.model is not None:
+            self.state.count_refusal(self.model, self.principal.name, error.code)
         await self._render_error(error)
 
     async def _render_error(self, error: SeedanceError) -> None:

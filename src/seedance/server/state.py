@@ -115,6 +115,10 @@ class ServerState:
             raise ModelNotFound(f"model {name!r} is not served here; served models: {served}")
         return model
 
+    def count_refusal(self, model: ServedModel, tenant: str, code: str) -> None:
+        """A request refused before its generation started, in ``seedance_requests``."""
+        self.metrics.requests.labels(model.name, model.engine.info.engine, tenant, code).inc()
+
     def generation_started(self, generation: Generation) -> None:
         self.generations[generation.request_id] = generation
         generation.start()

@@ -179,17 +179,17 @@ class StreamLog:
     def missing(self, after_seq: int) -> tuple[str, int] | None:
         """The text and count of the tokens after ``after_seq`` (None: none)."""
         next_seq = self.next_seq
-        if after_seq + 1 >= next_seq:
+        held = after_seq + 1  # tokens the reader holds: they must end an entry
+        if held >= next_seq:
             return None
         first = 0
-        if after_seq >= 0:
+        if held:
             ends = itertools.accumulate(self.counts)
-            first = next((i + 1 for i, end in enumerate(ends) if end >= after_seq + 1), 0)
-            boundary = sum(self.counts[:first])
-            if first == 0 or boundary != after_seq + 1:
+            first, end = next((i, end) for i, end in enumerate(ends, 1) if end >= held)
+            if end != held:
                 raise InvalidRequest(
                     f"after_seq {after_seq} falls inside a token frame of {self.request_id}; "
                     "give the last seq of a frame held whole",
                     request_id=self.request_id,
                 )
-        return "".join(self.texts[first:]), next_seq - (after_seq + 1)
+        return "".join(self.texts[first:]), next_seq - held
