@@ -415,7 +415,7 @@ class Generation:
         tokens_at = self.meter.tokens
         # StreamLog.append, inline: the token path costs no more than before the log.
         texts, counts = log.texts.append, log.counts.append
-        readers = log.readers if log.stream else ()
+        produced = 0  # self.completion_tokens, kept in a local while the engine runs
         try:
             async for delta in stream:
                 n = delta.tokens
@@ -424,11 +424,12 @@ class Generation:
                     tokens_at(clock(), n)
                     texts(text)
                     counts(n)
-                    for reader in readers:
-                        reader.on_tokens(text, n)
+                    produced += n
+                    push = log.push  # readers may join or leave between tokens
+                    if push is not None:
+                        push(text, n)
                     if log.behind:  # a reader's socket is behind: wait for it
                         await log.wait_writable()
-                    self.completion_tokens += n
                 if delta.finish_reason is not None:
                     return delta.finish_reason
             return "stop"
@@ -438,6 +439,7 @@ class Generation:
             logger.exception("engine failed on request %s", self.request_id)
             raise EngineError(f"the model failed on request {self.request_id}; retry") from exc
         finally:
+            self.completion_tokens = produced
             await stream.aclose()
 
     def _audit_record(self, outcome: str) -> audit.Request:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from array import array
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -48,9 +47,9 @@ class LogReader(Protocol):
 class StreamLog:
     """One generation's frames, in memory (the embedded default).
 
-    The token path is two appends and a call per reader; :class:`~seedance.server.requests.
-    Generation` writes it inline (``texts``, ``counts``, each reader's ``on_tokens``) and
-    :meth:`append` is the same for other writers.
+    The token path is two appends and one call: :class:`~seedance.server.requests.Generation`
+    writes it inline (``texts``, ``counts``, then :attr:`push`) and :meth:`append` is the same
+    for other writers.
     """
 
     __slots__ = (
@@ -61,6 +60,7 @@ class StreamLog:
         "ended_at",
         "epoch",
         "meta",
+        "push",
         "readers",
         "request_id",
         "resumable",
@@ -78,11 +78,14 @@ class StreamLog:
         self.stream = stream
         self.start: StartFrame | None = None
         self.texts: list[str] = []  # one entry per append
-        self.counts = array("l")  # the tokens of each entry (not an object the GC tracks)
+        self.counts: list[int] = []  # the tokens of each entry
         self.end: DoneFrame | ErrorFrame | None = None
         self.ended_at: float | None = None  # the store's clock (time.monotonic)
         self.size = 0  # bytes held (frames; texts counted at the end), for the tenant's cap
         self.readers: list[LogReader] = []
+        #: Hands a token delta to the readers: the one reader's own writer (the common case:
+        #: no loop), a loop over several, or None (no reader, or ``stream: false``).
+        self.push: Push | None = None
         self.behind = 0  # readers whose socket is behind
         self._caught_up: asyncio.Future[None] | None = None
         #: What a transport needs to render the frames again (the OpenAI API's shape).
@@ -109,9 +112,9 @@ class StreamLog:
         """Log ``tokens`` tokens whose text is ``text`` and hand them to every reader."""
         self.texts.append(text)
         self.counts.append(tokens)
-        if self.stream:
-            for reader in self.readers:
-                reader.on_tokens(text, tokens)
+        push = self.push
+        if push is not None:
+            push(text, tokens)
 
     def close(self, frame: DoneFrame | ErrorFrame | None, now: float) -> None:
         """The generation ended with ``frame``: every reader gets it and is detached (None:
@@ -121,6 +124,7 @@ class StreamLog:
         if self.resumable:  # kept for the resume window: counted against the tenant's cap
             self.size += FRAME_BYTES + sum(map(len, self.texts))
         readers, self.readers = self.readers, []
+        self.push = None
         self.behind = 0
         self._wake()
         for reader in readers:
@@ -153,6 +157,7 @@ class StreamLog:
         generation has ended; otherwise it stays attached and gets the rest live."""
         if self.start is None and self.ended_at is None and after_seq == -1:
             self.readers.append(reader)  # the first reader of a new generation
+            self._rewire()
             return
         next_seq = self.next_seq
         if after_seq >= next_seq:
@@ -171,10 +176,25 @@ class StreamLog:
             reader.on_end(self.end)
             return
         self.readers.append(reader)
+        self._rewire()
 
     def detach(self, reader: LogReader) -> None:
         if reader in self.readers:
             self.readers.remove(reader)
+            self._rewire()
+
+    def _rewire(self) -> None:
+        readers = self.readers
+        if not self.stream or not readers:
+            self.push = None
+        elif len(readers) == 1:
+            self.push = readers[0].on_tokens
+        else:
+            self.push = self._push_all
+
+    def _push_all(self, text: str, tokens: int) -> None:
+        for reader in self.readers:
+            reader.on_tokens(text, tokens)
 
     def missing(self, after_seq: int) -> tuple[str, int] | None:
         """The text and count of the tokens after ``after_seq`` (None: none)."""
