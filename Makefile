@@ -7,7 +7,7 @@ PORT   ?= 8000
 LITELLM_VENV    ?= .venv-litellm
 LITELLM_VERSION ?= 1.108.7
 
-.PHONY: serve test test-fast bench soak gpu-smoke lint clean
+.PHONY: serve test test-fast bench bench-compare soak gpu-smoke lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -67,6 +67,12 @@ test-fast: $(VENV)/.installed-test
 # BENCH_ARGS="--suites 5" for one suite.
 bench: $(VENV)/.installed-bench $(LITELLM_VENV)/.installed
 	LITELLM=$(LITELLM_VENV)/bin/litellm $(BIN)/python -m seedance.bench.suites $(BENCH_ARGS)
+
+# This tree against another revision (BASELINE=REV: a commit, a tag), side by side on the loads of
+# suites 1 and 2 (~12 min); writes docs/benchmarks-baseline.md. COMPARE_ARGS="--rounds 9" for more.
+bench-compare: $(VENV)/.installed-bench
+	@test -n "$(BASELINE)" || { echo "usage: make bench-compare BASELINE=REV"; exit 2; }
+	$(BIN)/python -m seedance.bench.compare $(BASELINE) $(COMPARE_ARGS)
 
 # Ten minutes of mixed traffic against the synthetic engine and the embedded model, watching RSS,
 # file descriptors, tasks and p99 TTFT (docs/soak.md), then the parsers' fuzzing at length.

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from seedance.bench import compare
 from seedance.bench.metrics import Distribution, Sample, percentile, summarize
 from seedance.bench.peers.openai_sse import create_app as openai_app
 from seedance.engines.synthetic import SyntheticEngine
@@ -231,6 +232,29 @@ def test_make_bench_suite_writes_its_report(tmp_path: Path) -> None:
     assert "## 4. The design document's table" in report and "| 500 clients |" in report
     assert "## Machine and versions" in report and "websockets " in report
     assert "[4 design table] 4/4" in result.stderr  # progress counter
+
+
+def test_compare_serves_another_revision_side_by_side(tmp_path: Path) -> None:
+    # This tree against its own HEAD, exported by git and served from there: one tiny load.
+    out = tmp_path / "baseline.md"
+    table = compare.Table(
+        "Tiny",
+        "Two streams.",
+        [("2 streams", ["-c", "2", "-d", "1", "--max-tokens", "8", "--prompt-tokens", "8"])],
+        (),
+        compare.FAN_OUT.columns,
+        compare.FAN_OUT.throughput,
+    )
+    compare.compare("HEAD", 1, [table], out)
+    report = out.read_text()
+    assert report.startswith("# Side by side: ") and "against " in report
+    assert "machine: " in report
+    row = next(line for line in report.splitlines() if line.startswith("| 2 streams |"))
+    cells = row.strip("|").split("|")
+    assert len(cells) == 1 + len(compare.FAN_OUT.columns) + 1  # load, figures, verdict
+    assert all(" / " in cell and "x)" in cell for cell in cells[1:-1])  # both ran
+    with pytest.raises(subprocess.CalledProcessError):
+        compare.export_source("no-such-revision", tmp_path)
 
 
 def test_bar_chart_is_valid_svg() -> None:

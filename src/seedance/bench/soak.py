@@ -43,7 +43,7 @@ from typing import Any
 import aiohttp
 from websockets.asyncio.client import ClientConnection, connect
 
-from seedance.bench.suites import _free_port, _machine
+from seedance.bench.suites import _free_port, machine_lines
 from seedance.bench.svg import line_chart
 from seedance.tenants.keys import add_key
 
@@ -405,7 +405,7 @@ def report(runs: Sequence[Run], out: Path, started: float) -> None:
         "",
         "## Machine",
         "",
-        *_machine(),
+        *machine_lines(),
         f"- run: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(started))}",
         "",
     ]

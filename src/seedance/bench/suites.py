@@ -141,6 +141,11 @@ class Server:
             return False
         return True
 
+    def cpu_seconds(self) -> float:
+        """CPU time the server has used so far (user and system)."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def rss_bytes(self) -> int:
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
@@ -207,6 +212,44 @@ def command_line(args: Sequence[str]) -> str:
     return shlex.join(["seedance", "bench", "URL", *args])
 
 
+# --------------------------------------------------------------------------- loads
+
+#: Suite 1's per-stream token rate (tokens/s): a typical model's speed.
+TOKEN_PATH_RATE = 50
+
+Load = tuple[str, list[str]]  # a name, and the seedance bench arguments
+
+
+def token_path_loads(quick: bool) -> list[Load]:
+    """Suite 1: 16-token replies at :data:`TOKEN_PATH_RATE`, 1, 100 and 1,000 streams."""
+    short = 4 if quick else 6
+    return [
+        (
+            f"{n} streams",
+            [
+                *("-c", str(n), "-d", str(seconds), "--ramp-up", "1"),
+                *("--max-tokens", "16", "--prompt-tokens", "32"),
+            ],
+        )
+        for n, seconds in ((1, 3 * short), (100, short), (1000, 2 * short))
+    ]
+
+
+def fan_out_loads(quick: bool) -> list[Load]:
+    """Suite 2: 128-token replies as fast as the server goes, 100 and 1,000 streams."""
+    duration = "4" if quick else "8"
+    return [
+        (
+            f"{n} streams",
+            [
+                *("-c", str(n), "-d", duration, "--warmup", "0"),
+                *("--max-tokens", "128", "--prompt-tokens", "32"),
+            ],
+        )
+        for n in (100, 1000)
+    ]
+
+
 # --------------------------------------------------------------------------- figures
 
 
@@ -270,10 +313,11 @@ class Report:
     def alternate(
         self,
         running: dict[str, Server],
-        loads: Sequence[tuple[str, list[str]]],
+        loads: Sequence[Load],
         title: str,
     ) -> dict[tuple[str, str], Cell]:
-        """Run every (load, contender) ``rounds`` times, contenders in turn (A B A B).
+        """Run every (load, contender) ``rounds`` times, contenders in turn, the order reversed
+        every other round (A B, B A, A B) so that a drift of the machine favours neither.
 
         Each (load, round) has prompts of its own (``--seed``), the same for every contender:
         with one seed everywhere, a later run repeated an earlier run's prompts, and a server
@@ -285,10 +329,15 @@ class Report:
         for number, (load, args) in enumerate(loads):
             for round_ in range(self.rounds):
                 seeded = [*args, "--seed", str(1000 * (number + 1) + round_)]
-                for key, server in running.items():
+                order = list(running.items())
+                if round_ % 2:
+                    order.reverse()
+                for key, server in order:
                     done += 1
                     self.log(f"[{title}] {done}/{total}: {server.contender.label}, {load}")
+                    cpu = server.cpu_seconds()
                     result = run_bench(server.url, seeded, pinned=server.contender.pinned)
+                    result["server_cpu_s"] = server.cpu_seconds() - cpu
                     cells.setdefault((load, key), Cell()).runs.append(result)
                     summary = result["summary"]
                     client = result["client"]
@@ -298,22 +347,12 @@ class Report:
 
     # ---- suite 1
     def token_path(self) -> None:
-        rate = 50
-        short = 4 if self.quick else 6
+        rate = TOKEN_PATH_RATE
         contenders = [
             seedance("Seedance", "seedance", "--synthetic-tokens-per-s", str(rate)),
             raw("--tokens-per-s", str(rate)),
         ]
-        loads = [
-            (
-                f"{n} streams",
-                [
-                    *("-c", str(n), "-d", str(seconds), "--ramp-up", "1"),
-                    *("--max-tokens", "16", "--prompt-tokens", "32"),
-                ],
-            )
-            for n, seconds in ((1, 3 * short), (100, short), (1000, 2 * short))
-        ]
+        loads = token_path_loads(self.quick)
         with servers(contenders) as running:
             cells = self.alternate(running, loads, "1 token path")
         rows = []
@@ -366,23 +405,13 @@ class Report:
 
     # ---- suite 2
     def fan_out(self) -> None:
-        duration = "4" if self.quick else "8"
         contenders = [
             seedance("Seedance, merging on (5 ms)", "merge"),
             seedance("Seedance, merging off", "nomerge", "--merge-window-ms", "0"),
             raw(),
             raw_picows(),
         ]
-        loads = [
-            (
-                f"{n} streams",
-                [
-                    *("-c", str(n), "-d", duration, "--warmup", "0"),
-                    *("--max-tokens", "128", "--prompt-tokens", "32"),
-                ],
-            )
-            for n in (100, 1000)
-        ]
+        loads = fan_out_loads(self.quick)
         with servers(contenders) as running:
             cells = self.alternate(running, loads, "2 fan-out")
         rows = []
@@ -657,7 +686,7 @@ class Report:
             "",
             "## Machine and versions",
             "",
-            *_machine(),
+            *machine_lines(),
             f"- run: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(started))}, "
             f"{(time.time() - started) / 60:.1f} minutes{' (quick mode)' if self.quick else ''}",
             "",
@@ -696,7 +725,7 @@ def _stack_rows(stack: dict[tuple[str, str], float]) -> list[str]:
     return rows
 
 
-def _commands(contenders: Sequence[Contender], loads: Sequence[tuple[str, list[str]]]) -> str:
+def _commands(contenders: Sequence[Contender], loads: Sequence[Load]) -> str:
     lines = ["Commands (PORT and URL filled in by the runner):", "", "```"]
     lines += [c.display() for c in contenders]
     lines += [command_line(args) for _, args in loads]
@@ -708,7 +737,7 @@ def _commands(contenders: Sequence[Contender], loads: Sequence[tuple[str, list[s
     return "\n".join(lines)
 
 
-def _machine() -> list[str]:
+def machine_lines() -> list[str]:
     cpu = "unknown CPU"
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -1,0 +1,234 @@
+"""Side by side: this tree's Seedance against another revision, on the loads of suites 1 and 2.
+
+A change to the token path, an engine or the request lifecycle is measured against the revision
+before it, in one run on one machine: noise moves both figures alike, so the ratio is what to
+read (never absolute figures across runs). The other revision's ``src/`` is exported with
+``git archive`` into a temporary folder and served from there (``PYTHONPATH``) with this
+environment's packages, so only Seedance's own code differs. Both servers stay up for the
+whole run, on the server core, and take turns (A B, B A, ...).
+
+    python -m seedance.bench.compare REV [--rounds N] [--loads fanout,tokenpath] [--out FILE]
+
+The baseline runs with this environment's installed metadata (its engine entry points): a
+revision whose entry points differ from this tree's does not start, and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import seedance
+from seedance.bench import suites
+from seedance.bench.suites import (
+    TOKEN_PATH_RATE,
+    Cell,
+    Contender,
+    Load,
+    Report,
+    fan_out_loads,
+    fmt,
+    machine_lines,
+    ratio,
+    servers,
+    token_path_loads,
+)
+
+#: How far this tree may fall behind the baseline: delivered tokens/s and CPU per token.
+TOLERANCE = 0.05
+
+
+def export_source(revision: str, into: Path) -> str:
+    """Write ``revision``'s ``src/`` under ``into``; returns the revision's short hash."""
+    root = Path(seedance.__file__).resolve().parents[2]
+    short = subprocess.run(
+        ["git", "rev-parse", "--short", revision],
+        cwd=root,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    archive = subprocess.run(
+        ["git", "archive", "--format=tar", revision, "src"],
+        cwd=root,
+        check=True,
+        capture_output=True,
+    ).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        if hasattr(tarfile, "data_filter"):  # Python 3.10.12+, 3.11.4+
+            tar.extractall(into, filter="data")
+        else:
+            tar.extractall(into)
+    return short
+
+
+def _this_revision() -> str:
+    root = Path(seedance.__file__).resolve().parents[2]
+    head = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True
+    ).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no", "src"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    return (head or "this tree") + (" with changes" if dirty else "")
+
+
+def _pair(this_src: Path, base_src: Path, *extra: str) -> list[Contender]:
+    this = suites.seedance("this tree", "this", *extra)
+    this.env = {"PYTHONPATH": str(this_src)}
+    base = suites.seedance("baseline", "base", *extra)
+    base.env = {"PYTHONPATH": str(base_src)}
+    return [this, base]
+
+
+Figure = Callable[[Cell], float]
+
+
+def _median(*path: str) -> Figure:
+    return lambda cell: cell.median(*path)
+
+
+def _cpu_per_token_us(cell: Cell) -> float:
+    """The server's CPU microseconds per token it sent, median over rounds."""
+    values = [1e6 * r["server_cpu_s"] / max(r["summary"]["output_tokens"], 1) for r in cell.runs]
+    return statistics.median(values) if values else float("nan")
+
+
+def _tokens_per_frame(cell: Cell) -> float:
+    return cell.median("summary", "output_tokens") / max(cell.median("summary", "chunks"), 1)
+
+
+@dataclass(frozen=True, slots=True)
+class Table:
+    """One set of loads: its figures (a column each), and the tokens/s that must keep up."""
+
+    title: str
+    about: str
+    loads: list[Load]
+    extra: tuple[str, ...]  # server flags for both
+    columns: tuple[tuple[str, Figure], ...]
+    throughput: Figure
+
+
+FAN_OUT = Table(
+    "Fan-out (suite 2's loads)",
+    "128-token replies as fast as the server goes.",
+    fan_out_loads(False),
+    (),
+    (
+        ("delivered tokens/s", _median("summary", "delivered_tokens_per_s")),
+        ("server CPU µs per token", _cpu_per_token_us),
+        ("tokens per frame", _tokens_per_frame),
+        ("TTFT p99 ms", _median("summary", "ttft", "p99_ms")),
+    ),
+    _median("summary", "delivered_tokens_per_s"),
+)
+
+TOKEN_PATH = Table(
+    "Token path (suite 1's loads)",
+    f"16-token replies at {TOKEN_PATH_RATE} tokens/s per stream: below saturation the CPU per "
+    "token is the cost to read; at 1,000 streams both servers are CPU-bound and output "
+    "tokens/s is.",
+    token_path_loads(False),
+    ("--synthetic-tokens-per-s", str(TOKEN_PATH_RATE)),
+    (
+        ("TTFT p50 ms", _median("summary", "ttft", "p50_ms")),
+        ("TTFT p99 ms", _median("summary", "ttft", "p99_ms")),
+        ("output tokens/s", _median("summary", "output_tokens_per_s")),
+        ("server CPU µs per token", _cpu_per_token_us),
+    ),
+    _median("summary", "output_tokens_per_s"),
+)
+
+TABLES = {"fanout": FAN_OUT, "tokenpath": TOKEN_PATH}
+
+
+def _run_table(report: Report, table: Table, this_src: Path, base_src: Path) -> list[str]:
+    """Both servers on ``table``'s loads; its section of the report, and whether every row
+    is within :data:`TOLERANCE`."""
+    with servers(_pair(this_src, base_src, *table.extra)) as running:
+        cells = report.alternate(running, table.loads, table.title)
+    names = [name for name, _ in table.columns]
+    rows = []
+    for load, _ in table.loads:
+        this, base = cells[(load, "this")], cells[(load, "base")]
+        figures = [(figure(this), figure(base)) for _, figure in table.columns]
+        keeps_up = table.throughput(this) >= table.throughput(base) * (1 - TOLERANCE)
+        cheap = _cpu_per_token_us(this) <= _cpu_per_token_us(base) * (1 + TOLERANCE)
+        rows.append(
+            f"| {load} | "
+            + " | ".join(f"{fmt(a)} / {fmt(b)} ({ratio(a, b)})" for a, b in figures)
+            + f" | {'yes' if keeps_up and cheap else '**no**'} |"
+        )
+    return [
+        f"## {table.title}",
+        "",
+        f"{table.about} Each cell: **this tree / baseline (ratio)**.",
+        "",
+        "| load | " + " | ".join(names) + " | within 5% |",
+        "|---" * (len(names) + 2) + "|",
+        *rows,
+        "",
+    ]
+
+
+def compare(revision: str, rounds: int, tables: Sequence[Table], out: Path) -> bool:
+    """Run ``tables`` for this tree and ``revision``; write the report to ``out``; returns
+    whether every row is within :data:`TOLERANCE`."""
+    this_src = Path(seedance.__file__).resolve().parents[1]
+    report = Report(False, rounds, out)
+    started = time.time()
+    sections: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="seedance-baseline-") as tmp:
+        short = export_source(revision, Path(tmp))
+        for table in tables:
+            sections += _run_table(report, table, this_src, Path(tmp) / "src")
+    minutes = (time.time() - started) / 60
+    header = [
+        f"# Side by side: {_this_revision()} against {short} ({revision})",
+        "",
+        f"Generated by `python -m seedance.bench.compare {revision} --rounds {rounds}` "
+        f"({minutes:.1f} min). Figures are medians over {rounds} rounds; both servers stay up "
+        "for the whole run and take turns. A row is within 5% when the baseline's tokens/s "
+        "is kept to within 5% and the server's CPU per token grows by at most 5%.",
+        "",
+        *machine_lines(),
+        "",
+    ]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join([*header, *sections]))
+    return "**no**" not in "".join(sections)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("revision", help="the git revision to compare with (e.g. a commit)")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds per server (default 5)")
+    parser.add_argument(
+        "--loads", default="fanout,tokenpath", help="fanout, tokenpath or both (the default)"
+    )
+    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks-baseline.md"))
+    args = parser.parse_args(argv)
+    names = [name.strip() for name in args.loads.split(",")]
+    unknown = [name for name in names if name not in TABLES]
+    if unknown:
+        parser.error(f"--loads takes fanout and tokenpath, not {', '.join(unknown)}")
+    ok = compare(args.revision, args.rounds, [TABLES[name] for name in names], args.out)
+    print(f"wrote {args.out}: {'within' if ok else 'NOT within'} 5%", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
