@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import seedance
 from seedance.bench import suites
@@ -38,7 +39,6 @@ from seedance.bench.suites import (
     fan_out_loads,
     fmt,
     machine_lines,
-    ratio,
     servers,
     token_path_loads,
 )
@@ -93,21 +93,41 @@ def _pair(this_src: Path, base_src: Path, *extra: str) -> list[Contender]:
     return [this, base]
 
 
-Figure = Callable[[Cell], float]
+Run = dict[str, Any]  # one seedance bench run's --json output, with server_cpu_s
+Figure = Callable[[Run], float]
 
 
-def _median(*path: str) -> Figure:
-    return lambda cell: cell.median(*path)
+def _summary(*path: str) -> Figure:
+    def figure(run: Run) -> float:
+        value: Any = run["summary"]
+        for key in path:
+            value = value[key]
+        return float("nan") if value is None else float(value)
+
+    return figure
 
 
-def _cpu_per_token_us(cell: Cell) -> float:
-    """The server's CPU microseconds per token it sent, median over rounds."""
-    values = [1e6 * r["server_cpu_s"] / max(r["summary"]["output_tokens"], 1) for r in cell.runs]
-    return statistics.median(values) if values else float("nan")
+def _cpu_per_token_us(run: Run) -> float:
+    """The server's CPU microseconds per token it sent."""
+    return 1e6 * float(run["server_cpu_s"]) / max(int(run["summary"]["output_tokens"]), 1)
 
 
-def _tokens_per_frame(cell: Cell) -> float:
-    return cell.median("summary", "output_tokens") / max(cell.median("summary", "chunks"), 1)
+def _tokens_per_frame(run: Run) -> float:
+    summary = run["summary"]
+    return int(summary["output_tokens"]) / max(int(summary["chunks"]), 1)
+
+
+def paired(this: Cell, base: Cell, figure: Figure) -> tuple[float, float, float]:
+    """Each side's median, and the median of the per-round ratios (the rounds ran back to back
+    with the same prompts, so a drift of the machine cancels out within a pair)."""
+    mine = [figure(run) for run in this.runs]
+    theirs = [figure(run) for run in base.runs]
+    ratios = [a / b for a, b in zip(mine, theirs, strict=True) if b]
+    return (
+        statistics.median(mine),
+        statistics.median(theirs),
+        statistics.median(ratios) if ratios else float("nan"),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,12 +148,12 @@ FAN_OUT = Table(
     fan_out_loads(False),
     (),
     (
-        ("delivered tokens/s", _median("summary", "delivered_tokens_per_s")),
+        ("delivered tokens/s", _summary("delivered_tokens_per_s")),
         ("server CPU µs per token", _cpu_per_token_us),
         ("tokens per frame", _tokens_per_frame),
-        ("TTFT p99 ms", _median("summary", "ttft", "p99_ms")),
+        ("TTFT p99 ms", _summary("ttft", "p99_ms")),
     ),
-    _median("summary", "delivered_tokens_per_s"),
+    _summary("delivered_tokens_per_s"),
 )
 
 TOKEN_PATH = Table(
@@ -144,12 +164,12 @@ TOKEN_PATH = Table(
     token_path_loads(False),
     ("--synthetic-tokens-per-s", str(TOKEN_PATH_RATE)),
     (
-        ("TTFT p50 ms", _median("summary", "ttft", "p50_ms")),
-        ("TTFT p99 ms", _median("summary", "ttft", "p99_ms")),
-        ("output tokens/s", _median("summary", "output_tokens_per_s")),
+        ("TTFT p50 ms", _summary("ttft", "p50_ms")),
+        ("TTFT p99 ms", _summary("ttft", "p99_ms")),
+        ("output tokens/s", _summary("output_tokens_per_s")),
         ("server CPU µs per token", _cpu_per_token_us),
     ),
-    _median("summary", "output_tokens_per_s"),
+    _summary("output_tokens_per_s"),
 )
 
 TABLES = {"fanout": FAN_OUT, "tokenpath": TOKEN_PATH}
@@ -164,18 +184,19 @@ def _run_table(report: Report, table: Table, this_src: Path, base_src: Path) -> 
     rows = []
     for load, _ in table.loads:
         this, base = cells[(load, "this")], cells[(load, "base")]
-        figures = [(figure(this), figure(base)) for _, figure in table.columns]
-        keeps_up = table.throughput(this) >= table.throughput(base) * (1 - TOLERANCE)
-        cheap = _cpu_per_token_us(this) <= _cpu_per_token_us(base) * (1 + TOLERANCE)
+        figures = [paired(this, base, figure) for _, figure in table.columns]
+        keeps_up = paired(this, base, table.throughput)[2] >= 1 - TOLERANCE
+        cheap = paired(this, base, _cpu_per_token_us)[2] <= 1 + TOLERANCE
         rows.append(
             f"| {load} | "
-            + " | ".join(f"{fmt(a)} / {fmt(b)} ({ratio(a, b)})" for a, b in figures)
+            + " | ".join(f"{fmt(a)} / {fmt(b)} ({r:.2f}x)" for a, b, r in figures)
             + f" | {'yes' if keeps_up and cheap else '**no**'} |"
         )
     return [
         f"## {table.title}",
         "",
-        f"{table.about} Each cell: **this tree / baseline (ratio)**.",
+        f"{table.about} Each cell: **this tree / baseline (ratio)**, the figures the medians "
+        "over rounds and the ratio the median of each round's ratio.",
         "",
         "| load | " + " | ".join(names) + " | within 5% |",
         "|---" * (len(names) + 2) + "|",
@@ -205,6 +226,7 @@ def compare(revision: str, rounds: int, tables: Sequence[Table], out: Path) -> b
         "is kept to within 5% and the server's CPU per token grows by at most 5%.",
         "",
         *machine_lines(),
+        f"- run: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(started))}",
         "",
     ]
     out.parent.mkdir(parents=True, exist_ok=True)
