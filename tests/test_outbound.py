@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from seedance.server.outbound import FrameMerger, Outbound, TokenStream
+from seedance.server.outbound import FrameMerger, Outbound
 
 
 class FakeWriter:
@@ -65,9 +65,9 @@ def outbound(**options: Any) -> tuple[Outbound, FakeSocket, list[str]]:
 async def test_an_idle_socket_gets_each_frame_at_once_in_its_own_write() -> None:
     out, sock, _ = outbound()
     out.put('{"type":"pong"}')
-    stream = TokenStream("r1")
-    out.put_token(stream, "a", 1)
-    out.put_token(stream, "b", 1)  # no merger: one frame per token
+    stream = out.token_stream("r1")
+    stream.push("a", 1)
+    stream.push("b", 1)  # no merger: one frame per token
     assert sock.writer.writes[0] == ['{"type":"pong"}']
     assert [tokens(w) for w in sock.writer.writes[1:]] == [[("a", 0, 1)], [("b", 1, 1)]]
 
@@ -76,11 +76,11 @@ async def test_while_the_socket_is_paused_frames_queue_and_tokens_merge() -> Non
     merger = FrameMerger(0.005)
     out, sock, _ = outbound(merger=merger)
     sock.writer.writable.clear()  # the client is not reading
-    stream = TokenStream("r1", merger)
+    stream = out.token_stream("r1")
     for text in "abc":
-        out.put_token(stream, text, 1)
+        stream.push(text, 1)
     out.put('{"type":"pong"}')
-    out.put_token(stream, "d", 1)  # joins the stream's waiting frame, ahead of the pong
+    stream.push("d", 1)  # joins the stream's waiting frame, ahead of the pong
     assert out.pending_bytes > 0 and sock.writer.writes == []
     sock.writer.writable.set()
     await asyncio.sleep(0)
@@ -90,17 +90,17 @@ async def test_while_the_socket_is_paused_frames_queue_and_tokens_merge() -> Non
     assert json.loads(write[1]) == {"type": "pong"}
     assert out.pending_bytes == 0 and merger.merged == 3
     await asyncio.sleep(0.02)  # longer than the window: the stream is not hot
-    out.put_token(stream, "e", 1)  # the socket is idle again: at once, seq goes on
+    stream.push("e", 1)  # the socket is idle again: at once, seq goes on
     assert tokens(sock.writer.writes[-1]) == [("e", 4, 1)]
 
 
 async def test_a_hot_stream_is_held_for_the_window_then_sent_merged() -> None:
     merger = FrameMerger(0.02)
     out, sock, _ = outbound(merger=merger)
-    stream = TokenStream("r1", merger)
-    out.put_token(stream, "a", 1)  # the first token goes at once
-    out.put_token(stream, "b", 1)  # hot: held
-    out.put_token(stream, "c", 1)
+    stream = out.token_stream("r1")
+    stream.push("a", 1)  # the first token goes at once
+    stream.push("b", 1)  # hot: held
+    stream.push("c", 1)
     assert [tokens(w) for w in sock.writer.writes] == [[("a", 0, 1)]]
     await asyncio.sleep(0.05)  # the window's tick
     assert [tokens(w) for w in sock.writer.writes] == [[("a", 0, 1)], [("bc", 1, 2)]]

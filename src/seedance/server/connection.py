@@ -50,7 +50,7 @@ from seedance.protocol.messages import (
     Resume,
     StartFrame,
 )
-from seedance.server.outbound import Outbound, TokenStream, close_websocket
+from seedance.server.outbound import Outbound, close_websocket
 from seedance.server.requests import Generation, Requester, admit, new_request_id
 from seedance.server.transport import AsgiWebSocket
 from seedance.sessions.session import Session
@@ -77,9 +77,9 @@ class Follower:
         self.connection = connection
         self.out = out = connection.out
         self.log = log
-        self.tokens = TokenStream(log.request_id, connection.state.merger)
+        self.tokens = out.token_stream(log.request_id)
         self.tokens.seq = seq  # the first token this reader lacks
-        self.on_tokens = functools.partial(out.put_token, self.tokens)
+        self.on_tokens = self.tokens.push
         self.behind = False
         out.watcher = self._watch
         if out.congested:

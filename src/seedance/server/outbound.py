@@ -32,20 +32,47 @@ FRAME_OVERHEAD_BYTES = 64
 
 
 class TokenStream:
-    """The ``token`` frames of one request. While a frame waits for the socket (or for the
-    merge window), later tokens join it: ``seq`` stays the first token's, ``n`` grows."""
+    """The ``token`` frames of one request on one connection. While a frame waits for the
+    socket (or for the merge window), later tokens join it: ``seq`` stays the first token's,
+    ``n`` grows. Made by :meth:`Outbound.token_stream`; :meth:`push` is the token path."""
 
-    __slots__ = ("_encoder", "_merger", "_texts", "count", "last_sent", "seq", "size", "waiting")
+    __slots__ = ("_encoder", "_out", "_texts", "count", "last_sent", "seq", "size", "waiting")
 
-    def __init__(self, request_id: str, merger: FrameMerger | None = None) -> None:
+    def __init__(self, out: Outbound, request_id: str) -> None:
+        self._out = out
         self._encoder = TokenFrameEncoder(request_id)
-        self._merger = merger  # counts the deltas that joined an earlier frame
         self._texts: list[str] = []
         self.size = 0  # bytes the frame being built is counted as in the queue
         self.count = 0  # tokens in the frame being built (0: none)
         self.seq = 0  # seq of the next frame
         self.last_sent = -1.0  # loop time of the last frame written (-1: none yet)
         self.waiting = False  # in the queue or held for the window
+
+    def push(self, text: str, tokens: int) -> None:
+        """Send the request's next tokens, merged with their neighbours where that costs no
+        delay (see :class:`Outbound`). Written against the connection's :class:`Outbound`
+        directly: it runs for every token."""
+        out = self._out
+        if out.closed or out._close is not None:
+            return
+        merger = out._merger
+        if merger is None:  # merging off: one frame per token
+            self.add(text, tokens)
+            out.put(self.take(out._loop.time())[0])
+            return
+        if self.waiting:  # a frame of this stream is waiting: join it
+            out._account(self.add(text, tokens))
+            return
+        size = self.add(text, tokens)
+        now = out._loop.time()
+        if self.last_sent >= 0 and now - self.last_sent < merger.current_s:
+            self.waiting = True  # hot stream: hold for the rest of the window
+            out._account(size)
+            if not out._held:
+                merger.hold(out)
+            out._held.append(self)
+            return
+        out._send_stream(self)
 
     def add(self, text: str, tokens: int) -> int:
         """Add a token to the frame being built; returns the bytes it adds."""
@@ -61,8 +88,9 @@ class TokenStream:
         if len(texts) == 1:
             frame = self._encoder.encode(texts[0], self.seq, self.count)
         else:
-            if self._merger is not None:
-                self._merger.merged += len(texts) - 1
+            merger = self._out._merger
+            if merger is not None:
+                merger.merged += len(texts) - 1  # deltas that joined an earlier frame
             frame = self._encoder.encode("".join(texts), self.seq, self.count)
         size = self.size
         self.seq += self.count
@@ -239,28 +267,10 @@ class Outbound:
             self._soon = None
             self._direct.write_frames((soon, frame))
 
-    def put_token(self, stream: TokenStream, text: str, tokens: int) -> None:
-        """Send a request's token, merged with its neighbours where that costs no delay."""
-        if not self._open:
-            return
-        merger = self._merger
-        if merger is None:  # merging off: one frame per token
-            stream.add(text, tokens)
-            self.put(stream.take(self._loop.time())[0])
-            return
-        if stream.waiting:  # a frame of this stream is waiting: join it
-            self._account(stream.add(text, tokens))
-            return
-        size = stream.add(text, tokens)
-        now = self._loop.time()
-        if stream.last_sent >= 0 and now - stream.last_sent < merger.current_s:
-            stream.waiting = True  # hot stream: hold for the rest of the window
-            self._account(size)
-            if not self._held:
-                merger.hold(self)
-            self._held.append(stream)
-            return
-        self._send_stream(stream)
+    def token_stream(self, request_id: str) -> TokenStream:
+        """The token frames of request ``request_id`` on this connection (its :meth:`TokenStream.
+        push` sends them)."""
+        return TokenStream(self, request_id)
 
     def _send_stream(self, stream: TokenStream) -> None:
         """Write the stream's frame now, or queue it (its bytes are not counted yet)."""

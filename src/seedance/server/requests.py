@@ -414,7 +414,7 @@ class Generation:
         stream = self.requester.model.engine.generate(request)
         tokens_at = self.meter.tokens
         # StreamLog.append, inline: the token path costs no more than before the log.
-        texts, counts = log.texts.append, log.counts.append
+        texts = log.texts.append
         produced = 0  # self.completion_tokens, kept in a local while the engine runs
         try:
             async for delta in stream:
@@ -423,7 +423,8 @@ class Generation:
                     text = delta.text
                     tokens_at(clock(), n)
                     texts(text)
-                    counts(n)
+                    if n != 1:
+                        log.counted(n)
                     produced += n
                     push = log.push  # readers may join or leave between tokens
                     if push is not None:

@@ -47,19 +47,22 @@ class LogReader(Protocol):
 class StreamLog:
     """One generation's frames, in memory (the embedded default).
 
-    The token path is two appends and one call: :class:`~seedance.server.requests.Generation`
-    writes it inline (``texts``, ``counts``, then :attr:`push`) and :meth:`append` is the same
-    for other writers.
+    The token path is an append and one call: :class:`~seedance.server.requests.Generation`
+    writes it inline (``texts``, then :attr:`push`) and :meth:`append` is the same for other
+    writers. An entry holds one token unless :meth:`counted` said otherwise (a delta of several
+    tokens, rare), so nothing else is touched per token: at a thousand streams, every object a
+    token touches is a cache miss.
     """
 
     __slots__ = (
         "_caught_up",
         "behind",
-        "counts",
         "end",
         "ended_at",
         "epoch",
+        "extra",
         "meta",
+        "multi",
         "push",
         "readers",
         "request_id",
@@ -78,7 +81,8 @@ class StreamLog:
         self.stream = stream
         self.start: StartFrame | None = None
         self.texts: list[str] = []  # one entry per append
-        self.counts: list[int] = []  # the tokens of each entry
+        self.multi: dict[int, int] = {}  # entries of other than one token: index -> tokens
+        self.extra = 0  # tokens beyond one per entry
         self.end: DoneFrame | ErrorFrame | None = None
         self.ended_at: float | None = None  # the store's clock (time.monotonic)
         self.size = 0  # bytes held (frames; texts counted at the end), for the tenant's cap
@@ -98,7 +102,7 @@ class StreamLog:
     @property
     def next_seq(self) -> int:
         """The index of the next token logged (the count so far)."""
-        return sum(self.counts)
+        return len(self.texts) + self.extra
 
     # ------------------------------------------------------------------ writing
 
@@ -111,10 +115,16 @@ class StreamLog:
     def append(self, text: str, tokens: int) -> None:
         """Log ``tokens`` tokens whose text is ``text`` and hand them to every reader."""
         self.texts.append(text)
-        self.counts.append(tokens)
+        if tokens != 1:
+            self.counted(tokens)
         push = self.push
         if push is not None:
             push(text, tokens)
+
+    def counted(self, tokens: int) -> None:
+        """The entry just appended holds ``tokens`` tokens, not one."""
+        self.multi[len(self.texts) - 1] = tokens
+        self.extra += tokens - 1
 
     def close(self, frame: DoneFrame | ErrorFrame | None, now: float) -> None:
         """The generation ended with ``frame``: every reader gets it and is detached (None:
@@ -202,9 +212,10 @@ class StreamLog:
         held = after_seq + 1  # tokens the reader holds: they must end an entry
         if held >= next_seq:
             return None
-        first = 0
-        if held:
-            ends = itertools.accumulate(self.counts)
+        first = held  # entries of one token each: entry i holds token i
+        if held and self.multi:
+            multi = self.multi
+            ends = itertools.accumulate(multi.get(i, 1) for i in range(len(self.texts)))
             first, end = next((i, end) for i, end in enumerate(ends, 1) if end >= held)
             if end != held:
                 raise InvalidRequest(
