@@ -40,6 +40,14 @@ def test_precedence_flag_over_env_over_file(tmp_path: Path) -> None:
     assert load_config({"config": str(path)}, {}).port == 9000
 
 
+def test_trusted_proxies_are_addresses_networks_or_any() -> None:
+    assert load_config({}, {}).trusted_proxies == ("127.0.0.1", "::1")
+    flags = {"trusted_proxies": "10.1.2.3, 192.168.0.0/16,::1"}
+    assert load_config(flags, {}).trusted_proxies == ("10.1.2.3", "192.168.0.0/16", "::1")
+    assert load_config({"trusted_proxies": "*"}, {}).trusted_proxies == ("*",)
+    assert load_config({}, {"SEEDANCE_TRUSTED_PROXIES": ""}).trusted_proxies == ()
+
+
 def test_every_option_has_an_env_name_and_a_field() -> None:
     fields = set(ServerConfig.__dataclass_fields__) - set(TABLE_FIELDS)
     assert {opt.field for opt in OPTIONS} == fields
@@ -56,6 +64,7 @@ def test_every_option_has_an_env_name_and_a_field() -> None:
         ({}, {"SEEDANCE_LOG_PROMPTS": "perhaps"}, "SEEDANCE_LOG_PROMPTS: invalid value"),
         ({"log_level": "loud"}, {}, "--log-level: must be one of"),
         ({"config": "/nonexistent/seedance.toml"}, {}, "config file not found"),
+        ({"trusted_proxies": "10.0.0.0/8,balancer"}, {}, "--trusted-proxies: invalid value"),
     ],
 )
 def test_bad_values_name_their_source(

@@ -86,7 +86,8 @@ async def test_the_next_request_on_a_kept_alive_connection_is_timed_too(make_ser
 async def test_connections_still_sending_headers_are_capped_per_address(
     make_server: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    server: RunningServer = make_server(max_handshakes_per_address=3)
+    # 127.0.0.1 is trusted as a proxy by default, and a proxy is not capped per address.
+    server: RunningServer = make_server(max_handshakes_per_address=3, trusted_proxies=())
     idle = [await _open(server.port) for _ in range(3)]
     await eventually(lambda: server.handshakes.total == 3)
     with caplog.at_level(logging.WARNING, logger="seedance.server.handshake"):
@@ -104,6 +105,36 @@ async def test_connections_still_sending_headers_are_capped_per_address(
     ws, session = await open_session(server.url)  # ... and the address is served again
     async with ws:
         assert session["type"] == "session"
+
+
+async def test_a_trusted_proxy_is_held_to_the_total_cap_only(make_server: Any) -> None:
+    server: RunningServer = make_server(
+        max_handshakes_per_address=2, max_handshakes=5, trusted_proxies=("127.0.0.0/8",)
+    )
+    idle = [await _open(server.port) for _ in range(5)]  # a balancer's many clients
+    await eventually(lambda: server.handshakes.total == 5)
+    reader, writer = await _open(server.port)
+    status, _ = await _answer(reader)
+    assert status == 503  # the total cap still holds
+    for _, w in [*idle, (reader, writer)]:
+        w.close()
+    await eventually(lambda: server.handshakes.total == 0)
+
+
+@pytest.mark.parametrize(
+    ("trusted", "peer"), [(("127.0.0.1",), "198.51.100.7:"), ((), "127.0.0.1:")]
+)
+async def test_the_client_address_comes_from_a_trusted_proxys_forwarded_header(
+    make_server: Any, caplog: pytest.LogCaptureFixture, trusted: tuple[str, ...], peer: str
+) -> None:
+    server: RunningServer = make_server(trusted_proxies=trusted)
+    forwarded = {"X-Forwarded-For": "198.51.100.7"}
+    with caplog.at_level(logging.INFO, logger="seedance.server.connection"):
+        ws, _ = await open_session(server.url, additional_headers=forwarded)
+        await ws.close()
+        await eventually(lambda: any("conn " in r.getMessage() for r in caplog.records))
+    opened = next(r.getMessage() for r in caplog.records if " open peer=" in r.getMessage())
+    assert f" open peer={peer}" in opened
 
 
 @pytest.mark.slow

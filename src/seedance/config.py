@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -63,6 +64,7 @@ class ServerConfig:
     handshake_timeout_s: float = 10.0
     max_handshakes: int = 4096
     max_handshakes_per_address: int = 1024
+    trusted_proxies: tuple[str, ...] = ("127.0.0.1", "::1")
     max_header_bytes: int = 16 * 1024
     max_pending_bytes: int = 1024 * 1024
     write_timeout_s: float = 30.0
@@ -151,6 +153,18 @@ def _origins(text: str) -> tuple[str, ...]:
         if scheme not in ("http", "https") or not sep or not rest or "/" in rest:
             raise ValueError(origin)
     return origins
+
+
+def _networks(text: str) -> tuple[str, ...]:
+    """Addresses or networks (CIDR), comma-separated; ``*`` alone: any address."""
+    items = tuple(item.strip() for item in text.split(",") if item.strip())
+    if items == ("*",):
+        return items
+    networks = [ipaddress.ip_network(item, strict=False) for item in items]
+    # One address stays an address: "10.0.0.1", not "10.0.0.1/32".
+    return tuple(
+        str(n.network_address) if n.prefixlen == n.max_prefixlen else str(n) for n in networks
+    )
 
 
 def _labels(text: str) -> tuple[tuple[str, str], ...]:
@@ -325,6 +339,15 @@ OPTIONS: tuple[Option, ...] = (
         "refused (503)",
         positive,
         "positive",
+    ),
+    Option(
+        "trusted_proxies",
+        "--trusted-proxies",
+        _networks,
+        "addresses or networks (CIDR) of the load balancers in front, comma-separated ('*': "
+        "any; empty: none): a connection from one of them is named by the client address its "
+        "X-Forwarded-For header gives (logs, audit records, the failed-credentials throttle) "
+        "and is not held to --max-handshakes-per-address (default 127.0.0.1,::1)",
     ),
     Option(
         "max_header_bytes",

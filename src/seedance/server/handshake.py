@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
+from ipaddress import ip_address, ip_network
 from typing import Any, ClassVar
 
 import h11
@@ -57,11 +58,27 @@ class HandshakeLimits:
     max_total: int = 4096
     max_per_address: int = 1024
     max_header_bytes: int = 16 * 1024
+    #: Load balancers (addresses, networks, or "*"): many clients share their address, so
+    #: they are held to ``max_total`` only.
+    trusted_proxies: tuple[str, ...] = ()
     total: int = 0
     by_address: dict[str, int] = field(default_factory=dict)
     timed_out: Throttled = field(default_factory=lambda: Throttled(logger))
     refused: Throttled = field(default_factory=lambda: Throttled(logger))
     too_large: Throttled = field(default_factory=lambda: Throttled(logger))
+
+    def __post_init__(self) -> None:
+        self._any_proxy = "*" in self.trusted_proxies
+        self._proxies = [ip_network(n) for n in self.trusted_proxies if n != "*"]
+
+    def is_proxy(self, address: str) -> bool:
+        if self._any_proxy:
+            return True
+        try:
+            ip = ip_address(address)
+        except ValueError:
+            return False
+        return any(ip in network for network in self._proxies)
 
     def enter(self, address: str) -> str | None:
         """Count a connection that starts sending headers; the reason when a cap refuses it."""
@@ -69,7 +86,7 @@ class HandshakeLimits:
             total = self.total
             return f"{total} connections are sending their request headers (limit {self.max_total})"
         count = self.by_address.get(address, 0)
-        if count >= self.max_per_address:
+        if count >= self.max_per_address and not self.is_proxy(address):
             return (
                 f"{count} connections from {address} are sending their request headers "
                 f"(limit {self.max_per_address} per address)"

@@ -159,8 +159,13 @@ def build_server(config: ServerConfig, app: Starlette | None = None) -> Seedance
                 max_total=config.max_handshakes,
                 max_per_address=config.max_handshakes_per_address,
                 max_header_bytes=config.max_header_bytes,
+                trusted_proxies=config.trusted_proxies,
             )
         ),
+        # The client's address from X-Forwarded-For, when the connection comes from one of
+        # these (uvicorn's ProxyHeadersMiddleware); none: the header is ignored.
+        proxy_headers=True,
+        forwarded_allow_ips=list(config.trusted_proxies),
         h11_max_incomplete_event_size=config.max_header_bytes,
         ws=websocket_protocol(config.max_pending_bytes),
         ws_max_size=config.max_frame_bytes,
