@@ -69,7 +69,8 @@ bench: $(VENV)/.installed-bench $(LITELLM_VENV)/.installed
 	LITELLM=$(LITELLM_VENV)/bin/litellm $(BIN)/python -m seedance.bench.suites $(BENCH_ARGS)
 
 # This tree against another revision (BASELINE=REV: a commit, a tag), side by side on the loads of
-# suites 1 and 2 (~12 min); writes docs/benchmarks-baseline.md. COMPARE_ARGS="--rounds 9" for more.
+# suites 1 and 2, and a token's cost in instructions and cache misses under cachegrind (valgrind)
+# (~25 min); writes docs/benchmarks-baseline.md. COMPARE_ARGS="--rounds 9" for more rounds.
 bench-compare: $(VENV)/.installed-bench
 	@test -n "$(BASELINE)" || { echo "usage: make bench-compare BASELINE=REV"; exit 2; }
 	$(BIN)/python -m seedance.bench.compare $(BASELINE) $(COMPARE_ARGS)

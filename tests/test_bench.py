@@ -6,6 +6,7 @@ import asyncio
 import json
 import math
 import queue
+import shutil
 import subprocess
 import sys
 import threading
@@ -245,7 +246,7 @@ def test_compare_serves_another_revision_side_by_side(tmp_path: Path) -> None:
         compare.FAN_OUT.columns,
         compare.FAN_OUT.throughput,
     )
-    compare.compare("HEAD", 1, [table], out)
+    compare.compare("HEAD", 1, [table], out, cost=False)
     report = out.read_text()
     assert report.startswith("# Side by side: ") and "against " in report
     assert "machine: " in report
@@ -255,6 +256,16 @@ def test_compare_serves_another_revision_side_by_side(tmp_path: Path) -> None:
     assert all(" / " in cell and "x)" in cell for cell in cells[1:-1])  # both ran
     with pytest.raises(subprocess.CalledProcessError):
         compare.export_source("no-such-revision", tmp_path)
+
+
+def test_compare_counts_a_servers_instructions_under_cachegrind() -> None:
+    if shutil.which("valgrind") is None:
+        pytest.skip("valgrind is not installed (Debian package valgrind; .ci/run installs it)")
+    src = Path(compare.seedance.__file__).resolve().parents[1]
+    events, tokens = compare._cachegrind_run(src, concurrency=2, requests=3)
+    assert tokens == 3 * 128
+    assert events["Ir"] > 100_000_000  # Python's start alone runs more than that
+    assert {"D1mr", "D1mw", "DLmr", "DLmw"} <= set(events)
 
 
 def test_bar_chart_is_valid_svg() -> None:

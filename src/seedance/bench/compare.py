@@ -7,7 +7,14 @@ read (never absolute figures across runs). The other revision's ``src/`` is expo
 environment's packages, so only Seedance's own code differs. Both servers stay up for the
 whole run, on the server core, and take turns (A B, B A, ...).
 
-    python -m seedance.bench.compare REV [--rounds N] [--loads fanout,tokenpath] [--out FILE]
+    python -m seedance.bench.compare REV [--rounds N] [--loads fanout,tokenpath,cost] [--out FILE]
+
+Timing on a shared machine moves by 10-20% from run to run at saturation, more than the 5% a
+change to the token path may cost. The ``cost`` table is the deterministic answer: each server
+runs under valgrind's cachegrind with merging off (one frame per token, so both send the same
+frames), twice, with a few and with many requests; the difference between the two runs, per
+token, is what serving a token costs in instructions and in (simulated) cache misses, free of
+the machine's noise. It needs valgrind (Debian package ``valgrind``).
 
 The baseline runs with this environment's installed metadata (its engine entry points): a
 revision whose entry points differ from this tree's does not start, and says so.
@@ -17,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import shutil
 import statistics
 import subprocess
 import sys
@@ -36,9 +44,12 @@ from seedance.bench.suites import (
     Contender,
     Load,
     Report,
+    Server,
     fan_out_loads,
     fmt,
     machine_lines,
+    ratio,
+    run_bench,
     servers,
     token_path_loads,
 )
@@ -210,7 +221,98 @@ def _run_table(
     return section, ok_all
 
 
-def compare(revision: str, rounds: int, tables: Sequence[Table], out: Path) -> bool:
+#: The cost table's loads: (concurrency, requests of the short run, of the long run).
+COST_LOADS = ((100, 200, 600), (1000, 1000, 2000))
+#: The last-level cache cachegrind simulates (size, ways, line): a server CPU's share of L3.
+SIMULATED_LL = "8388608,16,64"
+COST_EVENTS = (
+    ("instructions", ("Ir",)),
+    ("L1 data misses", ("D1mr", "D1mw")),
+    ("last-level misses", ("DLmr", "DLmw")),
+)
+
+
+def _cachegrind_run(src: Path, concurrency: int, requests: int) -> tuple[dict[str, int], int]:
+    """Serve ``requests`` 128-token replies at ``concurrency`` from a server under cachegrind;
+    its event totals and the tokens it sent."""
+    with tempfile.TemporaryDirectory(prefix="seedance-cachegrind-") as tmp:
+        profile = Path(tmp) / "cachegrind.out"
+        exe = str(Path(sys.executable).with_name("seedance"))
+        argv = [
+            *("valgrind", "--tool=cachegrind", "--cache-sim=yes", f"--LL={SIMULATED_LL}"),
+            f"--cachegrind-out-file={profile}",
+            *(sys.executable, exe, "serve", "--engine", "synthetic", "--port", "{port}"),
+            *("--log-level", "warning", "--merge-window-ms", "0"),
+            *("--max-connections", "20000", "--max-waiting", "20000"),
+        ]
+        server = Server(Contender("cost", "cost", argv, "/v2/infer", env={"PYTHONPATH": str(src)}))
+        try:
+            load = ["-c", str(concurrency), "--requests", str(requests), "--warmup", "0"]
+            load += ["--max-tokens", "128", "--prompt-tokens", "32", "--seed", "7"]
+            result = run_bench(server.url, load)
+        finally:
+            server.proc.terminate()  # a clean exit writes the profile
+            server.proc.wait(120)
+            server.log.close()
+        events: list[str] = []
+        totals: list[int] = []
+        for line in profile.read_text().splitlines():
+            if line.startswith("events:"):
+                events = line.split()[1:]
+            elif line.startswith("summary:"):
+                totals = [int(v) for v in line.split()[1:]]
+        return dict(zip(events, totals, strict=True)), int(result["summary"]["output_tokens"])
+
+
+def _cost_per_token(src: Path, concurrency: int, short: int, long: int) -> dict[str, float]:
+    """Each of :data:`COST_EVENTS` per token, from the difference of a short and a long run
+    (what starting, idling and stopping cost cancels out)."""
+    (few, few_tokens), (many, many_tokens) = (
+        _cachegrind_run(src, concurrency, requests) for requests in (short, long)
+    )
+    tokens = max(many_tokens - few_tokens, 1)
+    return {name: sum(many[e] - few[e] for e in keys) / tokens for name, keys in COST_EVENTS}
+
+
+def _cost_table(report: Report, this_src: Path, base_src: Path) -> tuple[list[str], bool]:
+    rows = []
+    ok_all = True
+    for concurrency, short, long in COST_LOADS:
+        report.log(f"[cost] {concurrency} streams: this tree, then the baseline, under valgrind")
+        mine = _cost_per_token(this_src, concurrency, short, long)
+        theirs = _cost_per_token(base_src, concurrency, short, long)
+        ok = all(mine[name] <= theirs[name] * (1 + TOLERANCE) for name, _ in COST_EVENTS)
+        ok_all &= ok
+        rows.append(
+            f"| {concurrency} streams | "
+            + " | ".join(
+                f"{fmt(mine[n], 1)} / {fmt(theirs[n], 1)} ({ratio(mine[n], theirs[n])})"
+                for n, _ in COST_EVENTS
+            )
+            + f" | {'yes' if ok else '**no**'} |"
+        )
+    section = [
+        "## Cost per token (cachegrind)",
+        "",
+        "128-token replies, merging off (a frame per token: both servers send the same frames), "
+        f"each server under valgrind's cachegrind (last-level cache simulated as {SIMULATED_LL} "
+        "bytes, ways, line) for a short and a long run of the same load: the difference, per "
+        "token, is the cost of a token with its share of its request, free of the machine's "
+        "noise. Each cell: **this tree / baseline (ratio)**.",
+        "",
+        "| load | " + " | ".join(f"{name} per token" for name, _ in COST_EVENTS) + " | within 5% |",
+        "|---" * (len(COST_EVENTS) + 2) + "|",
+        *rows,
+        "",
+        "Requests per run (short, long): "
+        + ", ".join(f"{c} streams: {a:,}, {b:,}" for c, a, b in COST_LOADS)
+        + ".",
+        "",
+    ]
+    return section, ok_all
+
+
+def compare(revision: str, rounds: int, tables: Sequence[Table], out: Path, cost: bool) -> bool:
     """Run ``tables`` for this tree and ``revision``; write the report to ``out``; returns
     whether every row is within :data:`TOLERANCE`."""
     this_src = Path(seedance.__file__).resolve().parents[1]
@@ -222,6 +324,10 @@ def compare(revision: str, rounds: int, tables: Sequence[Table], out: Path) -> b
         short = export_source(revision, Path(tmp))
         for table in tables:
             section, ok = _run_table(report, table, this_src, Path(tmp) / "src")
+            sections += section
+            ok_all &= ok
+        if cost:
+            section, ok = _cost_table(report, this_src, Path(tmp) / "src")
             sections += section
             ok_all &= ok
     minutes = (time.time() - started) / 60
@@ -248,15 +354,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("revision", help="the git revision to compare with (e.g. a commit)")
     parser.add_argument("--rounds", type=int, default=5, help="rounds per server (default 5)")
     parser.add_argument(
-        "--loads", default="fanout,tokenpath", help="fanout, tokenpath or both (the default)"
+        "--loads",
+        default="fanout,tokenpath,cost",
+        help="which tables: fanout, tokenpath, cost (cachegrind; needs valgrind); default all",
     )
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks-baseline.md"))
     args = parser.parse_args(argv)
     names = [name.strip() for name in args.loads.split(",")]
-    unknown = [name for name in names if name not in TABLES]
+    unknown = [name for name in names if name not in (*TABLES, "cost")]
     if unknown:
-        parser.error(f"--loads takes fanout and tokenpath, not {', '.join(unknown)}")
-    ok = compare(args.revision, args.rounds, [TABLES[name] for name in names], args.out)
+        parser.error(f"--loads takes fanout, tokenpath and cost, not {', '.join(unknown)}")
+    if "cost" in names and shutil.which("valgrind") is None:
+        parser.error("the cost table needs valgrind (Debian package valgrind)")
+    tables = [TABLES[name] for name in names if name in TABLES]
+    ok = compare(args.revision, args.rounds, tables, args.out, cost="cost" in names)
     print(f"wrote {args.out}: {'within' if ok else 'NOT within'} 5%", file=sys.stderr)
     return 0
 
