@@ -248,7 +248,9 @@ def encode_frame(frame: ServerFrame) -> str:
     return _encoder.encode(frame).decode("utf-8")
 
 
-def encode_error(error: SeedanceError, request_id: str | None = None) -> str:
+def error_frame(error: SeedanceError, request_id: str | None = None) -> ErrorFrame:
+    """The ``error`` frame that tells a client of ``error`` (for ``request_id``, else the
+    error's own)."""
     body = ErrorBody(
         code=error.code,
         message=error.message,
@@ -256,7 +258,11 @@ def encode_error(error: SeedanceError, request_id: str | None = None) -> str:
         retry_after=error.retry_after_s,
         reason=error.reason,
     )
-    return encode_frame(ErrorFrame(error=body, request_id=request_id or error.request_id))
+    return ErrorFrame(error=body, request_id=request_id or error.request_id)
+
+
+def encode_error(error: SeedanceError, request_id: str | None = None) -> str:
+    return encode_frame(error_frame(error, request_id))
 
 
 class TokenFrameEncoder:

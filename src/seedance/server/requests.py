@@ -35,6 +35,7 @@ from seedance.observability.audit.records import json_text, text_sha256
 from seedance.observability.logs import bind_request
 from seedance.observability.metrics import RequestMeter
 from seedance.observability.tracing import Attributes, request_attributes
+from seedance.protocol.codec import error_frame
 from seedance.protocol.errors import (
     ContextOverflow,
     EngineError,
@@ -46,7 +47,6 @@ from seedance.protocol.errors import (
 from seedance.protocol.messages import (
     ChatMessage,
     DoneFrame,
-    ErrorBody,
     ErrorFrame,
     FinishReason,
     Generate,
@@ -370,12 +370,12 @@ class Generation:
             except SeedanceError as exc:
                 self.outcome = exc.code
                 self.error = exc
-                self.end = _error_frame(exc, self.request_id)
+                self.end = error_frame(exc, self.request_id)
             except Exception:
                 self.outcome = "internal_error"
                 logger.exception("request %s failed", self.request_id)
                 self.error = InternalError(f"internal error on request {self.request_id}")
-                self.end = _error_frame(self.error, self.request_id)
+                self.end = error_frame(self.error, self.request_id)
             finally:
                 self.ending = True
                 self.reader_joined()  # no grace timer past the end
@@ -393,7 +393,7 @@ class Generation:
                 await state.audit_wait(audited, f"request {self.request_id}")
             except Overloaded as unaudited:
                 if self.error is None:  # a reply that cannot be audited is not confirmed
-                    self.end = _error_frame(unaudited, self.request_id)
+                    self.end = error_frame(unaudited, self.request_id)
         finally:
             state.generation_ended(self, self.end)
 
@@ -569,14 +569,3 @@ class Generation:
         )
         if self.state.config.log_prompts and self.parts:
             logger.debug("request %s completion=%r", self.request_id, "".join(self.parts))
-
-
-def _error_frame(error: SeedanceError, request_id: str) -> ErrorFrame:
-    body = ErrorBody(
-        code=error.code,
-        message=error.message,
-        retryable=error.retryable,
-        retry_after=error.retry_after_s,
-        reason=error.reason,
-    )
-    return ErrorFrame(error=body, request_id=request_id)
