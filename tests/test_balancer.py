@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from websockets.asyncio.client import ClientConnection
 
+from seedance.bench.suites import free_port
 from tests.support.servers import ServerProcess
 from tests.support.waits import eventually
 from tests.support.ws import (
@@ -42,17 +43,10 @@ def _tool(name: str, package: str) -> str:
     return path
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def _haproxy_env(listen: int, nodes: list[int]) -> dict[str, str]:
     """The addresses deploy/haproxy/haproxy.cfg reads: its three servers take ``nodes`` in
     turn (two nodes: the second twice, so that no server is down)."""
-    ports = [nodes[i % len(nodes)] for i in range(3)] if nodes else [_free_port()] * 3
+    ports = [nodes[i % len(nodes)] for i in range(3)] if nodes else [free_port()] * 3
     env = {f"SEEDANCE_NODE{i}": f"127.0.0.1:{port}" for i, port in enumerate(ports, 1)}
     return {**os.environ, "SEEDANCE_LISTEN": f"127.0.0.1:{listen}", **env}
 
@@ -61,7 +55,7 @@ def _haproxy_env(listen: int, nodes: list[int]) -> dict[str, str]:
 def haproxy(nodes: list[int]) -> Iterator[str]:
     """HAProxy with the deploy configuration in front of ``nodes``; yields its ws:// URL."""
     binary = _tool("haproxy", "haproxy")
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [binary, "-db", "-f", str(HAPROXY_CFG)],
         env=_haproxy_env(port, nodes),
@@ -103,7 +97,7 @@ def test_haproxy_accepts_the_config() -> None:
     binary = _tool("haproxy", "haproxy")
     result = subprocess.run(
         [binary, "-c", "-f", str(HAPROXY_CFG)],
-        env=_haproxy_env(_free_port(), []),
+        env=_haproxy_env(free_port(), []),
         capture_output=True,
         text=True,
         timeout=30,

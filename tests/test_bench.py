@@ -261,7 +261,7 @@ def test_compare_serves_another_revision_side_by_side(tmp_path: Path) -> None:
 def test_compare_counts_a_servers_instructions_under_cachegrind() -> None:
     if shutil.which("valgrind") is None:
         pytest.skip("valgrind is not installed (Debian package valgrind; .ci/run installs it)")
-    src = Path(compare.seedance.__file__).resolve().parents[1]
+    src = compare.THIS_SRC
     events, tokens = compare._cachegrind_run(src, concurrency=2, requests=3)
     assert tokens == 3 * 128
     assert events["Ir"] > 100_000_000  # Python's start alone runs more than that

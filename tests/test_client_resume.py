@@ -3,12 +3,12 @@ streams without a repeat or a gap, and says why when it cannot (``HistoryLost``)
 
 from __future__ import annotations
 
-import socket
 import subprocess
 from typing import Any
 
 import pytest
 
+from seedance.bench.suites import free_port
 from seedance.client import ConnectionClosed, HistoryLost, Reconnect, connect
 from tests.support.servers import SEEDANCE, RunningServer, ServerProcess
 
@@ -68,16 +68,9 @@ async def test_no_reconnect_when_asked_not_to(make_server: Any) -> None:
         assert session.closed and session.reconnects == 0
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 @pytest.mark.subprocess
 async def test_a_server_restart_that_lost_the_log_raises_history_lost() -> None:
-    port = str(_free_port())
+    port = str(free_port())
     server = ServerProcess("--port", port, "--synthetic-tokens-per-s", "100")
     try:
         policy = Reconnect(attempts=20, first_delay_s=0.05, max_delay_s=0.5)
@@ -96,7 +89,7 @@ async def test_a_server_restart_that_lost_the_log_raises_history_lost() -> None:
 
 @pytest.mark.subprocess
 def test_chat_says_when_a_restart_lost_the_reply() -> None:
-    port = str(_free_port())
+    port = str(free_port())
     server = ServerProcess("--port", port, "--synthetic-tokens-per-s", "100")
     chat = subprocess.Popen(
         [

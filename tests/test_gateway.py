@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from seedance.bench.peers.openai_sse import create_app as openai_app
+from seedance.bench.suites import free_port
 from seedance.client import connect
 from seedance.engines.llamacpp.native import backend_cwd
 from seedance.engines.local import default_model_path
@@ -34,17 +34,10 @@ from seedance.protocol.errors import SeedanceError
 from tests.support.servers import RunningServer, asgi_server
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 @pytest.fixture(scope="module")
 def llama_upstream() -> Iterator[str]:
     """``python -m llama_cpp.server`` on the embedded GGUF."""
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [
             *(sys.executable, "-m", "llama_cpp.server", "--model", str(default_model_path())),
@@ -251,5 +244,5 @@ def test_no_upstream_answering_at_startup_is_a_clear_error() -> None:
     from seedance.config import ConfigError
 
     with pytest.raises(ConfigError) as info:
-        OpenAIUpstreamEngine((f"http://127.0.0.1:{_free_port()}/v1",), timeout_s=1)
+        OpenAIUpstreamEngine((f"http://127.0.0.1:{free_port()}/v1",), timeout_s=1)
     assert "--upstream-model" in info.value.message

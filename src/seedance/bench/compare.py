@@ -56,21 +56,23 @@ from seedance.bench.suites import (
 
 #: How far this tree may fall behind the baseline: delivered tokens/s and CPU per token.
 TOLERANCE = 0.05
+#: This tree's ``src/`` (served with PYTHONPATH) and the repository around it.
+THIS_SRC = Path(seedance.__file__).resolve().parents[1]
+ROOT = THIS_SRC.parent
 
 
 def export_source(revision: str, into: Path) -> str:
     """Write ``revision``'s ``src/`` under ``into``; returns the revision's short hash."""
-    root = Path(seedance.__file__).resolve().parents[2]
     short = subprocess.run(
         ["git", "rev-parse", "--short", revision],
-        cwd=root,
+        cwd=ROOT,
         check=True,
         capture_output=True,
         text=True,
     ).stdout.strip()
     archive = subprocess.run(
         ["git", "archive", "--format=tar", revision, "src"],
-        cwd=root,
+        cwd=ROOT,
         check=True,
         capture_output=True,
     ).stdout
@@ -83,13 +85,12 @@ def export_source(revision: str, into: Path) -> str:
 
 
 def _this_revision() -> str:
-    root = Path(seedance.__file__).resolve().parents[2]
     head = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
     ).stdout.strip()
     dirty = subprocess.run(
         ["git", "status", "--porcelain", "--untracked-files=no", "src"],
-        cwd=root,
+        cwd=ROOT,
         capture_output=True,
         text=True,
     ).stdout.strip()
@@ -237,15 +238,17 @@ def _cachegrind_run(src: Path, concurrency: int, requests: int) -> tuple[dict[st
     its event totals and the tokens it sent."""
     with tempfile.TemporaryDirectory(prefix="seedance-cachegrind-") as tmp:
         profile = Path(tmp) / "cachegrind.out"
-        exe = str(Path(sys.executable).with_name("seedance"))
-        argv = [
-            *("valgrind", "--tool=cachegrind", "--cache-sim=yes", f"--LL={SIMULATED_LL}"),
+        server_command = suites.seedance("cost", "cost", "--merge-window-ms", "0")
+        valgrind = ["valgrind", "--tool=cachegrind", "--cache-sim=yes", f"--LL={SIMULATED_LL}"]
+        # This interpreter runs the seedance script, as without valgrind.
+        server_command.argv = [
+            *valgrind,
             f"--cachegrind-out-file={profile}",
-            *(sys.executable, exe, "serve", "--engine", "synthetic", "--port", "{port}"),
-            *("--log-level", "warning", "--merge-window-ms", "0"),
-            *("--max-connections", "20000", "--max-waiting", "20000"),
+            sys.executable,
+            *server_command.argv,
         ]
-        server = Server(Contender("cost", "cost", argv, "/v2/infer", env={"PYTHONPATH": str(src)}))
+        server_command.env = {"PYTHONPATH": str(src)}
+        server = Server(server_command)
         try:
             load = ["-c", str(concurrency), "--requests", str(requests), "--warmup", "0"]
             load += ["--max-tokens", "128", "--prompt-tokens", "32", "--seed", "7"]
@@ -315,7 +318,6 @@ def _cost_table(report: Report, this_src: Path, base_src: Path) -> tuple[list[st
 def compare(revision: str, rounds: int, tables: Sequence[Table], out: Path, cost: bool) -> bool:
     """Run ``tables`` for this tree and ``revision``; write the report to ``out``; returns
     whether every row is within :data:`TOLERANCE`."""
-    this_src = Path(seedance.__file__).resolve().parents[1]
     report = Report(False, rounds, out)
     started = time.time()
     sections: list[str] = []
@@ -323,11 +325,11 @@ def compare(revision: str, rounds: int, tables: Sequence[Table], out: Path, cost
     with tempfile.TemporaryDirectory(prefix="seedance-baseline-") as tmp:
         short = export_source(revision, Path(tmp))
         for table in tables:
-            section, ok = _run_table(report, table, this_src, Path(tmp) / "src")
+            section, ok = _run_table(report, table, THIS_SRC, Path(tmp) / "src")
             sections += section
             ok_all &= ok
         if cost:
-            section, ok = _cost_table(report, this_src, Path(tmp) / "src")
+            section, ok = _cost_table(report, THIS_SRC, Path(tmp) / "src")
             sections += section
             ok_all &= ok
     minutes = (time.time() - started) / 60

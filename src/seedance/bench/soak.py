@@ -43,7 +43,7 @@ from typing import Any
 import aiohttp
 from websockets.asyncio.client import ClientConnection, connect
 
-from seedance.bench.suites import _free_port, machine_lines
+from seedance.bench.suites import free_port, machine_lines
 from seedance.bench.svg import line_chart
 from seedance.tenants.keys import add_key
 
@@ -345,7 +345,7 @@ def soak(engine: str, duration_s: float, streams: int, workdir: Path) -> Run:
     config = workdir / f"{engine}.toml"
     key = add_key(config, "soak").key
     admin_key = add_key(config, "ops", role="admin").key
-    port = _free_port()
+    port = free_port()
     log_path = workdir / f"{engine}.log"
     argv = [
         str(Path(sys.executable).with_name("seedance")),

@@ -50,7 +50,7 @@ def pin_to(core: int) -> Any:
     return lambda: os.sched_setaffinity(0, {core})
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
@@ -102,7 +102,7 @@ class Server:
 
     def __init__(self, contender: Contender) -> None:
         self.contender = contender
-        self.port = _free_port()
+        self.port = free_port()
         scheme = "http" if contender.path.startswith("/v1") else "ws"
         self.url = f"{scheme}://127.0.0.1:{self.port}{contender.path}"
         self.log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in stop()
