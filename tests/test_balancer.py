@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -20,6 +19,7 @@ from websockets.asyncio.client import ClientConnection
 
 from seedance.bench.suites import free_port
 from tests.support.servers import ServerProcess
+from tests.support.tools import tool
 from tests.support.waits import eventually
 from tests.support.ws import (
     assert_seq_contiguous,
@@ -36,13 +36,6 @@ NGINX_CONF = ROOT / "deploy" / "nginx" / "nginx.conf"
 pytestmark = pytest.mark.subprocess
 
 
-def _tool(name: str, package: str) -> str:
-    path = shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin")
-    if path is None:
-        pytest.skip(f"{name} is not installed (Debian package {package}; .ci/run installs it)")
-    return path
-
-
 def _haproxy_env(listen: int, nodes: list[int]) -> dict[str, str]:
     """The addresses deploy/haproxy/haproxy.cfg reads: its three servers take ``nodes`` in
     turn (two nodes: the second twice, so that no server is down)."""
@@ -54,7 +47,7 @@ def _haproxy_env(listen: int, nodes: list[int]) -> dict[str, str]:
 @contextlib.contextmanager
 def haproxy(nodes: list[int]) -> Iterator[str]:
     """HAProxy with the deploy configuration in front of ``nodes``; yields its ws:// URL."""
-    binary = _tool("haproxy", "haproxy")
+    binary = tool("haproxy", "haproxy")
     port = free_port()
     proc = subprocess.Popen(
         [binary, "-db", "-f", str(HAPROXY_CFG)],
@@ -94,7 +87,7 @@ def node_of(session_id: str, nodes: dict[str, ServerProcess]) -> str:
 
 
 def test_haproxy_accepts_the_config() -> None:
-    binary = _tool("haproxy", "haproxy")
+    binary = tool("haproxy", "haproxy")
     result = subprocess.run(
         [binary, "-c", "-f", str(HAPROXY_CFG)],
         env=_haproxy_env(free_port(), []),
@@ -107,7 +100,7 @@ def test_haproxy_accepts_the_config() -> None:
 
 
 def test_nginx_accepts_the_config(tmp_path: Path) -> None:
-    binary = _tool("nginx", "nginx")
+    binary = tool("nginx", "nginx")
     result = subprocess.run(
         [binary, "-t", "-p", str(tmp_path), "-e", "stderr", "-c", str(NGINX_CONF)],
         capture_output=True,

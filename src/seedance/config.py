@@ -83,6 +83,9 @@ class ServerConfig:
     audit_rotate_bytes: int = 0
     audit_rotate_interval_s: float = 0.0
     audit_required: bool = True
+    redis_url: str | None = None
+    node_id: str | None = None
+    lease_s: float = 5.0
     # Not settings of their own: the file the settings came from, and its [tenants] and
     # [auth] tables (None: no tenant, the server is open).
     config_file: str | None = None
@@ -95,7 +98,7 @@ class ServerConfig:
 #: ServerConfig fields that are not options (read from the TOML file's tables).
 TABLE_FIELDS = ("config_file", "access", "engine_options")
 #: Top-level TOML tables that hold more than one setting.
-TABLES = ("tenants", "auth", "audit")
+TABLES = ("tenants", "auth", "audit", "cluster")
 #: The TOML table of engines' own options: ``[engines.llamacpp]``.
 ENGINES_TABLE = "engines"
 #: Keys of ``load_config``'s flags that are not settings.
@@ -487,6 +490,34 @@ OPTIONS: tuple[Option, ...] = (
         boolean,
         "refuse new requests while the audit log cannot be written (default on)",
     ),
+    Option(
+        "redis_url",
+        "--redis",
+        str.strip,
+        "cluster mode: keep sessions, quotas, session locks and key revocations in this Redis "
+        "(redis://[:password@]host:port/db, rediss:// for TLS, unix:///path.sock) so that "
+        "several nodes serve one cluster; [cluster] redis in TOML (default: none, memory)",
+        lambda v: v.startswith(("redis://", "rediss://", "unix://")),
+        "a redis://, rediss:// or unix:// URL",
+    ),
+    Option(
+        "node_id",
+        "--node-id",
+        str,
+        "this node's name in the cluster (logs, leases); default: host name, port and a "
+        "random suffix",
+        lambda v: 0 < len(v) <= 64 and v.isprintable() and " " not in v,
+        "1 to 64 printable characters without spaces",
+    ),
+    Option(
+        "lease_s",
+        "--lease",
+        float,
+        "cluster mode: seconds a node's claim on a running generation (its session's lock, "
+        "its concurrency slot) outlives the node; renewed every third of it",
+        lambda v: v >= 0.5,
+        "0.5 or more",
+    ),
 )
 
 _BY_KEY = {opt.key: opt for opt in OPTIONS}
@@ -572,9 +603,11 @@ def load_config(
         values["config_file"] = str(path)
         values["access"] = read_access(data, Path(path))
         audit = _table(data, "audit", path)
+        cluster = _table(data, "cluster", path)
         engine_tables = _table(data, ENGINES_TABLE, path)
         # [audit] path = ... is audit_file; its other keys are audit_<key>.
         table = [("audit_file" if k == "path" else f"audit_{k}", v) for k, v in audit.items()]
+        table += cluster.items()  # [cluster] redis = ..., node_id, lease: the options' keys
         for key, raw in [*data.items(), *table]:
             if key in TABLES or key == ENGINES_TABLE:
                 continue

@@ -65,6 +65,7 @@ from seedance.tenants.policy import check_priority
 if TYPE_CHECKING:
     from opentelemetry.context import Context
 
+    from seedance.cluster.claims import Claim
     from seedance.observability.tracing import ConnectionTrace, RequestTrace
     from seedance.server.state import ServedModel, ServerState
 
@@ -127,6 +128,7 @@ def admit(
     the request continues ``requester.session`` (its history trimmed to fit)."""
     if state.draining:
         raise Overloaded("the server is shutting down; retry on another server")
+    state.check_cluster()
     state.check_audit()
     check_priority(requester.principal, message.priority)
     session = requester.session
@@ -278,6 +280,8 @@ class Generation:
             self.trace.token_times,
         )
         self.error: SeedanceError | None = None
+        #: Its hold on the session and the tenant's quotas in the cluster (cluster mode).
+        self.claim: Claim | None = None
 
     def start(self) -> None:
         self.task = asyncio.create_task(self.run(), name=f"generate-{self.request_id}")
@@ -328,6 +332,14 @@ class Generation:
         try:
             try:
                 tenant = requester.principal.tenant
+                if state.cluster is not None:  # the session's lock, the cluster's quotas
+                    self.claim = await state.cluster.claims.claim(
+                        self.request_id,
+                        tenant.name,
+                        None if session is None else session.session_id,
+                        tenant.quotas,
+                        self.prompt_tokens + self.message.max_tokens,
+                    )
                 if session is not None:
                     # Room for the new turns' history (a reset frees what the session held).
                     growth = sum(t.size for t in self.prompt.new_turns)
@@ -395,6 +407,11 @@ class Generation:
                 if self.error is None:  # a reply that cannot be audited is not confirmed
                     self.end = error_frame(unaudited, self.request_id)
         finally:
+            if self.claim is not None:  # before the done frame: the session is free again
+                assert state.cluster is not None
+                await state.cluster.claims.release(
+                    self.claim, self.prompt_tokens, self.completion_tokens
+                )
             state.generation_ended(self, self.end)
 
     async def _stream(self) -> FinishReason:

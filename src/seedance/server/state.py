@@ -28,6 +28,7 @@ from seedance.tenants.access import Access
 from seedance.tenants.usage import Usage
 
 if TYPE_CHECKING:
+    from seedance.cluster.node import ClusterNode
     from seedance.protocol.messages import DoneFrame, ErrorFrame
     from seedance.server.connection import Connection
     from seedance.server.openai_api import HttpCall
@@ -80,6 +81,12 @@ class ServerState:
                 ),
             )
         self.default_model = engines[0].info.name
+        #: The cluster mode (``--redis``): None keeps everything in this process.
+        self.cluster: ClusterNode | None = None
+        if config.redis_url is not None:
+            from seedance.cluster.node import ClusterNode
+
+            self.cluster = ClusterNode(config)
         self.sessions: SessionStore = sessions or MemorySessionStore(
             ttl_s=config.session_ttl_s,
             max_sessions=config.max_sessions,
@@ -101,7 +108,7 @@ class ServerState:
         self._started = False
         self.metrics = Metrics()
         self.access = Access(config)
-        self.usage = Usage()
+        self.usage = Usage(shared=self.cluster is not None)
         self.audit = audit_log(config)
         self.access.on_revoked = self._close_revoked
         self.tracing = tracing or Tracing.from_config(config)
@@ -143,6 +150,10 @@ class ServerState:
         return sum(m.admission.running + m.admission.waiting for m in self.models.values())
 
     def healthy(self) -> tuple[bool, str]:
+        if self.cluster is not None:
+            ok, detail = self.cluster.health()
+            if not ok:
+                return False, detail
         if self.audit is not None:
             ok, detail = self.audit.health()
             if not ok:
@@ -161,6 +172,8 @@ class ServerState:
             self.audit.start()
             if self.audit.error is not None and self.config.audit_required:
                 logger.error("requests are refused until the audit log can be written")
+        if self.cluster is not None:
+            await self.cluster.start()
         for model in self.models.values():
             await model.engine.start()
         await self.sessions.start()
@@ -177,6 +190,8 @@ class ServerState:
         await self.drain(0)
         await self.access.close()
         await self.sessions.close()
+        if self.cluster is not None:
+            await self.cluster.close()
         for model in self.models.values():
             await model.engine.close()
         await asyncio.to_thread(self.tracing.shutdown)  # exports what is buffered
@@ -188,6 +203,11 @@ class ServerState:
     @property
     def audit_required(self) -> bool:
         return self.audit is not None and self.config.audit_required
+
+    def check_cluster(self) -> None:
+        """Refuse a new request while the cluster's Redis does not answer (cluster mode)."""
+        if self.cluster is not None:
+            self.cluster.check()
 
     def check_audit(self) -> None:
         """Refuse a new request while the audit log cannot be written (when required)."""

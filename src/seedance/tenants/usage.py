@@ -9,6 +9,10 @@ that is known (rates); for concurrency limits, one second.
 Tokens count when they are known: a request's prompt when it starts, its reply when it ends. A
 tenant's running replies may therefore take it over ``tokens_per_minute`` for a moment; its
 next request then waits until the window has room.
+
+In cluster mode (``shared``) concurrent generations and the per-minute rates are checked in
+Redis for the whole cluster (:mod:`seedance.cluster.claims`); what is counted here is then this
+node's share, for its figures, and only the limits of one connection or request are checked.
 """
 
 from __future__ import annotations
@@ -82,8 +86,11 @@ class TenantUsage:
 class Usage:
     """Every tenant's usage (a tenant appears at its first use)."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, clock: Callable[[], float] = time.monotonic, *, shared: bool = False
+    ) -> None:
         self.clock = clock
+        self.shared = shared
         self._tenants: dict[str, TenantUsage] = {}
 
     def of(self, tenant: str) -> TenantUsage:
@@ -123,6 +130,17 @@ class Usage:
                 f"max_tokens {max_tokens} is over tenant {tenant}'s limit of "
                 f"{quotas.max_tokens} per request"
             )
+        if not self.shared:  # else the cluster checks these, for every node
+            self._check_rates(tenant, usage, quotas, now, prompt_tokens)
+        usage.generations += 1
+        usage.requests.add(now, 1)
+        usage.tokens.add(now, prompt_tokens)
+
+    @staticmethod
+    def _check_rates(
+        tenant: str, usage: TenantUsage, quotas: Quotas, now: float, prompt_tokens: int
+    ) -> None:
+        """Refuse a request over the tenant's concurrent generations or per-minute rates."""
         if quotas.generations is not None and usage.generations >= quotas.generations:
             raise QuotaExceeded(
                 f"tenant {tenant} runs {quotas.generations} generations, its limit; retry when "
@@ -133,7 +151,7 @@ class Usage:
         if rpm is not None:
             wait = usage.requests.wait_for(now, 1, rpm)
             if wait > 0:
-                raise _rate(tenant, f"{rpm} requests per minute", wait)
+                raise rate_refusal(tenant, f"{rpm} requests per minute", wait)
         tpm = quotas.tokens_per_minute
         if tpm is not None:
             if prompt_tokens > tpm:
@@ -143,10 +161,7 @@ class Usage:
                 )
             wait = usage.tokens.wait_for(now, prompt_tokens, tpm)
             if wait > 0:
-                raise _rate(tenant, f"{tpm} tokens per minute", wait)
-        usage.generations += 1
-        usage.requests.add(now, 1)
-        usage.tokens.add(now, prompt_tokens)
+                raise rate_refusal(tenant, f"{tpm} tokens per minute", wait)
 
     def end_request(self, tenant: str, completion_tokens: int) -> None:
         usage = self.of(tenant)
@@ -154,7 +169,7 @@ class Usage:
         usage.tokens.add(self.clock(), completion_tokens)
 
 
-def _rate(tenant: str, limit: str, wait: float) -> QuotaExceeded:
+def rate_refusal(tenant: str, limit: str, wait: float) -> QuotaExceeded:
     seconds = max(1, math.ceil(wait))
     return QuotaExceeded(
         f"tenant {tenant} is at its limit of {limit}; retry in {seconds} s",

@@ -1,0 +1,320 @@
+"""What a running generation holds in Redis, and how it gets it: its session's lock and its
+tenant's quota reservation, both leases that a live node renews.
+
+One exchange with Redis (two scripts, pipelined) claims both when a generation starts:
+
+- **The session's lock** (``sd:{s:TENANT:SESSION}:lock``): one generation per session across
+  every node. Its value names the node, the request and a fencing token (a counter of the
+  session's claims), so that a node that lost its lease (frozen past it, or Redis lost the
+  key) can tell and is refused by every fenced write.
+- **The quota reservation** (``sd:{t:TENANT}:requests|tokens|generations``): requests per minute
+  and tokens per minute are sliding windows of 60 s in sorted sets, concurrent generations a
+  sorted set of leases; the script checks and records in one atomic step, so N nodes never
+  admit more than the limit. Tokens are reserved up front (the prompt and ``max_tokens``) and
+  reconciled at the end (the prompt at the start, the reply's tokens at the end), so a tenant
+  never passes ``tokens_per_minute``, even for a moment.
+
+Time is Redis's own (``TIME``), the one clock every node agrees on. Whichever claim fails, the
+other is given back. A node renews its claims every third of ``--lease``; those of a node that
+died expire on their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Final
+
+from seedance.cluster.link import ClusterLink, script, session_key, tenant_key
+from seedance.protocol.errors import QuotaExceeded, SessionBusy
+from seedance.tenants.config import Quotas
+from seedance.tenants.usage import rate_refusal
+
+logger = logging.getLogger(__name__)
+
+#: How long a session's fencing counter is kept after its last claim.
+FENCE_TTL_MS: Final = 7 * 24 * 3600 * 1000
+
+# KEYS: lock, fence. ARGV: node and request, lease (ms).
+# Returns {fence, ""} when claimed, {0, holder} when another claim holds the lock.
+_LOCK = """
+local held = redis.call('GET', KEYS[1])
+if held then return {0, held} end
+local fence = redis.call('INCR', KEYS[2])
+redis.call('PEXPIRE', KEYS[2], ARGV[3])
+redis.call('SET', KEYS[1], ARGV[1] .. ' ' .. fence, 'PX', ARGV[2])
+return {fence, ''}
+"""
+
+# KEYS: lock. ARGV: the value the claim set, lease (ms); 0 when the claim was lost.
+_RENEW_LOCK = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+"""
+
+# KEYS: lock. ARGV: the value the claim set.
+_UNLOCK = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+# KEYS: requests, tokens, generations. ARGV: request id, requests per minute, tokens per minute,
+# generations (-1: no limit), tokens to reserve, lease (ms). Members of tokens are "ID:COUNT".
+# Returns {"ok", now} or {what is at its limit, ms until it would pass}.
+_RESERVE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local window = 60000
+local id, rpm, tpm, gens = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local need, lease = tonumber(ARGV[5]), tonumber(ARGV[6])
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+if gens >= 0 and redis.call('ZCARD', KEYS[3]) >= gens then return {'generations', 1000} end
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - window)
+if rpm >= 0 and redis.call('ZCARD', KEYS[1]) >= rpm then
+  local oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+  return {'requests', tonumber(oldest[2]) + window - now}
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now - window)
+if tpm >= 0 then
+  local entries = redis.call('ZRANGE', KEYS[2], 0, -1, 'WITHSCORES')
+  local used = 0
+  for i = 1, #entries, 2 do used = used + tonumber(string.match(entries[i], ':(%d+)$')) end
+  if used + need > tpm then
+    for i = 1, #entries, 2 do
+      used = used - tonumber(string.match(entries[i], ':(%d+)$'))
+      if used + need <= tpm then return {'tokens', tonumber(entries[i + 1]) + window - now} end
+    end
+    return {'tokens', window}
+  end
+end
+redis.call('ZADD', KEYS[1], now, id)
+redis.call('ZADD', KEYS[2], now, id .. ':' .. need)
+redis.call('ZADD', KEYS[3], now + lease, id)
+redis.call('PEXPIRE', KEYS[1], window)
+redis.call('PEXPIRE', KEYS[2], window)
+redis.call('PEXPIRE', KEYS[3], window + lease)
+return {'ok', now}
+"""
+
+# KEYS: tokens, generations. ARGV: request id, tokens reserved, prompt tokens, reply tokens,
+# when the reservation was made (ms).
+_SETTLE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local id = ARGV[1]
+redis.call('ZREM', KEYS[2], id)
+if redis.call('ZREM', KEYS[1], id .. ':' .. ARGV[2]) == 1 then
+  redis.call('ZADD', KEYS[1], ARGV[5], id .. ':' .. ARGV[3])
+  if tonumber(ARGV[4]) > 0 then redis.call('ZADD', KEYS[1], now, id .. '+:' .. ARGV[4]) end
+  redis.call('PEXPIRE', KEYS[1], 60000)
+end
+return 1
+"""
+
+# KEYS: generations. ARGV: lease (ms), request ids. Extends the leases still held.
+_RENEW_SLOTS = """
+local t = redis.call('TIME')
+local until_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[1])
+for i = 2, #ARGV do redis.call('ZADD', KEYS[1], 'XX', until_ms, ARGV[i]) end
+redis.call('PEXPIRE', KEYS[1], 60000 + tonumber(ARGV[1]))
+return 1
+"""
+
+
+def _limit(value: int | None) -> int:
+    return -1 if value is None else value
+
+
+@dataclass(slots=True)
+class Claim:
+    """One generation's hold on its session and its tenant's quotas."""
+
+    request_id: str
+    tenant: str
+    #: The session's lock key and the value this claim set (None: no session, no lock).
+    lock: tuple[str, str] | None = None
+    fence: int = 0
+    #: Tokens reserved, and when (Redis's ms); 0: the tenant has no limits, nothing reserved.
+    reserved: int = 0
+    reserved_at: int = 0
+    limited: bool = False
+    lost: bool = False  # the lock was gone at a renewal
+
+
+class Claims:
+    """Claims of this node's running generations, renewed while they run."""
+
+    def __init__(self, link: ClusterLink) -> None:
+        self.link = link
+        self.lease_ms = max(1, int(link.lease_s * 1000))
+        self.running: dict[str, Claim] = {}
+        self._lock = script(link, _LOCK)
+        self._renew_lock = script(link, _RENEW_LOCK)
+        self._unlock = script(link, _UNLOCK)
+        self._reserve = script(link, _RESERVE)
+        self._settle = script(link, _SETTLE)
+        self._renew_slots = script(link, _RENEW_SLOTS)
+
+    def start(self) -> None:
+        self.link.spawn(self._renew_forever(), "cluster-leases")
+
+    async def claim(
+        self,
+        request_id: str,
+        tenant: str,
+        session_id: str | None,
+        quotas: Quotas,
+        tokens: int,
+    ) -> Claim:
+        """Lock the session and reserve the tenant's quotas in one exchange, or refuse
+        (``session_busy``, ``quota_exceeded``; ``overloaded`` when Redis does not answer)."""
+        link = self.link
+        link.check()
+        claim = Claim(request_id, tenant)
+        claim.limited = any(
+            v is not None
+            for v in (quotas.requests_per_minute, quotas.tokens_per_minute, quotas.generations)
+        )
+        if session_id is None and not claim.limited:
+            return claim
+        tpm = quotas.tokens_per_minute
+        if tpm is not None and tokens > tpm:
+            raise QuotaExceeded(
+                f"the prompt and max_tokens ({tokens} tokens) are over tenant {tenant}'s limit "
+                f"of {tpm} tokens per minute; lower max_tokens"
+            )
+        # Scripts queued on a pipeline go out in one exchange (awaiting them only queues).
+        pipe = link.redis.pipeline(transaction=False)
+        if session_id is not None:
+            holder = f"{link.node_id} {request_id}"
+            keys = [
+                session_key(tenant, session_id, "lock"),
+                session_key(tenant, session_id, "fence"),
+            ]
+            await self._lock(keys, [holder, self.lease_ms, FENCE_TTL_MS], client=pipe)
+        if claim.limited:
+            await self._reserve(
+                self._quota_keys(tenant),
+                [
+                    request_id,
+                    _limit(quotas.requests_per_minute),
+                    _limit(tpm),
+                    _limit(quotas.generations),
+                    tokens,
+                    self.lease_ms,
+                ],
+                client=pipe,
+            )
+        replies = await link.call(lambda: pipe.execute(raise_on_error=True))
+        refusal: Exception | None = None
+        if session_id is not None:
+            fence, held_by = replies.pop(0)
+            if fence:
+                claim.fence = int(fence)
+                claim.lock = (keys[0], f"{holder} {claim.fence}")
+            else:
+                other = held_by.decode().split(" ")
+                refusal = SessionBusy(
+                    f"request {other[1] if len(other) > 1 else '?'} is still running on this "
+                    "session (on another node); cancel it or wait for its done frame"
+                )
+        if claim.limited:
+            what, value = replies.pop(0)
+            if what == b"ok":
+                claim.reserved, claim.reserved_at = tokens, int(value)
+            elif refusal is None:
+                refusal = _quota_refusal(tenant, what.decode(), int(value), quotas)
+        if refusal is not None:
+            await self.release(claim, 0, 0)
+            raise refusal
+        self.running[request_id] = claim
+        return claim
+
+    async def release(self, claim: Claim, prompt_tokens: int, completion_tokens: int) -> None:
+        """Give the claim back: unlock the session, settle the tokens. Never raises: a claim
+        that cannot be given back expires with its lease."""
+        self.running.pop(claim.request_id, None)
+        if claim.lock is None and not claim.reserved:
+            return
+        pipe = self.link.redis.pipeline(transaction=False)
+        if claim.lock is not None:
+            await self._unlock([claim.lock[0]], [claim.lock[1]], client=pipe)
+        if claim.reserved:
+            keys = self._quota_keys(claim.tenant)
+            await self._settle(
+                [keys[1], keys[2]],
+                [
+                    claim.request_id,
+                    claim.reserved,
+                    prompt_tokens,
+                    completion_tokens,
+                    claim.reserved_at,
+                ],
+                client=pipe,
+            )
+        try:
+            await self.link.call(pipe.execute)
+        except Exception as exc:
+            logger.warning(
+                "request %s: its claim could not be given back (%s); it expires in %.1f s",
+                claim.request_id,
+                exc,
+                self.link.lease_s,
+            )
+
+    @staticmethod
+    def _quota_keys(tenant: str) -> list[str]:
+        return [tenant_key(tenant, w) for w in ("requests", "tokens", "generations")]
+
+    async def renew(self) -> None:
+        """Extend every running claim's lease by one period (one pipelined exchange)."""
+        claims = list(self.running.values())
+        if not claims:
+            return
+        pipe = self.link.redis.pipeline(transaction=False)
+        locked = [c for c in claims if c.lock is not None]
+        for c in locked:
+            assert c.lock is not None
+            await self._renew_lock([c.lock[0]], [c.lock[1], self.lease_ms], client=pipe)
+        by_tenant: dict[str, list[str]] = {}
+        for c in claims:
+            if c.reserved:
+                by_tenant.setdefault(c.tenant, []).append(c.request_id)
+        for tenant, ids in by_tenant.items():
+            await self._renew_slots(
+                [tenant_key(tenant, "generations")], [self.lease_ms, *ids], client=pipe
+            )
+        replies = await self.link.call(pipe.execute)
+        for c, kept in zip(locked, replies, strict=False):
+            if not kept and not c.lost:
+                c.lost = True
+                logger.error(
+                    "request %s: its session's lock was lost (expired or Redis lost it); "
+                    "another node may run this session now",
+                    c.request_id,
+                )
+
+    async def _renew_forever(self) -> None:
+        period = self.link.lease_s / 3
+        while True:
+            await asyncio.sleep(period)
+            try:
+                await self.renew()
+            except Exception as exc:  # Redis down: the link says so; try again next period
+                logger.debug("leases not renewed: %s", exc)
+
+
+def _quota_refusal(tenant: str, what: str, wait_ms: int, quotas: Quotas) -> QuotaExceeded:
+    if what == "generations":
+        return QuotaExceeded(
+            f"tenant {tenant} runs {quotas.generations} generations, its limit (across the "
+            "cluster); retry when one ends",
+            retry_after_s=1.0,
+        )
+    limit = (
+        f"{quotas.requests_per_minute} requests per minute"
+        if what == "requests"
+        else f"{quotas.tokens_per_minute} tokens per minute"
+    )
+    return rate_refusal(tenant, f"{limit} (across the cluster)", wait_ms / 1000)

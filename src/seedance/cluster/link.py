@@ -1,0 +1,165 @@
+"""This node's link to the cluster's Redis: the client, its health, and the key names."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import socket
+from collections.abc import Awaitable, Callable
+from typing import Any, Final, TypeVar
+from urllib.parse import urlsplit
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from seedance.config import ServerConfig
+from seedance.protocol.errors import Overloaded
+
+logger = logging.getLogger(__name__)
+
+#: A Redis call that takes longer than this fails (and the node counts Redis as down).
+TIMEOUT_S: Final = 1.0
+#: How often the node checks that Redis answers.
+PING_INTERVAL_S: Final = 0.5
+#: What a client refused because Redis is down is told to wait.
+RETRY_AFTER_S: Final = 1.0
+#: Connections to Redis one node opens at most (exchanges are pipelined over them).
+MAX_CONNECTIONS: Final = 32
+#: Every key of Seedance starts with this.
+PREFIX: Final = "sd:"
+
+T = TypeVar("T")
+
+
+def session_key(tenant: str, session_id: str, what: str) -> str:
+    """A key of one session: every key of a session hashes to one Redis Cluster slot."""
+    return f"{PREFIX}{{s:{tenant}:{session_id}}}:{what}"
+
+
+def tenant_key(tenant: str, what: str) -> str:
+    """A key of one tenant (its quota counters): one slot per tenant."""
+    return f"{PREFIX}{{t:{tenant}}}:{what}"
+
+
+def default_node_id(config: ServerConfig) -> str:
+    return f"{socket.gethostname()}:{config.port}-{secrets.token_hex(3)}"
+
+
+def redacted(url: str) -> str:
+    """The URL without its password, for logs and errors."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    port = f":{parts.port}" if parts.port else ""
+    user = f"{parts.username}:***@" if parts.username else ":***@"
+    return parts._replace(netloc=f"{user}{host}{port}").geturl()
+
+
+class ClusterLink:
+    """The Redis client of this node, and whether Redis answers.
+
+    A call that fails marks Redis down at once; a ping every :data:`PING_INTERVAL_S` marks it
+    up again. While it is down :meth:`check` refuses new requests with ``overloaded``
+    (retryable) instead of letting them wait on a timeout.
+    """
+
+    def __init__(self, config: ServerConfig) -> None:
+        assert config.redis_url is not None
+        self.url = redacted(config.redis_url)
+        self.node_id = config.node_id or default_node_id(config)
+        self.lease_s = config.lease_s
+        # A bounded pool that waits for a free connection (the default one refuses).
+        pool = aioredis.BlockingConnectionPool.from_url(
+            config.redis_url,
+            max_connections=MAX_CONNECTIONS,
+            timeout=TIMEOUT_S,
+            socket_timeout=TIMEOUT_S,
+            socket_connect_timeout=TIMEOUT_S,
+        )
+        self.redis: aioredis.Redis = aioredis.Redis(connection_pool=pool)
+        self.error: str | None = "not connected yet"
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        await self._ping()
+        if self.error is not None:
+            logger.error(
+                "cluster: Redis at %s does not answer (%s); requests are refused until it does",
+                self.url,
+                self.error,
+            )
+        else:
+            logger.info("cluster: node %s on Redis at %s", self.node_id, self.url)
+        self.spawn(self._watch(), "cluster-health")
+
+    def spawn(self, work: Awaitable[None], name: str) -> None:
+        """Run ``work`` until the link closes (a background task of the cluster mode)."""
+        self._tasks.append(asyncio.ensure_future(work))
+        self._tasks[-1].set_name(name)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        with contextlib.suppress(RedisError, OSError):
+            await self.redis.aclose()
+            await self.redis.connection_pool.disconnect()
+
+    # ------------------------------------------------------------------ health
+
+    def check(self) -> None:
+        """Refuse a new request while Redis does not answer."""
+        if self.error is not None:
+            raise self.unreachable()
+
+    def unreachable(self) -> Overloaded:
+        return Overloaded(
+            f"the cluster's store (Redis at {self.url}) does not answer ({self.error}); "
+            "retry shortly",
+            retry_after_s=RETRY_AFTER_S,
+        )
+
+    def health(self) -> tuple[bool, str]:
+        if self.error is None:
+            return True, ""
+        return False, f"Redis at {self.url} does not answer: {self.error}"
+
+    async def call(self, work: Callable[[], Awaitable[T]]) -> T:
+        """Run one Redis exchange; a failure marks Redis down and raises ``overloaded``."""
+        try:
+            return await work()
+        except (RedisError, OSError) as exc:
+            self._down(exc)
+            raise self.unreachable() from exc
+
+    def _down(self, exc: BaseException) -> None:
+        error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        if self.error is None:
+            logger.error("cluster: Redis at %s failed (%s); refusing new requests", self.url, error)
+        self.error = error
+
+    async def _ping(self) -> None:
+        try:
+            await self.redis.ping()
+        except (RedisError, OSError) as exc:
+            self._down(exc)
+            return
+        if self.error is not None and self.error != "not connected yet":
+            logger.info("cluster: Redis at %s answers again", self.url)
+        self.error = None
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(PING_INTERVAL_S)
+            await self._ping()
+
+
+def script(link: ClusterLink, source: str) -> Any:
+    """A Lua script registered on the link's client (run by its hash, loaded when missing)."""
+    return link.redis.register_script(source)

@@ -1,0 +1,31 @@
+"""A node of a cluster: what ``--redis`` adds to the server, started and stopped with it."""
+
+from __future__ import annotations
+
+from seedance.cluster.claims import Claims
+from seedance.cluster.link import ClusterLink
+from seedance.config import ServerConfig
+
+
+class ClusterNode:
+    def __init__(self, config: ServerConfig) -> None:
+        self.link = ClusterLink(config)
+        self.claims = Claims(self.link)
+
+    @property
+    def node_id(self) -> str:
+        return self.link.node_id
+
+    async def start(self) -> None:
+        await self.link.start()
+        self.claims.start()
+
+    async def close(self) -> None:
+        await self.link.close()
+
+    def check(self) -> None:
+        """Refuse a new request while Redis does not answer (``overloaded``, retryable)."""
+        self.link.check()
+
+    def health(self) -> tuple[bool, str]:
+        return self.link.health()

@@ -1,0 +1,164 @@
+"""The cluster mode (``--redis``) with a real ``redis-server``: nodes that share one Redis hold
+one tenant's limits exactly, run one generation per session, and refuse at once (retryable)
+while Redis is gone."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from seedance.config import ConfigError, load_access, load_config
+from seedance.tenants.keys import add_key
+from tests.support.redis import RedisServer
+from tests.support.servers import RunningServer, slow_engine
+from tests.support.waits import eventually
+from tests.support.ws import collect, generate, open_session, recv_json
+
+CHAT = {"model": "synthetic", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path).start()
+    yield server
+    server.stop(kill=True)
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def nodes(
+    make_server: Callable[..., RunningServer],
+    count: int,
+    redis: RedisServer,
+    config: Path | None = None,
+    engines: Callable[[], Any] | None = None,
+    **fields: Any,
+) -> list[RunningServer]:
+    """``count`` servers on one Redis (and the tenants of ``config``)."""
+    if config is not None:
+        fields.update(config_file=str(config), access=load_access(config))
+    return [
+        make_server(
+            None if engines is None else [engines()],
+            redis_url=redis.url,
+            node_id=f"node{i}",
+            **fields,
+        )
+        for i in range(1, count + 1)
+    ]
+
+
+def test_the_cluster_settings_come_from_flags_and_the_cluster_table(tmp_path: Path) -> None:
+    path = tmp_path / "s.toml"
+    path.write_text('[cluster]\nredis = "redis://db:6379/2"\nnode_id = "a"\nlease = 3\n')
+    config = load_config({"config": str(path)})
+    assert (config.redis_url, config.node_id, config.lease_s) == ("redis://db:6379/2", "a", 3.0)
+    assert load_config({"config": str(path), "redis_url": "unix:///r.sock"}).redis_url == (
+        "unix:///r.sock"
+    )
+    with pytest.raises(ConfigError, match="redis://, rediss:// or unix://"):
+        load_config({"redis_url": "http://db"})
+    with pytest.raises(ConfigError, match=r"0\.5 or more"):
+        load_config({"lease_s": "0.1"})
+
+
+async def test_three_nodes_admit_exactly_a_tenants_limits(
+    tmp_path: Path, redis_server: RedisServer, make_server: Callable[..., RunningServer]
+) -> None:
+    """300 attempts at once, spread over three nodes: exactly the tenant's 100 requests a
+    minute pass; tokens per minute hold too (reserved up front: never over the limit)."""
+    path = tmp_path / "s.toml"
+    path.write_text(
+        "[tenants.acme.quotas]\nrequests_per_minute = 100\n"
+        "[tenants.globex.quotas]\ntokens_per_minute = 400\n"
+    )
+    acme, globex = add_key(path, "acme").key, add_key(path, "globex").key
+    servers = nodes(make_server, 3, redis_server, path)
+
+    async def attempt(client: httpx.AsyncClient, key: str, body: dict[str, Any]) -> httpx.Response:
+        return await client.post("/v1/chat/completions", json=body, headers=auth(key))
+
+    clients = [httpx.AsyncClient(base_url=s.http_url, timeout=30) for s in servers]
+    try:
+        replies = await asyncio.gather(*(attempt(clients[i % 3], acme, CHAT) for i in range(300)))
+        codes = [r.status_code for r in replies]
+        assert codes.count(200) == 100 and codes.count(429) == 200, codes
+        refusal = next(r for r in replies if r.status_code == 429)
+        assert "100 requests per minute (across the cluster)" in refusal.text
+        assert 1 <= int(refusal.headers["retry-after"]) <= 60
+
+        body = {**CHAT, "max_tokens": 10}
+        replies = await asyncio.gather(*(attempt(clients[i % 3], globex, body) for i in range(60)))
+        done = [r.json()["usage"] for r in replies if r.status_code == 200]
+        assert {r.status_code for r in replies} == {200, 429}
+        used = sum(u["total_tokens"] for u in done)
+        reply_size = done[0]["prompt_tokens"] + 10
+        assert used <= 400 < used + reply_size, (used, reply_size)
+    finally:
+        for client in clients:
+            await client.aclose()
+
+
+async def test_one_generation_per_session_across_nodes(
+    redis_server: RedisServer, make_server: Callable[..., RunningServer]
+) -> None:
+    first, second = nodes(
+        make_server, 2, redis_server, engines=lambda: slow_engine(tokens_per_s=100)
+    )
+    a, _ = await open_session(first.url, "session_id=shared")
+    b, _ = await open_session(second.url, "session_id=shared")
+    async with a, b:
+        await a.send(json.dumps({"prompt": "long", "max_tokens": 40}))
+        assert (await recv_json(a))["type"] == "start"
+        busy = await generate(b, prompt="x", max_tokens=2)
+        error = busy[-1]["error"]
+        assert error["code"] == "session_busy" and error["retryable"], error
+        assert "another node" in error["message"]
+        assert (await collect(a))[-1]["finish_reason"] == "length"
+        # The lock went with the done frame: the other node runs the session now.
+        assert (await generate(b, prompt="x", max_tokens=2))[-1]["type"] == "done"
+        assert (await generate(a, prompt="x", max_tokens=2))[-1]["type"] == "done"
+
+
+async def test_redis_down_refuses_at_once_and_healthz_says_why(
+    redis_server: RedisServer, make_server: Callable[..., RunningServer]
+) -> None:
+    (node,) = nodes(make_server, 1, redis_server)
+    async with httpx.AsyncClient(base_url=node.http_url, timeout=10) as client:
+        assert (await client.get("/healthz")).json() == {"status": "ok"}
+        redis_server.stop(kill=True)
+        await eventually(
+            lambda: node.state.cluster is not None and node.state.cluster.link.error is not None,
+            5,
+            "the node to see Redis gone",
+        )
+        health = await client.get("/healthz")
+        assert health.status_code == 503 and "Redis at redis://127.0.0.1" in health.text
+        ws, _ = await open_session(node.url)
+        async with ws:
+            started = time.monotonic()
+            refused = await generate(ws, prompt="x", max_tokens=2)
+            assert time.monotonic() - started < 0.5
+        error = refused[-1]["error"]
+        assert error["code"] == "overloaded" and error["retryable"], error
+        assert "does not answer" in error["message"]
+        reply = await client.post("/v1/chat/completions", json=CHAT)
+        assert reply.status_code == 503 and "retry" in reply.text
+
+        redis_server.start()  # back: the node sees it within a ping
+        await eventually(
+            lambda: node.state.cluster is not None and node.state.cluster.link.error is None,
+            5,
+            "the node to see Redis back",
+        )
+        assert (await client.get("/healthz")).json() == {"status": "ok"}
+        assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
