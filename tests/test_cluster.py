@@ -19,7 +19,8 @@ from seedance.tenants.keys import add_key
 from tests.support.redis import RedisServer
 from tests.support.servers import RunningServer, slow_engine
 from tests.support.waits import eventually
-from tests.support.ws import collect, generate, open_session, recv_json
+from tests.support.ws import collect, generate, open_session, recv_json, wait_closed
+from tests.support.ws import raw_connect as raw
 
 CHAT = {"model": "synthetic", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
@@ -143,12 +144,12 @@ async def test_redis_down_refuses_at_once_and_healthz_says_why(
         )
         health = await client.get("/healthz")
         assert health.status_code == 503 and "Redis at redis://127.0.0.1" in health.text
-        ws, _ = await open_session(node.url)
-        async with ws:
-            started = time.monotonic()
-            refused = await generate(ws, prompt="x", max_tokens=2)
-            assert time.monotonic() - started < 0.5
-        error = refused[-1]["error"]
+        started = time.monotonic()
+        async with raw(node.url) as ws:  # sessions live in Redis: refused at the door
+            code, frames = await wait_closed(ws)
+        assert time.monotonic() - started < 0.5
+        assert code == 1013, code
+        error = frames[0]["error"]
         assert error["code"] == "overloaded" and error["retryable"], error
         assert "does not answer" in error["message"]
         reply = await client.post("/v1/chat/completions", json=CHAT)
@@ -162,3 +163,40 @@ async def test_redis_down_refuses_at_once_and_healthz_says_why(
         )
         assert (await client.get("/healthz")).json() == {"status": "ok"}
         assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
+
+
+async def test_any_node_serves_any_session(
+    tmp_path: Path, redis_server: RedisServer, make_server: Callable[..., RunningServer]
+) -> None:
+    """A conversation goes on from node to node, always from its latest turn; a tenant's live
+    sessions are counted across the cluster."""
+    path = tmp_path / "s.toml"
+    path.write_text("[tenants.acme.quotas]\nsessions = 2\n")
+    key = add_key(path, "acme").key
+    first, second, third = nodes(make_server, 3, redis_server, path)
+    headers = {"additional_headers": auth(key)}
+    a, hello = await open_session(first.url, "session_id=talk", **headers)
+    assert hello["created"]
+    async with a:
+        one = (await generate(a, prompt="the first turn", max_tokens=3))[-1]["usage"]
+        b, hello = await open_session(second.url, "session_id=talk", **headers)
+        assert not hello["created"] and hello["context_turns"] == 2
+        async with b:
+            two = (await generate(b, prompt="the second turn", max_tokens=3))[-1]["usage"]
+            assert two["prompt_tokens"] > one["prompt_tokens"] + one["completion_tokens"]
+        # Back on the first node, whose copy is one exchange behind: it continues the latest.
+        three = (await generate(a, prompt="the third", max_tokens=3))[-1]["usage"]
+        assert three["prompt_tokens"] > two["prompt_tokens"] + two["completion_tokens"]
+
+        # Two live sessions (talk, other) across the nodes: a third is refused on any node.
+        other, _ = await open_session(third.url, "session_id=other", **headers)
+        await other.close()
+        async with raw(second.url, "session_id=third", **headers) as refused:
+            error = await recv_json(refused)
+        assert error["error"]["code"] == "quota_exceeded"
+        assert "2 live sessions" in error["error"]["message"]
+
+        await a.send(json.dumps({"type": "end_session"}))
+    again, hello = await open_session(third.url, "session_id=talk", **headers)
+    await again.close()
+    assert hello["created"] and hello["context_turns"] == 0  # ended on every node

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from seedance.cluster.claims import Claims
 from seedance.cluster.link import ClusterLink
+from seedance.cluster.sessions import RedisSessionStore
 from seedance.config import ServerConfig
 
 
@@ -11,6 +12,7 @@ class ClusterNode:
     def __init__(self, config: ServerConfig) -> None:
         self.link = ClusterLink(config)
         self.claims = Claims(self.link)
+        self.sessions = RedisSessionStore(self.link, ttl_s=config.session_ttl_s)
 
     @property
     def node_id(self) -> str:

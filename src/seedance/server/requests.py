@@ -340,6 +340,10 @@ class Generation:
                         tenant.quotas,
                         self.prompt_tokens + self.message.max_tokens,
                     )
+                    if session is not None and await state.cluster.sessions.refresh(session):
+                        # Another node saved a newer context: continue that one.
+                        self.prompt = session_prompt(model, session, self.message)
+                        self.prompt_tokens = self.prompt.tokens
                 if session is not None:
                     # Room for the new turns' history (a reset frees what the session held).
                     growth = sum(t.size for t in self.prompt.new_turns)

@@ -87,10 +87,14 @@ class ServerState:
             from seedance.cluster.node import ClusterNode
 
             self.cluster = ClusterNode(config)
-        self.sessions: SessionStore = sessions or MemorySessionStore(
-            ttl_s=config.session_ttl_s,
-            max_sessions=config.max_sessions,
-            max_bytes=config.max_session_bytes,
+        self.sessions: SessionStore = sessions or (
+            self.cluster.sessions
+            if self.cluster is not None
+            else MemorySessionStore(
+                ttl_s=config.session_ttl_s,
+                max_sessions=config.max_sessions,
+                max_bytes=config.max_session_bytes,
+            )
         )
         self.streams: StreamStore = MemoryStreamStore(
             window_s=config.resume_window_s, max_bytes_per_tenant=config.resume_max_bytes

@@ -1,0 +1,286 @@
+"""Sessions in Redis: any node of the cluster serves any session.
+
+A session is one hash (``sd:{s:TENANT:SESSION}:session``: its turns as JSON, a ``version``
+that every save increments, when it was created) with the session TTL, renewed while a
+connection holds it. Each tenant has a sorted set of its live sessions by expiry and a hash of
+their history bytes (``sd:{t:TENANT}:sessions``, ``:history``), for its ``sessions`` and
+``session_bytes`` quotas across the cluster; a session is counted in one atomic script, so N
+nodes never create more than the limit.
+
+A node keeps the sessions its connections hold in memory (the turns a prompt is built from);
+saves happen only under the session's cluster lock (one generation per session), and a
+generation first reloads the turns when another node saved a newer version
+(:meth:`RedisSessionStore.refresh`), so a reply always continues the latest context.
+
+What a single node does and this store does not: evict idle sessions to stay under
+``--max-sessions`` and ``--max-session-bytes`` (Redis's own ``maxmemory`` bounds the cluster;
+a tenant over its ``session_bytes`` is refused, nothing of another session is dropped).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Final, cast
+
+import msgspec
+
+from seedance.cluster.link import ClusterLink, script, session_key, tenant_key
+from seedance.protocol.errors import QuotaExceeded
+from seedance.protocol.messages import SessionId, TenantId
+from seedance.sessions.session import Session, SessionKey, Turn
+from seedance.sessions.store import new_session_id
+
+logger = logging.getLogger(__name__)
+
+#: The longest a held session's TTL goes unrenewed.
+RENEW_MAX_S: Final = 10.0
+
+# KEYS: the tenant's sessions (by expiry), its history bytes. ARGV: session id, limit (-1:
+# none), TTL (ms). Sweeps the expired, then counts the session in; {1} or {0, live}.
+_ADMIT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local gone = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)
+if #gone > 0 then
+  redis.call('ZREM', KEYS[1], unpack(gone))
+  redis.call('HDEL', KEYS[2], unpack(gone))
+end
+local live = redis.call('ZCARD', KEYS[1])
+local limit = tonumber(ARGV[2])
+if limit >= 0 and not redis.call('ZSCORE', KEYS[1], ARGV[1]) and live >= limit then
+  return {0, live}
+end
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+redis.call('PEXPIRE', KEYS[2], ARGV[3])
+return {1, live}
+"""
+
+# KEYS: the tenant's sessions, its history bytes. ARGV: TTL (ms), then session id and its bytes
+# (-1: unchanged) pairs. Renews the sessions' expiry in the tenant's set.
+_RENEW = """
+local t = redis.call('TIME')
+local until_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[1])
+for i = 2, #ARGV, 2 do
+  redis.call('ZADD', KEYS[1], until_ms, ARGV[i])
+  if tonumber(ARGV[i + 1]) >= 0 then redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
+end
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+redis.call('PEXPIRE', KEYS[2], ARGV[1])
+return 1
+"""
+
+# KEYS: the tenant's sessions, its history bytes. ARGV: the session id. The other live
+# sessions' history bytes.
+_HISTORY = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local held = 0
+local sizes = redis.call('HGETALL', KEYS[2])
+for i = 1, #sizes, 2 do
+  local expires = redis.call('ZSCORE', KEYS[1], sizes[i])
+  if sizes[i] ~= ARGV[1] and expires and tonumber(expires) > now then
+    held = held + tonumber(sizes[i + 1])
+  end
+end
+return held
+"""
+
+_turns = msgspec.json.Encoder()
+_read_turns = msgspec.json.Decoder(list[Turn])
+
+
+class RedisSessionStore:
+    """The :class:`~seedance.sessions.store.SessionStore` of the cluster mode."""
+
+    def __init__(self, link: ClusterLink, *, ttl_s: float) -> None:
+        self.link = link
+        self.ttl_s = ttl_s
+        self.ttl_ms = max(1, int(ttl_s * 1000))
+        self.bytes = 0  # history of the sessions held here
+        self._held: dict[SessionKey, Session] = {}
+        self._versions: dict[SessionKey, int] = {}  # the version each held copy holds
+        self._admit = script(link, _ADMIT)
+        self._renew = script(link, _RENEW)
+        self._history = script(link, _HISTORY)
+        self._renewer: asyncio.Task[None] | None = None
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    async def start(self) -> None:
+        if self._renewer is None:
+            self._renewer = asyncio.create_task(self._renew_forever(), name="session-renewer")
+
+    async def close(self) -> None:
+        if self._renewer is not None:
+            self._renewer.cancel()
+            await asyncio.gather(self._renewer, return_exceptions=True)
+            self._renewer = None
+
+    # ------------------------------------------------------------------ the store
+
+    async def attach(
+        self, tenant: TenantId, session_id: SessionId | None, max_for_tenant: int | None = None
+    ) -> tuple[Session, bool]:
+        self.link.check()
+        key: SessionKey = (tenant, session_id or new_session_id())
+        stored = None
+        if session_id is not None:
+            stored = await self.link.call(
+                lambda: self.link.redis.hmget(self._key(key), "turns", "version")
+            )
+        created = stored is None or stored[1] is None
+        admitted = await self.link.call(
+            lambda: self._admit(
+                self._tenant_keys(tenant),
+                [key[1], -1 if max_for_tenant is None else max_for_tenant, self.ttl_ms],
+            )
+        )
+        if not admitted[0]:
+            raise QuotaExceeded(
+                f"tenant {tenant} has {max_for_tenant} live sessions, its limit (across the "
+                "cluster); end one (end_session) or wait for one to expire"
+            )
+        session = self._held.get(key)
+        if session is None:
+            session = Session(key, time.monotonic())
+            self._held[key] = session
+        if created:
+            await self.link.call(lambda: self._write(session, created=True))
+        elif stored is not None:
+            self._load(session, stored[0], int(cast(bytes, stored[1])))
+        session.attached += 1
+        session.last_active = time.monotonic()
+        return session, created
+
+    async def detach(self, session: Session) -> None:
+        session.attached = max(0, session.attached - 1)
+        session.last_active = time.monotonic()
+        try:
+            await self._renew_sessions([session])
+        except Exception as exc:  # the TTL runs from the last renewal instead
+            logger.debug("session %s not renewed: %s", session.session_id, exc)
+        self._let_go(session)
+
+    async def reserve(self, session: Session, size: int, max_for_tenant: int | None) -> None:
+        if max_for_tenant is None:
+            return
+        others = await self.link.call(
+            lambda: self._history(self._tenant_keys(session.tenant), [session.session_id])
+        )
+        if int(others) + session.size + size > max_for_tenant:
+            raise QuotaExceeded(
+                f"tenant {session.tenant}'s sessions would hold more than {max_for_tenant} "
+                "bytes of history, its limit (across the cluster); end a session (end_session) "
+                "or start this one afresh (reset)"
+            )
+
+    async def save(self, session: Session) -> None:
+        session.last_active = time.monotonic()
+        await self.link.call(lambda: self._write(session, created=False))
+
+    async def refresh(self, session: Session) -> bool:
+        """Reload the session's turns if another node saved a newer version; true if it did."""
+        key = session.key
+        version = await self.link.call(lambda: self.link.redis.hget(self._key(key), "version"))
+        if version is None or int(cast(bytes, version)) == self._versions.get(key, 0):
+            return False
+        turns = await self.link.call(lambda: self.link.redis.hget(self._key(key), "turns"))
+        self._load(session, turns, int(cast(bytes, version)))
+        return True
+
+    async def delete(self, session: Session) -> None:
+        key = session.key
+        pipe = self.link.redis.pipeline(transaction=False)
+        pipe.delete(self._key(key))
+        sessions, history = self._tenant_keys(session.tenant)
+        pipe.zrem(sessions, key[1])
+        pipe.hdel(history, key[1])
+        await self.link.call(pipe.execute)
+        session.attached = 0
+        self._drop(key)
+
+    def count(self, tenant: TenantId) -> int:
+        """Sessions of ``tenant`` held on this node."""
+        return sum(1 for key in self._held if key[0] == tenant)
+
+    def bytes_of(self, tenant: TenantId) -> int:
+        return sum(s.size for key, s in self._held.items() if key[0] == tenant)
+
+    def get(self, tenant: TenantId, session_id: SessionId) -> Session | None:
+        return self._held.get((tenant, session_id))
+
+    # ------------------------------------------------------------------ Redis
+
+    @staticmethod
+    def _key(key: SessionKey) -> str:
+        return session_key(key[0], key[1], "session")
+
+    @staticmethod
+    def _tenant_keys(tenant: str) -> list[str]:
+        return [tenant_key(tenant, "sessions"), tenant_key(tenant, "history")]
+
+    async def _write(self, session: Session, *, created: bool) -> None:
+        key = self._key(session.key)
+        pipe = self.link.redis.pipeline(transaction=False)
+        pipe.hset(key, "turns", _turns.encode(session.turns))
+        if created:
+            pipe.hset(key, mapping={"version": 0, "created": time.time()})
+        else:
+            pipe.hincrby(key, "version", 1)
+        pipe.pexpire(key, self.ttl_ms)
+        await self._renew(
+            self._tenant_keys(session.tenant),
+            [self.ttl_ms, session.session_id, session.size],
+            client=pipe,
+        )
+        replies = await pipe.execute()
+        self._versions[session.key] = 0 if created else int(replies[1])
+        self._recount()
+
+    def _load(self, session: Session, turns: Any, version: int) -> None:
+        session.turns = _read_turns.decode(turns) if turns else []
+        session.size = sum(t.size for t in session.turns)
+        self._versions[session.key] = version
+        self._recount()
+
+    def _recount(self) -> None:
+        self.bytes = sum(s.size for s in self._held.values())
+
+    def _let_go(self, session: Session) -> None:
+        """Forget a session that no connection or generation holds here any more."""
+        if session.idle:
+            self._drop(session.key)
+
+    def _drop(self, key: SessionKey) -> None:
+        if self._held.pop(key, None) is not None:
+            self._versions.pop(key, None)
+            self._recount()
+
+    async def _renew_sessions(self, sessions: list[Session]) -> None:
+        """Extend the TTL of ``sessions`` (one pipelined exchange)."""
+        pipe = self.link.redis.pipeline(transaction=False)
+        by_tenant: dict[str, list[str]] = {}
+        for session in sessions:
+            pipe.pexpire(self._key(session.key), self.ttl_ms)
+            by_tenant.setdefault(session.tenant, []).extend((session.session_id, "-1"))
+        for tenant, pairs in by_tenant.items():
+            await self._renew(self._tenant_keys(tenant), [self.ttl_ms, *pairs], client=pipe)
+        await self.link.call(pipe.execute)
+
+    async def _renew_forever(self) -> None:
+        period = min(self.ttl_s / 3, RENEW_MAX_S)
+        while True:
+            await asyncio.sleep(period)
+            for session in [s for s in self._held.values() if s.idle]:
+                self._drop(session.key)  # its last generation ended after its connection left
+            held = list(self._held.values())
+            if not held:
+                continue
+            try:
+                await self._renew_sessions(held)
+            except Exception as exc:  # Redis down: the link says so; next period
+                logger.debug("sessions not renewed: %s", exc)
