@@ -200,3 +200,31 @@ async def test_any_node_serves_any_session(
     again, hello = await open_session(third.url, "session_id=talk", **headers)
     await again.close()
     assert hello["created"] and hello["context_turns"] == 0  # ended on every node
+
+
+async def test_a_key_revoked_on_one_node_is_refused_on_every_node_within_a_second(
+    tmp_path: Path, redis_server: RedisServer, make_server: Callable[..., RunningServer]
+) -> None:
+    """Each node has its own copy of the tenants file (as on separate machines): the
+    revocation reaches the others through Redis, and a node started later refuses it too."""
+    first_file, second_file, later_file = (tmp_path / f"{n}.toml" for n in ("a", "b", "c"))
+    admin = add_key(first_file, "ops", role="admin").key
+    user = add_key(first_file, "acme")
+    second_file.write_text(first_file.read_text())
+    later_file.write_text(first_file.read_text())
+    (first,) = nodes(make_server, 1, redis_server, first_file)
+    (second,) = nodes(make_server, 1, redis_server, second_file)
+    ws, _ = await open_session(second.url, additional_headers=auth(user.key))
+    async with httpx.AsyncClient(base_url=first.http_url) as client:
+        revoked = await client.post(f"/admin/keys/{user.id}/revoke", headers=auth(admin))
+        assert revoked.status_code == 200
+    started = time.monotonic()
+    code, frames = await wait_closed(ws, timeout=5)
+    assert code == 4401 and time.monotonic() - started < 1.0
+    assert "revoked" in frames[0]["error"]["message"]
+    assert "revoked = true" not in second_file.read_text()  # only the first node's file
+    (later,) = nodes(make_server, 1, redis_server, later_file)
+    for node in (second, later):
+        async with raw(node.url, additional_headers=auth(user.key)) as refused:
+            code, frames = await wait_closed(refused)
+        assert code == 4401, (node.url, frames)

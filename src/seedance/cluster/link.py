@@ -99,8 +99,10 @@ class ClusterLink:
 
     def spawn(self, work: Awaitable[None], name: str) -> None:
         """Run ``work`` until the link closes (a background task of the cluster mode)."""
-        self._tasks.append(asyncio.ensure_future(work))
-        self._tasks[-1].set_name(name)
+        self._tasks = [t for t in self._tasks if not t.done()]
+        task = asyncio.ensure_future(work)
+        task.set_name(name)
+        self._tasks.append(task)
 
     async def close(self) -> None:
         for task in self._tasks:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from seedance.cluster.claims import Claims
 from seedance.cluster.link import ClusterLink
+from seedance.cluster.revocations import Revocations
 from seedance.cluster.sessions import RedisSessionStore
 from seedance.config import ServerConfig
 
@@ -13,6 +14,7 @@ class ClusterNode:
         self.link = ClusterLink(config)
         self.claims = Claims(self.link)
         self.sessions = RedisSessionStore(self.link, ttl_s=config.session_ttl_s)
+        self.revocations = Revocations(self.link)
 
     @property
     def node_id(self) -> str:
@@ -21,6 +23,7 @@ class ClusterNode:
     async def start(self) -> None:
         await self.link.start()
         self.claims.start()
+        await self.revocations.start()
 
     async def close(self) -> None:
         await self.link.close()

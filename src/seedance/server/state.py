@@ -87,6 +87,7 @@ class ServerState:
             from seedance.cluster.node import ClusterNode
 
             self.cluster = ClusterNode(config)
+            self.cluster.revocations.apply = self._revoked_elsewhere
         self.sessions: SessionStore = sessions or (
             self.cluster.sessions
             if self.cluster is not None
@@ -244,8 +245,21 @@ class ServerState:
         await self.audit_wait(self.audit_submit(record), what)
 
     def _close_revoked(self, key_ids: set[str]) -> None:
-        """Close the connections of credentials that no longer pass (4401)."""
+        """Credentials that no longer pass: audited, told to the cluster, and their
+        connections closed (4401)."""
         self.audit_submit(lambda: audit.KeysRevoked(keys=sorted(key_ids)))
+        if self.cluster is not None:
+            self.cluster.revocations.announce(key_ids)
+        self._close_connections_of(key_ids)
+
+    def _revoked_elsewhere(self, key_ids: set[str]) -> None:
+        """Another node revoked these keys: refuse them here too."""
+        passing = self.access.revoke_elsewhere(key_ids)
+        if passing:
+            logger.info("keys %s revoked on another node", ", ".join(sorted(passing)))
+            self._close_connections_of(passing)
+
+    def _close_connections_of(self, key_ids: set[str]) -> None:
         for connection in list(self.connections):
             if connection.principal.credential in key_ids:
                 credential = connection.principal.credential

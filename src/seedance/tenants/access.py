@@ -40,6 +40,8 @@ class Access:
         self.authenticator = Authenticator(config.access or AccessConfig())
         self.allowed_origins = frozenset(config.allowed_origins)
         self.on_revoked: Callable[[set[str]], None] | None = None
+        #: Keys revoked on other nodes of the cluster: refused here too, after every reload.
+        self._revoked_elsewhere: set[str] = set()
         self._stamp = self._file_stamp()
         self._watcher: asyncio.Task[None] | None = None
 
@@ -126,6 +128,15 @@ class Access:
                 self.on_revoked({key_id})
         return tenant
 
+    def revoke_elsewhere(self, key_ids: set[str]) -> set[str]:
+        """Keys another node of the cluster revoked: refused here from now on, whatever the
+        tenants file says. Returns those that passed until now."""
+        self._revoked_elsewhere |= key_ids
+        passing = self.authenticator.key_ids() & key_ids
+        for key_id in passing:
+            self.authenticator.revoke(key_id)
+        return passing
+
     def reload(self) -> bool:
         """Read the tenants and keys again; a bad file is logged and the old tables kept."""
         assert self.config_file is not None
@@ -136,6 +147,8 @@ class Access:
             return False
         before = self.authenticator.key_ids()
         self.authenticator.load(access)
+        for key_id in self._revoked_elsewhere:
+            self.authenticator.revoke(key_id)
         gone = before - self.authenticator.key_ids()
         logger.info("tenants reloaded from %s: %s", self.config_file, self.describe())
         if gone and self.on_revoked is not None:
