@@ -263,7 +263,7 @@ async def test_expired_after_the_window(make_server: Any) -> None:
     ws, _ = await open_session(server.url, "session_id=w")
     async with ws:
         await generate(ws, prompt=PROMPT, max_tokens=5, resumable=True, request_id="a")
-        await eventually(lambda: server.state.streams.active("default", "w") is None)
+        await eventually(lambda: server.state.streams.current("default", "w") is None)
         body = await _history_lost(ws, request_id="a", after_seq=-1)
     assert body["reason"] == "expired"
 

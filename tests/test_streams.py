@@ -63,26 +63,26 @@ def test_the_store_keeps_resumable_logs_for_the_window_and_says_why_they_went() 
     now = [0.0]
     store = MemoryStreamStore(window_s=10, max_bytes_per_tenant=1000, clock=lambda: now[0])
     plain = store.open("t", "s1", "a", resumable=False, stream=True)
-    assert store.active("t", "s1") is plain  # running: readable by a second reader
+    assert store.current("t", "s1") is plain  # running: readable by a second reader
     plain.close("D", now[0])
     store.ended("t", "s1", plain)
-    assert store.active("t", "s1") is None
+    assert store.current("t", "s1") is None
     with pytest.raises(HistoryLost, match="never ran here") as lost:
-        store.find("t", "s1", "a", store.epoch)
+        store.lookup("t", "s1", "a", store.epoch)
     assert lost.value.reason == "expired"
 
     kept = store.open("t", "s1", "b", resumable=True, stream=True)
     kept.append("x" * 30, 1)
     kept.close("D", now[0])
     store.ended("t", "s1", kept)
-    assert store.find("t", "s1", "b", None) is kept
+    assert store.lookup("t", "s1", "b", None) is kept
     assert store.bytes_of("t") == FRAME_BYTES + 30  # the end frame and the text
     with pytest.raises(HistoryLost) as lost:
-        store.find("t", "s1", "b", "another epoch")
+        store.lookup("t", "s1", "b", "another epoch")
     assert lost.value.reason == "epoch_changed"
     now[0] = 10.5
     with pytest.raises(HistoryLost) as lost:
-        store.find("t", "s1", "b", None)
+        store.lookup("t", "s1", "b", None)
     assert lost.value.reason == "expired" and store.bytes_of("t") == 0
 
 
@@ -98,9 +98,9 @@ def test_the_tenant_byte_cap_drops_the_oldest_ended_logs() -> None:
     other.close("D", 0.0)
     store.ended("u", "s0", other)
     with pytest.raises(HistoryLost) as lost:
-        store.find("t", "s0", "r0", None)
+        store.lookup("t", "s0", "r0", None)
     assert lost.value.reason == "trimmed"
     with pytest.raises(HistoryLost):
-        store.find("t", "s1", "r1", None)
-    assert store.find("t", "s3", "r3", None).request_id == "r3"
-    assert store.bytes_of("t") == 2 * each and store.find("u", "s0", "u0", None) is other
+        store.lookup("t", "s1", "r1", None)
+    assert store.lookup("t", "s3", "r3", None).request_id == "r3"
+    assert store.bytes_of("t") == 2 * each and store.lookup("u", "s0", "u0", None) is other

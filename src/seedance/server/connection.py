@@ -209,7 +209,8 @@ class Connection:
 
     def _on_message(self, data: bytes, is_text: bool) -> bool:
         """The direct path: handle a message as it is parsed; false defers it to the receive
-        loop (an ``end_session``, which awaits the store, and whatever follows it)."""
+        loop (an ``end_session`` or a ``resume``, which await the stores, and whatever follows
+        it)."""
         if self._deferred:
             self._deferred += 1
             return False
@@ -219,7 +220,7 @@ class Connection:
                 self._on_binary(data)
                 return True
             message = decode_client_text(data, self.limits)
-            if isinstance(message, EndSession):
+            if isinstance(message, EndSession | Resume):  # they await the stores
                 self._deferred = 1
                 return False
             self._on_sync_message(message)
@@ -236,6 +237,8 @@ class Connection:
             message = decode_client_text(data, self.limits)
             if isinstance(message, EndSession):
                 await self._end_session()
+            elif isinstance(message, Resume):
+                await self._resume(message)
             else:
                 self._on_sync_message(message)
         except Exception as exc:
@@ -372,8 +375,6 @@ class Connection:
             generation = self._running()
             if generation is not None and message.request_id in (None, generation.request_id):
                 generation.cancel(silent=False)
-        elif isinstance(message, Resume):
-            self._resume(message)
 
     def _on_binary(self, data: bytes) -> None:
         check_frame_size(data, self.config.max_frame_bytes)
@@ -461,7 +462,7 @@ class Connection:
         """The session's running generation (started here or on another connection)."""
         return self.state.running_on(self.session)
 
-    def _resume(self, message: Resume) -> None:
+    async def _resume(self, message: Resume) -> None:
         """Follow a generation of this session from the token after ``after_seq``."""
         if self._follower is not None:
             raise InvalidRequest(
@@ -470,7 +471,9 @@ class Connection:
                 request_id=message.request_id,
             )
         session_id = self.session.session_id
-        log = self.state.streams.find(self.tenant, session_id, message.request_id, message.epoch)
+        log = await self.state.streams.find(
+            self.tenant, session_id, message.request_id, message.epoch
+        )
         follower = Follower(self, log, message.after_seq + 1)
         try:
             log.attach(follower, message.after_seq)

@@ -85,7 +85,8 @@ class InferEndpoint:
             await ws.accept(subprotocol)
             config = state.config
             streams = state.streams
-            log = streams.active(principal.name, session.session_id)
+            log = await streams.active(principal.name, session.session_id)
+            epoch = await streams.epoch_of(principal.name, session.session_id)
             active = (
                 None
                 if log is None
@@ -104,7 +105,7 @@ class InferEndpoint:
                         heartbeat_interval=config.heartbeat_interval_s,
                         idle_timeout=config.idle_timeout_s,
                         server=SERVER_NAME,
-                        epoch=streams.epoch,
+                        epoch=epoch,
                         active=active,
                     )
                 )

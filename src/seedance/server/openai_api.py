@@ -476,7 +476,7 @@ class StreamsEndpoint:
             call.authenticated = True
             after_seq = _cursor(scope, request_id)
             tenant = call.principal.name
-            log = self.state.streams.find(tenant, request_id, request_id, None)
+            log = await self.state.streams.find(tenant, request_id, request_id, None)
         except SeedanceError as exc:
             exc.request_id = request_id
             await call.fail(exc)

@@ -104,6 +104,12 @@ class StreamLog:
         """The index of the next token logged (the count so far)."""
         return len(self.texts) + self.extra
 
+    @property
+    def entries(self) -> int:
+        """Entries a reader may be given (all of them here; a replicated log's are those the
+        cluster's store acknowledged)."""
+        return len(self.texts)
+
     # ------------------------------------------------------------------ writing
 
     def open(self, frame: StartFrame) -> None:
@@ -212,10 +218,11 @@ class StreamLog:
         held = after_seq + 1  # tokens the reader holds: they must end an entry
         if held >= next_seq:
             return None
+        entries = self.entries
         first = held  # entries of one token each: entry i holds token i
         if held and self.multi:
             multi = self.multi
-            ends = itertools.accumulate(multi.get(i, 1) for i in range(len(self.texts)))
+            ends = itertools.accumulate(multi.get(i, 1) for i in range(entries))
             first, end = next((i, end) for i, end in enumerate(ends, 1) if end >= held)
             if end != held:
                 raise InvalidRequest(
@@ -223,4 +230,4 @@ class StreamLog:
                     "give the last seq of a frame held whole",
                     request_id=self.request_id,
                 )
-        return "".join(self.texts[first:]), next_seq - held
+        return "".join(self.texts[first:entries]), next_seq - held

@@ -47,11 +47,16 @@ class StreamStore(Protocol):
     def ended(self, tenant: str, session_id: str, log: StreamLog) -> None:
         """``log``'s generation ended: keep it for the resume window if it is resumable."""
 
-    def find(self, tenant: str, session_id: str, request_id: str, epoch: str | None) -> StreamLog:
+    async def find(
+        self, tenant: str, session_id: str, request_id: str, epoch: str | None
+    ) -> StreamLog:
         """The log to resume; :class:`HistoryLost` with the reason when it cannot be."""
 
-    def active(self, tenant: str, session_id: str) -> StreamLog | None:
+    async def active(self, tenant: str, session_id: str) -> StreamLog | None:
         """The session's log that can be resumed now: running, or done within the window."""
+
+    async def epoch_of(self, tenant: str, session_id: str) -> str:
+        """The epoch a client's cursor into this session's logs must name."""
 
     def forget(self, tenant: str, session_id: str) -> None:
         """The session was deleted: its log goes with it."""
@@ -90,9 +95,14 @@ class MemoryStreamStore:
         previous = self._logs.get(key)
         if previous is not None:
             self._drop(key, previous, "expired")
-        log = StreamLog(request_id, self.epoch, resumable=resumable, stream=stream)
+        log = self._new_log(tenant, session_id, request_id, resumable=resumable, stream=stream)
         self._logs[key] = log
         return log
+
+    def _new_log(
+        self, tenant: str, session_id: str, request_id: str, *, resumable: bool, stream: bool
+    ) -> StreamLog:
+        return StreamLog(request_id, self.epoch, resumable=resumable, stream=stream)
 
     def ended(self, tenant: str, session_id: str, log: StreamLog) -> None:
         key = (tenant, session_id)
@@ -112,7 +122,19 @@ class MemoryStreamStore:
                         break
         self.sweep()
 
-    def find(self, tenant: str, session_id: str, request_id: str, epoch: str | None) -> StreamLog:
+    async def find(
+        self, tenant: str, session_id: str, request_id: str, epoch: str | None
+    ) -> StreamLog:
+        return self.lookup(tenant, session_id, request_id, epoch)
+
+    async def active(self, tenant: str, session_id: str) -> StreamLog | None:
+        return self.current(tenant, session_id)
+
+    async def epoch_of(self, tenant: str, session_id: str) -> str:
+        return self.epoch
+
+    def lookup(self, tenant: str, session_id: str, request_id: str, epoch: str | None) -> StreamLog:
+        """:meth:`find`, in this process's memory."""
         if epoch is not None and epoch != self.epoch:
             raise HistoryLost(
                 "epoch_changed",
@@ -138,7 +160,8 @@ class MemoryStreamStore:
             )
         raise HistoryLost(reason, message, request_id=request_id)
 
-    def active(self, tenant: str, session_id: str) -> StreamLog | None:
+    def current(self, tenant: str, session_id: str) -> StreamLog | None:
+        """:meth:`active`, in this process's memory."""
         self.sweep()
         log = self._logs.get((tenant, session_id))
         if log is None or not (log.running or log.resumable):
