@@ -19,8 +19,16 @@ from seedance.tenants.keys import add_key
 from tests.support.redis import RedisServer
 from tests.support.servers import RunningServer, slow_engine
 from tests.support.waits import eventually
-from tests.support.ws import collect, generate, open_session, recv_json, wait_closed
+from tests.support.ws import (
+    collect,
+    generate,
+    open_session,
+    recv_json,
+    tokens_text,
+    wait_closed,
+)
 from tests.support.ws import raw_connect as raw
+from tests.test_resume import PROMPT, Reading, read
 
 CHAT = {"model": "synthetic", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
@@ -56,6 +64,15 @@ def nodes(
         )
         for i in range(1, count + 1)
     ]
+
+
+async def redis_answers(*servers: RunningServer) -> None:
+    """Wait until every node sees Redis answer (after a restart)."""
+
+    def answers() -> bool:
+        return all(s.state.cluster and s.state.cluster.link.error is None for s in servers)
+
+    await eventually(answers, 5, "the nodes to see Redis answer")
 
 
 def test_the_cluster_settings_come_from_flags_and_the_cluster_table(tmp_path: Path) -> None:
@@ -228,3 +245,81 @@ async def test_a_key_revoked_on_one_node_is_refused_on_every_node_within_a_secon
         async with raw(node.url, additional_headers=auth(user.key)) as refused:
             code, frames = await wait_closed(refused)
         assert code == 4401, (node.url, frames)
+
+
+# --------------------------------------------------------------------------- stream logs
+
+
+async def resume_on(
+    node: RunningServer, session: str, reading: Reading, epoch: str | None = None
+) -> tuple[Any, dict[str, Any]]:
+    ws, hello = await open_session(node.url, f"session_id={session}")
+    resume = {"type": "resume", "request_id": reading.request_id, "after_seq": reading.last_seq}
+    await ws.send(json.dumps({**resume, "epoch": epoch or hello["epoch"]}))
+    return ws, hello
+
+
+async def test_a_stream_resumes_on_another_node(
+    redis_server: RedisServer, make_server: Callable[..., RunningServer]
+) -> None:
+    """The client drops mid-reply and comes back through another node: it gets every token
+    after its cursor once, live, then the done; later, the whole reply again from a third."""
+    first, second, third = nodes(
+        make_server, 3, redis_server, engines=lambda: slow_engine(tokens_per_s=200)
+    )
+    expected = await undisturbed_on(first, max_tokens=120)
+    ws, hello = await open_session(first.url, "session_id=trip")
+    request = {"prompt": PROMPT, "seed": 7, "max_tokens": 120, "resumable": True}
+    await ws.send(json.dumps({**request, "request_id": "r1"}))
+    reading = Reading("r1")
+    await read(ws, reading, until_seq=30)
+    ws.transport.abort()
+    ws, hello = await resume_on(second, "trip", reading)
+    assert hello["active"]["request_id"] == "r1" and hello["active"]["state"] == "running"
+    async with ws:
+        await read(ws, reading)
+    assert reading.end is not None and reading.end["type"] == "done", reading.end
+    assert reading.end["usage"]["completion_tokens"] == 120 and reading.last_seq == 119
+    assert reading.text == expected and reading.starts == 2
+
+    again = Reading("r1")
+    ws, _ = await resume_on(third, "trip", again)
+    async with ws:
+        await read(ws, again)
+    assert again.text == expected and again.end == reading.end
+
+
+async def undisturbed_on(node: RunningServer, **fields: Any) -> str:
+    ws, _ = await open_session(node.url)
+    async with ws:
+        frames = await generate(ws, prompt=PROMPT, **{"seed": 7, **fields})
+    assert frames[-1]["type"] == "done"
+    return tokens_text(frames)
+
+
+@pytest.mark.parametrize("aof", [True, False], ids=["aof-always", "no-persistence"])
+async def test_a_redis_restart_keeps_the_logs_or_says_they_are_lost(
+    tmp_path: Path, make_server: Callable[..., RunningServer], aof: bool
+) -> None:
+    """With AOF ``always`` an acknowledged log survives Redis restarting; without persistence
+    a resume is told ``history_lost`` ``epoch_changed``, never given a gap."""
+    redis = RedisServer(tmp_path, aof=aof).start()
+    try:
+        first, second = nodes(make_server, 2, redis)
+        ws, hello = await open_session(first.url, "session_id=kept")
+        async with ws:
+            frames = await generate(ws, prompt=PROMPT, max_tokens=40, resumable=True)
+        assert frames[-1]["type"] == "done"
+        redis.restart()
+        await redis_answers(first, second)
+        reading = Reading(frames[0]["request_id"])
+        ws, _ = await resume_on(second, "kept", reading, epoch=hello["epoch"])
+        async with ws:
+            if aof:
+                await read(ws, reading)
+                assert reading.text == tokens_text(frames) and reading.end == frames[-1]
+            else:
+                error = (await recv_json(ws))["error"]
+                assert error["code"] == "history_lost" and error["reason"] == "epoch_changed"
+    finally:
+        redis.stop(kill=True)

@@ -140,6 +140,7 @@ class Claim:
     reserved_at: int = 0
     limited: bool = False
     lost: bool = False  # the lock was gone at a renewal
+    ending: bool = False  # the end is being written (which drops the lock)
 
 
 class Claims:
@@ -287,7 +288,7 @@ class Claims:
             )
         replies = await self.link.call(pipe.execute)
         for c, kept in zip(locked, replies, strict=False):
-            if not kept and not c.lost:
+            if not kept and not c.lost and not c.ending:
                 c.lost = True
                 logger.error(
                     "request %s: its session's lock was lost (expired or Redis lost it); "

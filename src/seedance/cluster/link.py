@@ -27,6 +27,8 @@ PING_INTERVAL_S: Final = 0.5
 RETRY_AFTER_S: Final = 1.0
 #: Connections to Redis one node opens at most (exchanges are pipelined over them).
 MAX_CONNECTIONS: Final = 32
+#: Connections that wait for new stream entries (one per followed stream, at most).
+MAX_BLOCKING_CONNECTIONS: Final = 256
 #: Every key of Seedance starts with this.
 PREFIX: Final = "sd:"
 
@@ -80,6 +82,16 @@ class ClusterLink:
             socket_connect_timeout=TIMEOUT_S,
         )
         self.redis: aioredis.Redis = aioredis.Redis(connection_pool=pool)
+        # Reads that wait for new entries (XREAD BLOCK) hold a connection each, for up to
+        # half a lease: a pool of their own, with a timeout past the wait.
+        blocking = aioredis.BlockingConnectionPool.from_url(
+            config.redis_url,
+            max_connections=MAX_BLOCKING_CONNECTIONS,
+            timeout=TIMEOUT_S,
+            socket_timeout=config.lease_s + TIMEOUT_S,
+            socket_connect_timeout=TIMEOUT_S,
+        )
+        self.blocking: aioredis.Redis = aioredis.Redis(connection_pool=blocking)
         self.error: str | None = "not connected yet"
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -109,9 +121,10 @@ class ClusterLink:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
-        with contextlib.suppress(RedisError, OSError):
-            await self.redis.aclose()
-            await self.redis.connection_pool.disconnect()
+        for client in (self.redis, self.blocking):
+            with contextlib.suppress(RedisError, OSError):
+                await client.aclose()
+                await client.connection_pool.disconnect()
 
     # ------------------------------------------------------------------ health
 
@@ -137,10 +150,11 @@ class ClusterLink:
         try:
             return await work()
         except (RedisError, OSError) as exc:
-            self._down(exc)
+            self.failed(exc)
             raise self.unreachable() from exc
 
-    def _down(self, exc: BaseException) -> None:
+    def failed(self, exc: BaseException) -> None:
+        """A Redis exchange failed: Redis counts as down until a ping answers."""
         error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         if self.error is None:
             logger.error("cluster: Redis at %s failed (%s); refusing new requests", self.url, error)
@@ -150,7 +164,7 @@ class ClusterLink:
         try:
             await self.redis.ping()
         except (RedisError, OSError) as exc:
-            self._down(exc)
+            self.failed(exc)
             return
         if self.error is not None and self.error != "not connected yet":
             logger.info("cluster: Redis at %s answers again", self.url)

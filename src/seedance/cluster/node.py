@@ -6,6 +6,7 @@ from seedance.cluster.claims import Claims
 from seedance.cluster.link import ClusterLink
 from seedance.cluster.revocations import Revocations
 from seedance.cluster.sessions import RedisSessionStore
+from seedance.cluster.streams import RedisStreamStore
 from seedance.config import ServerConfig
 
 
@@ -15,6 +16,12 @@ class ClusterNode:
         self.claims = Claims(self.link)
         self.sessions = RedisSessionStore(self.link, ttl_s=config.session_ttl_s)
         self.revocations = Revocations(self.link)
+        self.streams = RedisStreamStore(
+            self.link,
+            window_s=config.resume_window_s,
+            max_bytes_per_tenant=config.resume_max_bytes,
+            session_ttl_s=config.session_ttl_s,
+        )
 
     @property
     def node_id(self) -> str:
@@ -23,6 +30,7 @@ class ClusterNode:
     async def start(self) -> None:
         await self.link.start()
         self.claims.start()
+        self.streams.start()
         await self.revocations.start()
 
     async def close(self) -> None:

@@ -70,6 +70,11 @@ class GenerationRequest:
     prompt_tokens: int
     priority: int = 0
     raw: bool = False
+    #: The reply so far, when a node of the cluster takes over a generation whose node died:
+    #: the prompt ends with it and the engine goes on after it (``continuation_tokens``
+    #: tokens, already counted against ``max_tokens`` by the caller).
+    continuation: str = ""
+    continuation_tokens: int = 0
 
 
 @dataclass(slots=True)

@@ -381,7 +381,7 @@ class BatchedEngine(PromptedEngine):
         return stats.running + stats.waiting
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
-        prompt = self.prompts.tokens(request.messages, request.raw)
+        prompt = self.prompts.tokens(request.messages, request.raw, request.continuation)
         params = request.params
         seed = params.seed if params.seed is not None else secrets.randbits(32)
         events = LightQueue()  # filled a decode step at a time

@@ -236,7 +236,12 @@ class OpenAIUpstreamEngine(Engine):
         }
         if request.raw:
             path = "/completions"
-            body["prompt"] = "".join(m.content for m in request.messages)
+            body["prompt"] = "".join(m.content for m in request.messages) + request.continuation
+        elif request.continuation:
+            raise EngineError(
+                "the upstream's chat API cannot continue a reply begun elsewhere (a generation "
+                "taken over from a node that died); send the request again"
+            )
         else:
             path = "/chat/completions"
             body["messages"] = [{"role": m.role, "content": m.content} for m in request.messages]

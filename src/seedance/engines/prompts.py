@@ -38,12 +38,15 @@ class Prompts:
         """Tokens of a piece of text (no BOS, no template)."""
         return len(self.encode(text, False))
 
-    def tokens(self, messages: Sequence[ChatMessage], raw: bool) -> list[int]:
+    def tokens(
+        self, messages: Sequence[ChatMessage], raw: bool, continuation: str = ""
+    ) -> list[int]:
         """The prompt's tokens: the chat template around ``messages``, or with ``raw`` the
-        content of the one message as it is. Raises when it is empty or cannot fit."""
+        content of the one message as it is; then the ``continuation`` of a reply taken over
+        (not cached). Raises when it is empty or cannot fit."""
         key = (raw, tuple(messages))
         cache = self._cache
-        tokens = cache.get(key)
+        tokens = None if continuation else cache.get(key)
         if tokens is None:
             if raw:
                 text = "".join(m.content for m in messages)
@@ -54,9 +57,12 @@ class Prompts:
                     raise InvalidRequest(
                         f"the model's chat template refused the messages: {exc}"
                     ) from None
-            tokens = cache[key] = self.encode(text, True)
-            if len(cache) > _CACHE_SIZE:
-                cache.popitem(last=False)
+            if continuation:
+                tokens = self.encode(text + continuation, True)
+            else:
+                tokens = cache[key] = self.encode(text, True)
+                if len(cache) > _CACHE_SIZE:
+                    cache.popitem(last=False)
         if not tokens:
             raise InvalidRequest("the prompt is empty")
         if len(tokens) >= self.context_length:

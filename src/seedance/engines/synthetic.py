@@ -108,6 +108,8 @@ class SyntheticEngine(Engine):
             loop = asyncio.get_running_loop()
             start = loop.time() + self.ttft_s
             words = _sentence(rng)
+            for _ in range(request.continuation_tokens):  # the same reply, from where it was
+                next(words)
             for i in range(limit):
                 due = start + i * self.interval_s
                 delay = due - loop.time()

@@ -234,7 +234,7 @@ class VllmEngine(PromptedEngine):
         return SamplingParams(**sampling)
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
-        prompt = self.prompts.tokens(request.messages, request.raw)
+        prompt = self.prompts.tokens(request.messages, request.raw, request.continuation)
         request_id = request.request_id
         try:
             sampling = self._sampling(request, prompt)

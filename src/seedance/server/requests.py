@@ -19,6 +19,7 @@ resumable leaving ends it with nothing more.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import secrets
 import time
@@ -332,18 +333,8 @@ class Generation:
         try:
             try:
                 tenant = requester.principal.tenant
-                if state.cluster is not None:  # the session's lock, the cluster's quotas
-                    self.claim = await state.cluster.claims.claim(
-                        self.request_id,
-                        tenant.name,
-                        None if session is None else session.session_id,
-                        tenant.quotas,
-                        self.prompt_tokens + self.message.max_tokens,
-                    )
-                    if session is not None and await state.cluster.sessions.refresh(session):
-                        # Another node saved a newer context: continue that one.
-                        self.prompt = session_prompt(model, session, self.message)
-                        self.prompt_tokens = self.prompt.tokens
+                if state.cluster is not None:
+                    await self._claim()
                 if session is not None:
                     # Room for the new turns' history (a reset frees what the session held).
                     growth = sum(t.size for t in self.prompt.new_turns)
@@ -356,14 +347,15 @@ class Generation:
                 )
                 self.admitted_at = time.monotonic()
                 self.meter.admitted(self.admitted_at, self.prompt_tokens)
-                self.log.open(
-                    StartFrame(
-                        request_id=self.request_id,
-                        trace_id=self.trace_id,
-                        model=model.name,
-                        prompt_tokens=self.prompt_tokens,
+                if self.log.start is None:  # else a generation taken over: it has begun
+                    self.log.open(
+                        StartFrame(
+                            request_id=self.request_id,
+                            trace_id=self.trace_id,
+                            model=model.name,
+                            prompt_tokens=self.prompt_tokens,
+                        )
                     )
-                )
                 finish = await self._stream()
                 if session is not None:
                     reply = ChatMessage("assistant", "".join(self.parts))
@@ -411,12 +403,56 @@ class Generation:
                 if self.error is None:  # a reply that cannot be audited is not confirmed
                     self.end = error_frame(unaudited, self.request_id)
         finally:
-            if self.claim is not None:  # before the done frame: the session is free again
-                assert state.cluster is not None
-                await state.cluster.claims.release(
-                    self.claim, self.prompt_tokens, self.completion_tokens
-                )
+            if self.claim is not None:
+                await self._release()
             state.generation_ended(self, self.end)
+
+    async def _claim(self) -> None:
+        """Cluster mode: lock the session (or the request's own log) and reserve the
+        tenant's quotas; the log is written to Redis under that lock from now on."""
+        from seedance.cluster.streams import ReplicatedLog
+        from seedance.cluster.takeover import header_of
+
+        cluster = self.state.cluster
+        assert cluster is not None
+        requester = self.requester
+        session = requester.session
+        if self.claim is None:  # else a generation taken over: its claim is made
+            tenant = requester.principal.tenant
+            self.claim = await cluster.claims.claim(
+                self.request_id,
+                tenant.name,
+                requester.log_key(self.request_id),
+                tenant.quotas,
+                self.prompt_tokens + self.message.max_tokens,
+            )
+            if session is not None and await cluster.sessions.refresh(session):
+                # Another node saved a newer context: continue that one.
+                self.prompt = session_prompt(requester.model, session, self.message)
+                self.prompt_tokens = self.prompt.tokens
+        log = self.log
+        if isinstance(log, ReplicatedLog) and self.claim.lock is not None:
+            log.own(self.claim.lock[1], header_of(self))
+            log.on_lost = lambda: self.cancel(silent=True)
+
+    async def _release(self) -> None:
+        """Cluster mode: the end is in Redis before any reader sees it (None: this node may
+        not write it: another node has the stream), then the claim is given back."""
+        from seedance.cluster.streams import ReplicatedLog
+
+        cluster = self.state.cluster
+        assert cluster is not None and self.claim is not None
+        log = self.log
+        self.claim.ending = True
+        if isinstance(log, ReplicatedLog) and log.owned:
+            try:
+                written = await asyncio.wait_for(log.write_end(self.end), 2 * cluster.link.lease_s)
+            except asyncio.TimeoutError:
+                written = False
+            if not written:
+                log.lost = True
+                self.end = None
+        await cluster.claims.release(self.claim, self.prompt_tokens, self.completion_tokens)
 
     async def _stream(self) -> FinishReason:
         """Run the engine and log its tokens; returns the finish reason."""
@@ -424,19 +460,27 @@ class Generation:
         message = self.message
         prompt = self.prompt
         clock = time.monotonic
+        params = SamplingParams.of(message, prompt.unset)
+        already = self.completion_tokens  # a generation taken over: the reply so far
+        if already:
+            if already >= params.max_tokens:
+                return "length"
+            params = dataclasses.replace(params, max_tokens=params.max_tokens - already)
         request = GenerationRequest(
             request_id=self.request_id,
             messages=prompt.messages,
-            params=SamplingParams.of(message, prompt.unset),
+            params=params,
             prompt_tokens=self.prompt_tokens,
             priority=message.priority,
             raw=prompt.raw,
+            continuation="".join(log.texts) if already else "",
+            continuation_tokens=already,
         )
         stream = self.requester.model.engine.generate(request)
         tokens_at = self.meter.tokens
         # StreamLog.append, inline: the token path costs no more than before the log.
         texts = log.texts.append
-        produced = 0  # self.completion_tokens, kept in a local while the engine runs
+        produced = already  # self.completion_tokens, kept in a local while the engine runs
         try:
             async for delta in stream:
                 n = delta.tokens

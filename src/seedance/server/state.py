@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -85,9 +86,11 @@ class ServerState:
         self.cluster: ClusterNode | None = None
         if config.redis_url is not None:
             from seedance.cluster.node import ClusterNode
+            from seedance.cluster.takeover import take_over
 
             self.cluster = ClusterNode(config)
             self.cluster.revocations.apply = self._revoked_elsewhere
+            self.cluster.streams.take_over = functools.partial(take_over, self)
         self.sessions: SessionStore = sessions or (
             self.cluster.sessions
             if self.cluster is not None
@@ -97,8 +100,12 @@ class ServerState:
                 max_bytes=config.max_session_bytes,
             )
         )
-        self.streams: StreamStore = MemoryStreamStore(
-            window_s=config.resume_window_s, max_bytes_per_tenant=config.resume_max_bytes
+        self.streams: StreamStore = (
+            self.cluster.streams
+            if self.cluster is not None
+            else MemoryStreamStore(
+                window_s=config.resume_window_s, max_bytes_per_tenant=config.resume_max_bytes
+            )
         )
         #: Running generations by request id.
         self.generations: dict[str, Generation] = {}
@@ -141,6 +148,12 @@ class ServerState:
         if self.generations.get(generation.request_id) is generation:
             del self.generations[generation.request_id]
         requester = generation.requester
+        if end is None and getattr(generation.log, "lost", False):
+            # Another node runs it now: its readers here reconnect and resume there.
+            for connection in list(self.connections):
+                follower = connection._follower
+                if follower is not None and follower.log is generation.log:
+                    connection.close(CLOSE_GOING_AWAY, "the stream moved to another node")
         generation.log.close(end, time.monotonic())
         key = requester.log_key(generation.request_id)
         self.streams.ended(requester.tenant, key, generation.log)

@@ -1,0 +1,525 @@
+"""Stream logs in Redis: a reader on any node resumes any generation, and a dead node's
+generations are taken over.
+
+One Redis Stream per generation (``sd:{s:TENANT:SESSION}:log:REQUEST``) whose entry ids carry
+the ``seq``: the ``start`` frame is ``0-1``, a token entry of the tokens from ``seq`` is
+``SEQ-2`` (fields ``t``, the text, and ``n``, the count), the end (``done``/``error``) is
+``NEXT_SEQ-3``. Beside it a hash (``...:gen:REQUEST``) holds what a takeover needs (the request,
+its prompt, its tenant and session), ``...:current`` names the session's latest generation and
+``...:epoch`` the session's epoch: made afresh whenever Redis lost it, so a cursor from before
+is refused with ``history_lost`` ``epoch_changed``, never answered with a gap. Everything has a
+TTL (the resume window, a minute more).
+
+**Writing** (:class:`ReplicatedLog`, on the node that runs the generation): tokens are logged
+in memory as on a single node, and a node-wide :class:`Replicator` sends what every log added
+since its last exchange in one pipeline, each log's entries through one fenced script (it
+writes only while the generation's session lock still holds the writer's fencing token, so a
+node that lost its lease cannot write a frame). Readers get a frame only once Redis
+acknowledged it: what a client saw is always in Redis, whatever node dies next. The end entry
+releases the session lock in the same script, so the next request of the session may start on
+any node the moment its client sees ``done``.
+
+**Reading elsewhere**: a resume on a node that does not run the generation builds a mirror of
+the log from Redis (``XRANGE``) and follows it live (``XREAD BLOCK``); its readers attach to it
+exactly as to a local log. When no entry came for half a lease and the owner's lock is gone,
+the node takes the generation over (:mod:`seedance.cluster.takeover`): the mirror becomes the
+log of a local generation that continues at the next ``seq``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, Final
+
+import msgspec
+from redis.exceptions import RedisError
+
+from seedance.cluster.link import ClusterLink, script, session_key
+from seedance.protocol.codec import decode_server_text, encode_frame
+from seedance.protocol.errors import HistoryLost
+from seedance.protocol.messages import DoneFrame, ErrorFrame, StartFrame
+from seedance.streams.log import StreamLog
+from seedance.streams.store import MemoryStreamStore
+
+logger = logging.getLogger(__name__)
+
+START_ID: Final = "0-1"
+#: An entry's kind, the second part of its id.
+START, TOKEN, END = 1, 2, 3
+#: Kept past the resume window.
+TTL_MARGIN_S: Final = 60.0
+#: After a failed exchange, a log's entries are sent again this much later.
+RETRY_S: Final = 0.1
+#: Entries read from Redis at a time by a follower.
+READ_COUNT: Final = 1024
+
+# KEYS: lock, stream, gen, current, epoch. ARGV: holder, TTL (ms), epoch, request id, header
+# ('' once written), release ('1' with the end: the session lock goes with it), then triples
+# (entry id, text or frame, token count; '' for a frame). Entries at or before the stream's
+# last id are skipped (an exchange whose reply was lost is sent again). 0: fenced out.
+_APPEND = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+local ttl = ARGV[2]
+if ARGV[5] ~= '' then
+  redis.call('HSET', KEYS[3], 'header', ARGV[5])
+  redis.call('SET', KEYS[4], ARGV[4], 'PX', ttl)
+  redis.call('SET', KEYS[5], ARGV[3], 'NX', 'PX', ttl)
+end
+local last_ms, last_kind = -1, 0
+local last = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
+if #last > 0 then
+  local dash = string.find(last[1][1], '-')
+  last_ms = tonumber(string.sub(last[1][1], 1, dash - 1))
+  last_kind = tonumber(string.sub(last[1][1], dash + 1))
+end
+for i = 7, #ARGV, 3 do
+  local dash = string.find(ARGV[i], '-')
+  local ms = tonumber(string.sub(ARGV[i], 1, dash - 1))
+  local kind = tonumber(string.sub(ARGV[i], dash + 1))
+  if ms > last_ms or (ms == last_ms and kind > last_kind) then
+    if ARGV[i + 2] == '' then
+      redis.call('XADD', KEYS[2], ARGV[i], 'f', ARGV[i + 1])
+    else
+      redis.call('XADD', KEYS[2], ARGV[i], 't', ARGV[i + 1], 'n', ARGV[i + 2])
+    end
+  end
+end
+redis.call('PEXPIRE', KEYS[2], ttl)
+redis.call('PEXPIRE', KEYS[3], ttl)
+redis.call('PEXPIRE', KEYS[4], ttl)
+redis.call('PEXPIRE', KEYS[5], ttl, 'GT')
+if ARGV[6] == '1' then redis.call('DEL', KEYS[1]) end
+return 1
+"""
+
+
+def log_keys(tenant: str, session_id: str, request_id: str) -> list[str]:
+    """The keys the append script names: lock, stream, gen, current, epoch."""
+    return [
+        session_key(tenant, session_id, "lock"),
+        session_key(tenant, session_id, f"log:{request_id}"),
+        session_key(tenant, session_id, f"gen:{request_id}"),
+        session_key(tenant, session_id, "current"),
+        session_key(tenant, session_id, "epoch"),
+    ]
+
+
+class _Plan:
+    """One exchange of one log: what it sends, and where the log stands once it is acked."""
+
+    __slots__ = ("args", "end", "entries", "header", "seq", "start")
+
+    def __init__(self) -> None:
+        self.args: list[Any] = []
+        self.entries = 0
+        self.seq = 0
+        self.start: StartFrame | None = None
+        self.end = False
+        self.header = False
+
+
+class ReplicatedLog(StreamLog):
+    """A stream log kept in Redis too: written by a local generation (``own``), or a mirror
+    of another node's, followed from Redis (until this node takes it over)."""
+
+    __slots__ = (
+        "_deliver",
+        "_dirty",
+        "_ended",
+        "_pending_start",
+        "acked",
+        "acked_seq",
+        "end_pending",
+        "header",
+        "holder",
+        "keys",
+        "lost",
+        "on_lost",
+        "replicator",
+        "sent",
+        "sent_seq",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        epoch: str,
+        *,
+        resumable: bool,
+        stream: bool,
+        keys: list[str],
+        replicator: Replicator,
+    ) -> None:
+        super().__init__(request_id, epoch, resumable=resumable, stream=stream)
+        self.keys = keys
+        self.replicator = replicator
+        self.holder: str | None = None  # the lock value of the generation writing here
+        self.header = b""  # written with the first exchange
+        self.sent = self.sent_seq = 0  # entries handed to Redis, and the seq after them
+        self.acked = self.acked_seq = 0  # entries Redis acknowledged
+        self._pending_start: StartFrame | None = None
+        self.end_pending: tuple[DoneFrame | ErrorFrame | None] | None = None
+        self._ended: asyncio.Future[bool] | None = None
+        self._dirty = False
+        self._deliver: Callable[[str, int], None] | None = None
+        self.lost = False
+        #: Called when Redis refused this node's writes (another node holds the lock now).
+        self.on_lost: Callable[[], None] | None = None
+
+    # What readers may see: what Redis acknowledged.
+    @property
+    def next_seq(self) -> int:
+        return self.acked_seq
+
+    @property
+    def entries(self) -> int:
+        return self.acked
+
+    @property
+    def owned(self) -> bool:
+        return self.holder is not None
+
+    def own(self, holder: str, header: bytes) -> None:
+        """A local generation writes this log from now on, under the lock value ``holder``."""
+        self.holder = holder
+        if not self.sent:
+            self.header = header
+
+    def _rewire(self) -> None:
+        super()._rewire()
+        self._deliver = self.push
+        self.push = self._stage  # the generation's tokens go to Redis first
+
+    def _stage(self, text: str, tokens: int) -> None:
+        if not self._dirty:
+            self.replicator.mark(self)
+
+    def open(self, frame: StartFrame) -> None:
+        if not self.owned:  # a mirror: the frame came from Redis
+            super().open(frame)
+            return
+        self._pending_start = frame
+        self.replicator.mark(self)
+
+    async def write_end(self, frame: DoneFrame | ErrorFrame | None) -> bool:
+        """Write the end (releasing the session lock) after every token; false when this
+        node may not write any more (fenced out, or Redis did not take it)."""
+        if self.lost or not self.owned:
+            return False
+        self.end_pending = (frame,)
+        self._ended = asyncio.get_running_loop().create_future()
+        self.replicator.mark(self)
+        return await self._ended
+
+    # ------------------------------------------------------------------ exchanges
+
+    def plan(self) -> _Plan | None:
+        """The next exchange: entries not yet sent (None: nothing to send)."""
+        self._dirty = False
+        if self.lost or self.holder is None:
+            return None
+        plan = _Plan()
+        args = plan.args
+        if self._pending_start is not None and self.start is None:
+            plan.start = self._pending_start
+            args += [START_ID, encode_frame(self._pending_start), ""]
+        texts, multi = self.texts, self.multi
+        seq = self.sent_seq
+        for i in range(self.sent, len(texts)):
+            n = multi.get(i, 1)
+            args += [f"{seq}-{TOKEN}", texts[i], n]
+            seq += n
+        plan.entries, plan.seq = len(texts), seq
+        if self.end_pending is not None:
+            (frame,) = self.end_pending
+            args += [f"{seq}-{END}", "" if frame is None else encode_frame(frame), ""]
+            plan.end = True
+        if not args and not self.header:
+            return None
+        plan.header = bool(self.header)
+        self.sent, self.sent_seq = plan.entries, plan.seq
+        return plan
+
+    def script_args(self, plan: _Plan) -> list[Any]:
+        ttl_ms = self.replicator.ttl_ms
+        release = "1" if plan.end else "0"
+        return [self.holder, ttl_ms, self.epoch, self.request_id, self.header, release, *plan.args]
+
+    def acked_by(self, plan: _Plan, reply: Any) -> None:
+        """Redis answered ``plan``'s exchange: hand its frames to the readers."""
+        if isinstance(reply, Exception):
+            self.sent, self.sent_seq = self.acked, self.acked_seq  # send them again
+            if not self.lost:
+                self.replicator.retry(self)
+            return
+        if not reply:
+            self._lose()
+            return
+        if plan.header:
+            self.header = b""
+        if plan.start is not None:
+            self._pending_start = None
+            super().open(plan.start)
+        first, self.acked = self.acked, plan.entries
+        count = plan.seq - self.acked_seq
+        self.acked_seq = plan.seq
+        if count and self.stream and self._deliver is not None:
+            self._deliver("".join(self.texts[first : plan.entries]), count)
+        if plan.end and self._ended is not None and not self._ended.done():
+            self._ended.set_result(True)
+
+    def _lose(self) -> None:
+        if self.lost:
+            return
+        self.lost = True
+        logger.error(
+            "request %s: Redis refused this node's frames (its lock is another node's now, or "
+            "Redis lost it); the generation stops here",
+            self.request_id,
+        )
+        if self._ended is not None and not self._ended.done():
+            self._ended.set_result(False)
+        if self.on_lost is not None:
+            self.on_lost()
+
+    # ------------------------------------------------------------------ mirrors
+
+    def load(self, entry_id: bytes, fields: dict[bytes, bytes], now: float) -> bool:
+        """Apply one entry read from Redis (a mirror); true at the end."""
+        kind = int(entry_id.rsplit(b"-", 1)[1])
+        if kind == TOKEN:
+            text = fields[b"t"].decode()
+            n = int(fields.get(b"n", b"1"))
+            self.texts.append(text)
+            if n != 1:
+                self.counted(n)
+            self.acked = self.sent = len(self.texts)
+            self.acked_seq = self.sent_seq = self.acked_seq + n
+            if self.stream and self._deliver is not None:
+                self._deliver(text, n)
+            return False
+        frame = decode_server_text(fields[b"f"]) if fields.get(b"f") else None
+        if kind == START and isinstance(frame, StartFrame):
+            super().open(frame)
+            return False
+        self.close(frame if isinstance(frame, DoneFrame | ErrorFrame) else None, now)
+        return True
+
+
+class Replicator:
+    """Sends every dirty log's new entries to Redis, all in one pipeline per exchange."""
+
+    def __init__(self, link: ClusterLink, ttl_s: float) -> None:
+        self.link = link
+        self.ttl_ms = int(ttl_s * 1000)
+        self._dirty: list[ReplicatedLog] = []
+        self._wake = asyncio.Event()
+        self._append = script(link, _APPEND)
+
+    def start(self) -> None:
+        self.link.spawn(self._run(), "cluster-replicator")
+
+    def mark(self, log: ReplicatedLog) -> None:
+        if not log._dirty:
+            log._dirty = True
+            self._dirty.append(log)
+            self._wake.set()
+
+    def retry(self, log: ReplicatedLog) -> None:
+        asyncio.get_running_loop().call_later(RETRY_S, self.mark, log)
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            batch, self._dirty = self._dirty, []
+            pipe = self.link.redis.pipeline(transaction=False)
+            plans = []
+            for log in batch:
+                plan = log.plan()
+                if plan is not None:
+                    await self._append(log.keys, log.script_args(plan), client=pipe)
+                    plans.append((log, plan))
+            if not plans:
+                continue
+            replies: list[Any]
+            try:
+                replies = await pipe.execute(raise_on_error=False)
+            except (RedisError, OSError) as exc:
+                self.link.failed(exc)
+                replies = [exc] * len(plans)
+            for (log, plan), reply in zip(plans, replies, strict=True):
+                log.acked_by(plan, reply)
+
+
+TakeOver = Callable[[ReplicatedLog, dict[str, Any]], Awaitable[bool]]
+
+
+class RedisStreamStore(MemoryStreamStore):
+    """The :class:`~seedance.streams.store.StreamStore` of the cluster mode: the logs this
+    node runs or mirrors, in memory, and every log in Redis."""
+
+    def __init__(
+        self,
+        link: ClusterLink,
+        *,
+        window_s: float,
+        max_bytes_per_tenant: int,
+        session_ttl_s: float,
+    ) -> None:
+        super().__init__(window_s=window_s, max_bytes_per_tenant=max_bytes_per_tenant)
+        self.link = link
+        self.replicator = Replicator(link, window_s + TTL_MARGIN_S)
+        self.epoch_ttl_ms = int((max(window_s, session_ttl_s) + TTL_MARGIN_S) * 1000)
+        self._epochs: dict[tuple[str, str], str] = {}
+        #: Takes a generation over (set by the server); true if this node runs it now.
+        self.take_over: TakeOver | None = None
+
+    def start(self) -> None:
+        self.replicator.start()
+
+    def _new_log(
+        self, tenant: str, session_id: str, request_id: str, *, resumable: bool, stream: bool
+    ) -> StreamLog:
+        epoch = self._epochs.get((tenant, session_id), self.epoch)
+        return ReplicatedLog(
+            request_id,
+            epoch,
+            resumable=resumable,
+            stream=stream,
+            keys=log_keys(tenant, session_id, request_id),
+            replicator=self.replicator,
+        )
+
+    async def epoch_of(self, tenant: str, session_id: str) -> str:
+        key = session_key(tenant, session_id, "epoch")
+        pipe = self.link.redis.pipeline(transaction=False)
+        pipe.set(key, secrets.token_hex(8), nx=True, px=self.epoch_ttl_ms)
+        pipe.get(key)
+        pipe.pexpire(key, self.epoch_ttl_ms, gt=True)
+        replies: list[Any] = await self.link.call(pipe.execute)
+        value: str = replies[1].decode()
+        if len(self._epochs) > 100_000:
+            self._epochs.clear()
+        self._epochs[(tenant, session_id)] = value
+        return value
+
+    async def active(self, tenant: str, session_id: str) -> StreamLog | None:
+        log = self.current(tenant, session_id)
+        if log is not None:
+            return log
+        request_id: Any = await self.link.call(
+            lambda: self.link.redis.get(session_key(tenant, session_id, "current"))
+        )
+        if request_id is None:
+            return None
+        try:
+            return await self._mirror(tenant, session_id, request_id.decode())
+        except HistoryLost:
+            return None
+
+    async def find(
+        self, tenant: str, session_id: str, request_id: str, epoch: str | None
+    ) -> StreamLog:
+        if epoch is not None:
+            current = await self.epoch_of(tenant, session_id)
+            if epoch != current:
+                raise HistoryLost(
+                    "epoch_changed",
+                    f"the cluster's store lost the stream log that epoch {epoch} refers to (it "
+                    f"now keeps epoch {current}); send the request again",
+                    request_id=request_id,
+                )
+        log = self._logs.get((tenant, session_id))
+        if log is not None and log.request_id == request_id:
+            return log
+        return await self._mirror(tenant, session_id, request_id)
+
+    async def _mirror(self, tenant: str, session_id: str, request_id: str) -> ReplicatedLog:
+        """The log of ``request_id`` as Redis has it, followed live while it runs."""
+        keys = log_keys(tenant, session_id, request_id)
+        lock, stream, gen, current, _ = keys
+        pipe = self.link.redis.pipeline(transaction=False)
+        pipe.get(current)
+        pipe.hget(gen, "header")
+        pipe.xrange(stream, "-", "+")
+        pipe.get(lock)
+        now_current, raw_header, entries, holder = await self.link.call(pipe.execute)
+        if raw_header is None or not entries:
+            raise HistoryLost(
+                "expired",
+                f"no stream {request_id} on this session to resume: it ended more than "
+                f"{self.window_s:g} s ago, was not resumable, or never ran",
+                request_id=request_id,
+            )
+        if now_current is not None and now_current.decode() != request_id:
+            raise HistoryLost(
+                "expired",
+                f"stream {request_id} was replaced by a later request on this session",
+                request_id=request_id,
+            )
+        header = msgspec.json.decode(raw_header)
+        log = ReplicatedLog(
+            request_id,
+            self._epochs.get((tenant, session_id), self.epoch),
+            resumable=header["resumable"],
+            stream=header["stream"],
+            keys=keys,
+            replicator=self.replicator,
+        )
+        log.meta = header.get("meta")
+        now = time.monotonic()
+        last_id = b"0-0"
+        for entry_id, fields in entries:
+            last_id = entry_id
+            if log.load(entry_id, fields, now):
+                return log  # ended: nothing to follow
+        key = (tenant, session_id)
+        previous = self._logs.get(key)
+        if previous is not None and previous is not log:
+            self._drop(key, previous)
+        self._logs[key] = log
+        self.link.spawn(self._follow(key, log, header, last_id, holder is None), "follow")
+        return log
+
+    async def _follow(
+        self,
+        key: tuple[str, str],
+        log: ReplicatedLog,
+        header: dict[str, Any],
+        last_id: bytes,
+        orphaned: bool,
+    ) -> None:
+        """Read the log's new entries as Redis gets them; take the generation over when its
+        node is gone."""
+        lock, stream = log.keys[0], log.keys[1]
+        block_ms = max(100, int(self.link.lease_s * 500))
+        while self._logs.get(key) is log and log.running and not log.owned:
+            if orphaned and self.take_over is not None and await self.take_over(log, header):
+                return
+            try:
+                reply: Any = await self.link.blocking.xread(
+                    {stream: last_id}, count=READ_COUNT, block=block_ms
+                )
+            except (RedisError, OSError) as exc:
+                logger.debug("request %s: not followed (%s); again", log.request_id, exc)
+                await asyncio.sleep(RETRY_S)
+                continue
+            if reply:
+                now = time.monotonic()
+                for entry_id, fields in reply[0][1]:
+                    last_id = entry_id
+                    if log.load(entry_id, fields, now):
+                        return
+                continue
+            if not log.readers:  # nobody reads it here any more: stop mirroring
+                self._drop(key, log)
+                return
+            try:
+                orphaned = await self.link.redis.get(lock) is None
+            except (RedisError, OSError):
+                orphaned = False
