@@ -5,7 +5,9 @@ while Redis is gone."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -13,11 +15,12 @@ from typing import Any
 
 import httpx
 import pytest
+from websockets.exceptions import ConnectionClosed
 
 from seedance.config import ConfigError, load_access, load_config
 from seedance.tenants.keys import add_key
 from tests.support.redis import RedisServer
-from tests.support.servers import RunningServer, slow_engine
+from tests.support.servers import RunningServer, ServerProcess, slow_engine
 from tests.support.waits import eventually
 from tests.support.ws import (
     collect,
@@ -323,3 +326,83 @@ async def test_a_redis_restart_keeps_the_logs_or_says_they_are_lost(
                 assert error["code"] == "history_lost" and error["reason"] == "epoch_changed"
     finally:
         redis.stop(kill=True)
+
+
+# --------------------------------------------------------------------------- takeover
+
+
+@pytest.mark.subprocess
+async def test_a_dead_nodes_stream_is_taken_over_where_it_stopped(
+    redis_server: RedisServer, server_process: Callable[..., ServerProcess]
+) -> None:
+    """kill -9 of the node running a reply: the client resumes on another node, which takes
+    the generation over after the lease and goes on at the next seq; every seq once, and
+    (the synthetic model being deterministic) the very text of an undisturbed run."""
+    args = ("--redis", redis_server.url, "--lease", "1", "--synthetic-tokens-per-s", "300")
+    owner = server_process(*args, "--node-id", "n1")
+    survivor = server_process(*args, "--node-id", "n2")
+    expected = await undisturbed_on(survivor, max_tokens=400)  # type: ignore[arg-type]
+    ws, _ = await open_session(owner.url, "session_id=doomed")
+    request = {"prompt": PROMPT, "seed": 7, "max_tokens": 400, "resumable": True}
+    await ws.send(json.dumps({**request, "request_id": "r1"}))
+    reading = Reading("r1")
+    await read(ws, reading, until_seq=100)
+    owner.signal(signal.SIGKILL)
+    with contextlib.suppress(ConnectionClosed, asyncio.TimeoutError):
+        await read(ws, reading)  # what was on its way before the socket went
+    assert reading.end is None
+    killed_at = time.monotonic()
+    ws, _ = await resume_on(survivor, "doomed", reading)  # type: ignore[arg-type]
+    async with ws:
+        await read(ws, reading, until_seq=reading.last_seq + 1)
+        resumed_s = time.monotonic() - killed_at
+        await read(ws, reading)
+    assert reading.end is not None and reading.end["type"] == "done", reading.end
+    assert reading.last_seq == 399 and reading.text == expected
+    assert resumed_s < 1.0 + 1.0 + 1.0, resumed_s  # the lease, a follower's wait, slack
+    await survivor.logged("request r1 taken over at seq")
+
+
+@pytest.mark.subprocess
+async def test_a_frozen_node_cannot_write_after_the_takeover(
+    redis_server: RedisServer, server_process: Callable[..., ServerProcess]
+) -> None:
+    """SIGSTOP of the node running a reply, past its lease: another node takes the reply
+    over; SIGCONT: the frozen node's next write is refused (fencing), its generation stops,
+    and the log holds exactly one reply."""
+    args = ("--redis", redis_server.url, "--lease", "1", "--synthetic-tokens-per-s", "300")
+    owner = server_process(*args, "--node-id", "n1")
+    survivor = server_process(*args, "--node-id", "n2")
+    expected = await undisturbed_on(survivor, max_tokens=600)  # type: ignore[arg-type]
+    ws, _ = await open_session(owner.url, "session_id=frozen")
+    request = {"prompt": PROMPT, "seed": 7, "max_tokens": 600, "resumable": True}
+    await ws.send(json.dumps({**request, "request_id": "r1"}))
+    reading = Reading("r1")
+    await read(ws, reading, until_seq=50)
+    owner.signal(signal.SIGSTOP)
+    try:
+        resumed, _ = await resume_on(survivor, "frozen", reading)  # type: ignore[arg-type]
+        async with resumed:
+            await read(resumed, reading, until_seq=reading.last_seq + 20)
+            await survivor.logged("request r1 taken over at seq")
+        owner.signal(signal.SIGCONT)
+        await owner.logged("Redis refused this node's frames")
+        await ws.close()
+    finally:
+        owner.signal(signal.SIGCONT)
+    whole = Reading("r1")
+    await eventually_done(survivor, "frozen", whole)
+    assert whole.text == expected and whole.last_seq == 599
+    assert whole.end is not None and whole.end["usage"]["completion_tokens"] == 600
+
+
+async def eventually_done(node: Any, session: str, reading: Reading) -> None:
+    """Read the whole reply ``reading`` names from ``node`` once it has ended."""
+    for _ in range(50):
+        ws, _ = await resume_on(node, session, reading)
+        async with ws:
+            await read(ws, reading)
+        if reading.end is not None and reading.end["type"] == "done":
+            return
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"no done for {reading.request_id}")
