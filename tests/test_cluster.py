@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import random
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -17,6 +18,8 @@ import httpx
 import pytest
 from websockets.exceptions import ConnectionClosed
 
+from seedance.bench.suites import free_port
+from seedance.client import Reconnect, connect
 from seedance.config import ConfigError, load_access, load_config
 from seedance.tenants.keys import add_key
 from tests.support.redis import RedisServer
@@ -31,6 +34,7 @@ from tests.support.ws import (
     wait_closed,
 )
 from tests.support.ws import raw_connect as raw
+from tests.test_balancer import haproxy
 from tests.test_resume import PROMPT, Reading, read
 
 CHAT = {"model": "synthetic", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -406,3 +410,53 @@ async def eventually_done(node: Any, session: str, reading: Reading) -> None:
             return
         await asyncio.sleep(0.2)
     raise AssertionError(f"no done for {reading.request_id}")
+
+
+def owner_of(running: dict[int, ServerProcess], session: str) -> int:
+    """The port of the node a session's connection went to (its log says so)."""
+    return next(port for port, node in running.items() if f"session={session} " in node.output)
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+async def test_20_kills_of_the_owner_through_haproxy_lose_no_token(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """Three nodes behind HAProxy; 20 times, the node that runs a 2,000-token resumable reply
+    is killed (-9) at a random token. The SDK reconnects through HAProxy on its own and
+    resumes; another node takes the reply over: every seq once, in order, and the text of the
+    undisturbed run (the synthetic model continues as it would have)."""
+    ports = [free_port() for _ in range(3)]
+    args = ("--redis", redis_server.url, "--lease", "1", "--synthetic-tokens-per-s", "4000")
+
+    def start(port: int) -> ServerProcess:
+        return ServerProcess(*args, "--port", str(port), "--node-id", f"n{port}")
+
+    running = {port: start(port) for port in ports}
+    rng = random.Random(19)
+    try:
+        with haproxy(ports) as url:
+            async with connect(url, session_id="reference") as session:
+                expected = (await session.complete(PROMPT, max_tokens=2000, seed=5)).text
+            for run in range(20):
+                name = f"run{run}"
+                kill_at = rng.randrange(10, 1990)
+                seqs: list[int] = []
+                reconnect = Reconnect(attempts=20, first_delay_s=0.05, max_delay_s=0.5)
+                async with connect(url, session_id=name, reconnect=reconnect) as session:
+                    stream = session.generate(PROMPT, max_tokens=2000, seed=5, resumable=True)
+                    killed = None
+                    async for chunk in stream:
+                        seqs.extend(range(chunk.seq, chunk.seq + chunk.n))
+                        if killed is None and len(seqs) >= kill_at:
+                            killed = owner_of(running, name)
+                            running[killed].signal(signal.SIGKILL)
+                            running[killed].wait()
+                    assert stream.done is not None and stream.done.finish_reason == "length"
+                assert seqs == list(range(2000)), (run, kill_at)
+                assert stream.text == expected, (run, kill_at)
+                assert killed is not None
+                running[killed] = start(killed)  # a fresh node where the dead one was
+    finally:
+        for node in running.values():
+            node.stop()
