@@ -460,3 +460,44 @@ async def test_20_kills_of_the_owner_through_haproxy_lose_no_token(
     finally:
         for node in running.values():
             node.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.parametrize("drain_s", [30, 0.5], ids=["finished-there", "handed-over"])
+async def test_a_stopping_node_moves_its_clients_and_loses_nothing(
+    redis_server: RedisServer, drain_s: float
+) -> None:
+    """SIGTERM of the node running a resumable reply, behind HAProxy: its client is moved
+    (1001) and resumes on the other node, which follows the reply from Redis while the
+    stopping node finishes it, or, past a short drain timeout, takes it over."""
+    ports = [free_port() for _ in range(2)]
+    args = ("--redis", redis_server.url, "--lease", "1", "--synthetic-tokens-per-s", "800")
+    args += ("--drain-timeout", str(drain_s))
+    running = {p: ServerProcess(*args, "--port", str(p), "--node-id", f"n{p}") for p in ports}
+    try:
+        with haproxy(ports) as url:
+            async with connect(url, session_id="reference") as session:
+                expected = (await session.complete(PROMPT, max_tokens=2000, seed=5)).text
+            seqs: list[int] = []
+            async with connect(url, session_id="moving") as session:
+                stream = session.generate(PROMPT, max_tokens=2000, seed=5, resumable=True)
+                stopped = None
+                async for chunk in stream:
+                    seqs.extend(range(chunk.seq, chunk.seq + chunk.n))
+                    if stopped is None and len(seqs) >= 200:
+                        stopped = owner_of(running, "moving")
+                        running[stopped].signal(signal.SIGTERM)
+                assert stream.done is not None and stream.done.finish_reason == "length"
+                assert session.reconnects >= 1
+            assert seqs == list(range(2000)) and stream.text == expected
+            assert stopped is not None and running[stopped].wait(30) in (0, -15, 143)
+            survivor = next(node for port, node in running.items() if port != stopped)
+            if drain_s < 1:
+                await survivor.logged("taken over at seq")
+            else:
+                assert "outcome=length" in running[stopped].output
+                assert "taken over" not in survivor.output
+    finally:
+        for node in running.values():
+            node.stop()

@@ -295,6 +295,12 @@ class Connection:
         """Reads no stream and is not closing: a shutdown may close it at once."""
         return self._follower is None and not self._closing
 
+    @property
+    def movable(self) -> bool:
+        """Reads a resumable stream: in a cluster, its client can resume it on another node."""
+        follower = self._follower
+        return follower is not None and follower.log.resumable and not self._closing
+
     async def shutdown(self) -> None:
         """Server shutdown: cancel what still runs (its ``done`` says so), then close 1001."""
         await self._stop_generation(silent=False)

@@ -257,6 +257,7 @@ class Generation:
         self.completion_tokens = 0
         self.parts = log.texts  # the reply's text as logged
         self.cancel_requested = False
+        self.handed_off = False  # stopped unfinished for another node to take over
         self.ending = False  # past the engine: a cancel comes too late
         #: The done or error frame, logged once the audit record is written (None: none).
         self.end: DoneFrame | ErrorFrame | None = None
@@ -293,6 +294,12 @@ class Generation:
         if self.task is not None and not self.task.done() and not self.ending:
             self.cancel_requested = not silent
             self.task.cancel()
+
+    def hand_off(self) -> None:
+        """Cluster mode, this node stopping: stop without an end, and release the lock, so
+        that another node takes the generation over where it stopped."""
+        self.handed_off = True
+        self.cancel(silent=True)
 
     def reader_left(self) -> None:
         """A reader detached. With none left, a request that is not resumable is aborted at
@@ -444,7 +451,10 @@ class Generation:
         assert cluster is not None and self.claim is not None
         log = self.log
         self.claim.ending = True
-        if isinstance(log, ReplicatedLog) and log.owned:
+        if self.handed_off:
+            self.end = None  # no end: the lock goes, and another node goes on
+            logger.info("request %s handed over to the cluster", self.request_id)
+        elif isinstance(log, ReplicatedLog) and log.owned:
             try:
                 written = await asyncio.wait_for(log.write_end(self.end), 2 * cluster.link.lease_s)
             except asyncio.TimeoutError:

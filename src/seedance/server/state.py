@@ -280,15 +280,18 @@ class ServerState:
                 connection.fail(Unauthorized(f"credential {credential} has been revoked"))
 
     async def _close_idle(self, spread_s: float) -> None:
-        """Close (1001) the connections that read no stream, spread over ``spread_s``."""
-        idle = [c for c in self.connections if c.idle]
+        """Close (1001) the connections that read no stream, spread over ``spread_s``; in a
+        cluster also those that read a resumable one: their clients resume it on another
+        node, which follows it from Redis while this node finishes it."""
+        cluster = self.cluster is not None
+        idle = [c for c in self.connections if c.idle or (cluster and c.movable)]
         if not idle:
             return
         batches = min(len(idle), max(1, int(spread_s / DRAIN_TICK_S)))
         per_batch = -(-len(idle) // batches)  # ceil
         for start in range(0, len(idle), per_batch):
             for connection in idle[start : start + per_batch]:
-                if connection.idle:
+                if connection.idle or (cluster and connection.movable):
                     connection.close(CLOSE_GOING_AWAY, "server shutting down")
             await asyncio.sleep(spread_s / batches)
 
@@ -296,9 +299,11 @@ class ServerState:
         """Refuse new generations; close the connections that read no stream (1001), spread
         over a few seconds; let running generations (resumable ones without a reader too)
         finish for ``timeout_s`` (or until :attr:`hurry` is set), then end every stream with
-        its final frame and close every connection: a WebSocket's generation ends with
-        ``done`` (``cancelled``) and the close 1001; an OpenAI API request with an
-        ``overloaded`` error (an error event and ``[DONE]`` when its stream had begun)."""
+        its final frame (in a cluster, a resumable one is handed over instead: its lock is
+        released unfinished, and another node takes it over) and close every connection: a
+        WebSocket's generation ends with ``done`` (``cancelled``) and the close 1001; an
+        OpenAI API request with an ``overloaded`` error (an error event and ``[DONE]`` when
+        its stream had begun)."""
         self.draining = True
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
@@ -319,7 +324,10 @@ class ServerState:
             why = "a second signal" if self.hurry else "drain timeout"
             logger.warning("%s: cancelling %d generation(s)", why, self.running_generations)
         for generation in list(self.generations.values()):
-            generation.cancel(silent=False)  # its readers get its done (HTTP: overloaded)
+            if self.cluster is not None and generation.log.resumable:
+                generation.hand_off()  # another node takes it over where it stopped
+            else:
+                generation.cancel(silent=False)  # its readers get its done (HTTP: overloaded)
         connections = list(self.connections)
         await asyncio.gather(*(c.shutdown() for c in connections), return_exceptions=True)
         give_up = loop.time() + 5.0
