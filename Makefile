@@ -7,7 +7,7 @@ PORT   ?= 8000
 LITELLM_VENV    ?= .venv-litellm
 LITELLM_VERSION ?= 1.108.7
 
-.PHONY: serve test test-fast bench bench-compare soak gpu-smoke lint clean
+.PHONY: serve cluster test test-fast bench bench-compare soak gpu-smoke lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -52,6 +52,11 @@ $(VENV)/.installed-base: pyproject.toml $(VENV)/.llama-cpp-$(LLAMA_BUILD_ID) | $
 # The embedded default model (SmolLM2-135M-Instruct on llama.cpp); SERVE_ARGS for more flags.
 serve: $(VENV)/.installed-base
 	$(BIN)/seedance serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
+
+# A cluster on this machine: redis-server, three nodes and HAProxy on $(PORT) (Debian packages
+# redis-server and haproxy); Ctrl-C stops them all. SERVE_ARGS go to every node.
+cluster: $(VENV)/.installed-base
+	$(BIN)/seedance cluster --nodes 3 --port $(PORT) -- $(SERVE_ARGS)
 
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -7,8 +7,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import random
 import signal
+import socket
+import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,7 +27,8 @@ from seedance.client import Reconnect, connect
 from seedance.config import ConfigError, load_access, load_config
 from seedance.tenants.keys import add_key
 from tests.support.redis import RedisServer
-from tests.support.servers import RunningServer, ServerProcess, slow_engine
+from tests.support.servers import SEEDANCE, RunningServer, ServerProcess, slow_engine
+from tests.support.tools import tool
 from tests.support.waits import eventually
 from tests.support.ws import (
     collect,
@@ -501,3 +506,43 @@ async def test_a_stopping_node_moves_its_clients_and_loses_nothing(
     finally:
         for node in running.values():
             node.stop()
+
+
+def seedance_cluster(*args: str) -> tuple[subprocess.Popen[str], list[str]]:
+    """``seedance cluster ARGS`` with the synthetic engine; its output lines as they come."""
+    proc = subprocess.Popen(
+        [SEEDANCE, "cluster", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "SEEDANCE_ENGINE": "synthetic"},
+    )
+    lines: list[str] = []
+    stdout = proc.stdout
+    assert stdout is not None
+    threading.Thread(target=lambda: lines.extend(iter(stdout.readline, "")), daemon=True).start()
+    return proc, lines
+
+
+@pytest.mark.subprocess
+async def test_seedance_cluster_starts_redis_nodes_and_haproxy_and_stops_them() -> None:
+    tool("redis-server", "redis-server")
+    tool("haproxy", "haproxy")
+    port = free_port()
+    proc, lines = seedance_cluster("--nodes", "2", "--port", str(port), "--", "--lease", "1")
+    try:
+        await eventually(lambda: any("seedance cluster:" in line for line in lines), 60, "the URL")
+        url = f"ws://127.0.0.1:{port}"
+        banner = next(line for line in lines if "seedance cluster:" in line)
+        assert f"{url}/v2/infer" in banner and "2 node(s)" in banner, banner
+        async with connect(url, session_id="tried") as session:
+            assert (await session.complete("hello", max_tokens=5)).finish_reason == "length"
+        async with connect(url, session_id="tried") as session:
+            assert session.info.context_turns == 2  # the session is the cluster's
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+    finally:
+        proc.kill()
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), 0.5).close()
+    assert sum("on Redis at" in line and "cluster: node" in line for line in lines) == 2

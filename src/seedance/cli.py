@@ -1,4 +1,5 @@
-"""The ``seedance`` command: ``serve``, ``chat``, ``bench`` and ``engines``."""
+"""The ``seedance`` command: ``serve``, ``chat``, ``bench``, ``cluster``, ``engines``, ``keys``
+and ``audit``."""
 
 from __future__ import annotations
 
@@ -38,6 +39,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _keys(args)
     if args.command == "audit":
         return _audit(args)
+    if args.command == "cluster":
+        return _cluster(args)
     parser.print_help()
     return 2
 
@@ -91,6 +94,19 @@ def _parser() -> argparse.ArgumentParser:
     from seedance.bench.cli import add_arguments as add_bench_arguments
 
     add_bench_arguments(bench)
+
+    cluster = commands.add_parser(
+        "cluster",
+        help="run a cluster on this machine: redis-server, nodes and HAProxy",
+        description="Start redis-server, N nodes in cluster mode and HAProxy in front "
+        "(deploy/haproxy/haproxy.cfg); print the one URL to connect to; Ctrl-C stops them all. "
+        "Flags after -- go to every node's seedance serve.",
+    )
+    cluster.add_argument("--nodes", type=int, default=3, help="nodes, 1 to 3 (default 3)")
+    cluster.add_argument(
+        "--port", type=int, default=8000, help="HAProxy's port on 127.0.0.1 (default 8000)"
+    )
+    cluster.add_argument("serve_args", nargs=argparse.REMAINDER, metavar="-- SERVE FLAGS")
 
     commands.add_parser("engines", help="list installed engines")
 
@@ -174,6 +190,17 @@ def _serve(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # uvicorn re-raises the signal once it has shut down
         return 130
     return 0 if server.started else 1
+
+
+def _cluster(args: argparse.Namespace) -> int:
+    from seedance.cluster.local import ClusterError, run
+
+    serve_args = [a for a in args.serve_args if a != "--"]
+    try:
+        return run(args.nodes, args.port, serve_args)
+    except ClusterError as exc:
+        print(f"seedance cluster: error: {exc}", file=sys.stderr)
+        return 2
 
 
 def _keys(args: argparse.Namespace) -> int:
