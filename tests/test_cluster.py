@@ -40,6 +40,7 @@ from tests.support.ws import (
 )
 from tests.support.ws import raw_connect as raw
 from tests.test_balancer import haproxy
+from tests.test_lifecycle import BODY, content, sse
 from tests.test_resume import PROMPT, Reading, read
 
 CHAT = {"model": "synthetic", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -546,3 +547,34 @@ async def test_seedance_cluster_starts_redis_nodes_and_haproxy_and_stops_them() 
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), 0.5).close()
     assert sum("on Redis at" in line and "cluster: node" in line for line in lines) == 2
+
+
+async def test_an_sse_reply_resumes_on_another_node(
+    redis_server: RedisServer, make_server: Callable[..., RunningServer]
+) -> None:
+    """The OpenAI API's resume (``Last-Event-ID``) carries no session for the balancer to hash:
+    in a cluster, any node serves it."""
+    first, second = nodes(make_server, 2, redis_server, engines=lambda: slow_engine(1000))
+    async with (
+        httpx.AsyncClient(base_url=first.http_url, timeout=30) as one,
+        httpx.AsyncClient(base_url=second.http_url, timeout=30) as other,
+    ):
+        whole = await one.post("/v1/chat/completions", json={**BODY, "stream": False})
+        expected = whole.json()["choices"][0]["message"]["content"]
+        text, last_id, request_id = "", "", ""
+        body = {**BODY, "seedance": {"resumable": True}}
+        async with one.stream("POST", "/v1/chat/completions", json=body) as response:
+            async for event_id, data in sse(response):
+                request_id = request_id or json.loads(data)["id"]
+                text += content(data)
+                if event_id is not None:
+                    last_id = event_id
+                    if int(event_id.rpartition(":")[2]) >= 50:
+                        break  # the connection drops
+        headers = {"Last-Event-ID": last_id}
+        async with other.stream("GET", f"/v1/streams/{request_id}", headers=headers) as response:
+            assert response.status_code == 200
+            events = [(i, d) async for i, d in sse(response)]
+    assert events[-1][1] == "[DONE]"
+    text += "".join(content(d) for _, d in events)
+    assert text == expected
