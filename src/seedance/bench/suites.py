@@ -776,11 +776,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="rounds per contender (default 2)")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks.md"))
     parser.add_argument(
-        "--suites", default="1,2,3,4,5,6,7,8,9", help="which suites to run (default all: 1-9)"
+        "--suites",
+        default="1,2,3,4,5,6,7,8,9,10",
+        help="which suites to run (default all: 1-10)",
     )
     args = parser.parse_args(argv)
     if _cores() < 2:
         print("note: fewer than 2 cores; server and load generator share them", file=sys.stderr)
+    from seedance.bench.cluster_suite import cluster_suite
     from seedance.bench.gateway_suite import gateway_suite
     from seedance.bench.http_suite import http_suite
     from seedance.bench.llama_suite import llama_suite
@@ -800,8 +803,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "7": functools.partial(gateway_suite, report),
         "8": functools.partial(observability_suite, report),
         "9": functools.partial(resume_suite, report),
+        "10": functools.partial(cluster_suite, report),
     }
-    for key in sorted(chosen):
+    for key in sorted(chosen, key=int):
         suites[key]()
     report.write(started)
     print(f"wrote {args.out}", file=sys.stderr)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 from seedance.cluster.link import ClusterLink, script, session_key, tenant_key
 from seedance.protocol.errors import QuotaExceeded, SessionBusy
@@ -139,6 +139,8 @@ class Claim:
     reserved: int = 0
     reserved_at: int = 0
     limited: bool = False
+    #: The session's stored version, read in the same exchange (``peek``).
+    session_version: int | None = None
     lost: bool = False  # the lock was gone at a renewal
     ending: bool = False  # the end is being written (which drops the lock)
 
@@ -167,9 +169,11 @@ class Claims:
         session_id: str | None,
         quotas: Quotas,
         tokens: int,
+        peek: str | None = None,
     ) -> Claim:
         """Lock the session and reserve the tenant's quotas in one exchange, or refuse
-        (``session_busy``, ``quota_exceeded``; ``overloaded`` when Redis does not answer)."""
+        (``session_busy``, ``quota_exceeded``; ``overloaded`` when Redis does not answer).
+        ``peek``: a session's hash, whose ``version`` is read in the same exchange."""
         link = self.link
         link.check()
         claim = Claim(request_id, tenant)
@@ -185,31 +189,39 @@ class Claims:
                 f"the prompt and max_tokens ({tokens} tokens) are over tenant {tenant}'s limit "
                 f"of {tpm} tokens per minute; lower max_tokens"
             )
-        # Scripts queued on a pipeline go out in one exchange (awaiting them only queues).
-        pipe = link.redis.pipeline(transaction=False)
-        if session_id is not None:
-            holder = f"{link.node_id} {request_id}"
-            keys = [
+        holder = f"{link.node_id} {request_id}"
+        keys = (
+            []
+            if session_id is None
+            else [
                 session_key(tenant, session_id, "lock"),
                 session_key(tenant, session_id, "fence"),
             ]
-            await self._lock(keys, [holder, self.lease_ms, FENCE_TTL_MS], client=pipe)
-        if claim.limited:
-            await self._reserve(
-                self._quota_keys(tenant),
-                [
-                    request_id,
-                    _limit(quotas.requests_per_minute),
-                    _limit(tpm),
-                    _limit(quotas.generations),
-                    tokens,
-                    self.lease_ms,
-                ],
-                client=pipe,
-            )
-        replies = await link.call(lambda: pipe.execute(raise_on_error=True))
+        )
+        limits = [
+            request_id,
+            _limit(quotas.requests_per_minute),
+            _limit(tpm),
+            _limit(quotas.generations),
+            tokens,
+            self.lease_ms,
+        ]
+
+        async def exchange() -> list[Any]:
+            """Both scripts in one pipeline: one round trip."""
+            pipe = link.redis.pipeline(transaction=False)
+            if keys:
+                await self._lock(keys, [holder, self.lease_ms, FENCE_TTL_MS], client=pipe)
+            if claim.limited:
+                await self._reserve(self._quota_keys(tenant), limits, client=pipe)
+            if peek is not None:
+                pipe.hget(peek, "version")
+            replies: list[Any] = await pipe.execute(raise_on_error=True)
+            return replies
+
+        replies = await link.call(exchange)
         refusal: Exception | None = None
-        if session_id is not None:
+        if keys:
             fence, held_by = replies.pop(0)
             if fence:
                 claim.fence = int(fence)
@@ -220,6 +232,9 @@ class Claims:
                     f"request {other[1] if len(other) > 1 else '?'} is still running on this "
                     "session (on another node); cancel it or wait for its done frame"
                 )
+        if peek is not None:
+            version = replies.pop()
+            claim.session_version = None if version is None else int(version)
         if claim.limited:
             what, value = replies.pop(0)
             if what == b"ok":
@@ -238,24 +253,25 @@ class Claims:
         self.running.pop(claim.request_id, None)
         if claim.lock is None and not claim.reserved:
             return
-        pipe = self.link.redis.pipeline(transaction=False)
-        if claim.lock is not None:
-            await self._unlock([claim.lock[0]], [claim.lock[1]], client=pipe)
-        if claim.reserved:
-            keys = self._quota_keys(claim.tenant)
-            await self._settle(
-                [keys[1], keys[2]],
-                [
+
+        async def exchange() -> None:
+            pipe = self.link.redis.pipeline(transaction=False)
+            if claim.lock is not None:
+                await self._unlock([claim.lock[0]], [claim.lock[1]], client=pipe)
+            if claim.reserved:
+                keys = self._quota_keys(claim.tenant)
+                settled = [
                     claim.request_id,
                     claim.reserved,
                     prompt_tokens,
                     completion_tokens,
                     claim.reserved_at,
-                ],
-                client=pipe,
-            )
+                ]
+                await self._settle([keys[1], keys[2]], settled, client=pipe)
+            await pipe.execute()
+
         try:
-            await self.link.call(pipe.execute)
+            await self.link.call(exchange)
         except Exception as exc:
             logger.warning(
                 "request %s: its claim could not be given back (%s); it expires in %.1f s",
@@ -273,20 +289,24 @@ class Claims:
         claims = list(self.running.values())
         if not claims:
             return
-        pipe = self.link.redis.pipeline(transaction=False)
         locked = [c for c in claims if c.lock is not None]
-        for c in locked:
-            assert c.lock is not None
-            await self._renew_lock([c.lock[0]], [c.lock[1], self.lease_ms], client=pipe)
         by_tenant: dict[str, list[str]] = {}
         for c in claims:
             if c.reserved:
                 by_tenant.setdefault(c.tenant, []).append(c.request_id)
-        for tenant, ids in by_tenant.items():
-            await self._renew_slots(
-                [tenant_key(tenant, "generations")], [self.lease_ms, *ids], client=pipe
-            )
-        replies = await self.link.call(pipe.execute)
+
+        async def exchange() -> list[Any]:
+            pipe = self.link.redis.pipeline(transaction=False)
+            for c in locked:
+                assert c.lock is not None
+                await self._renew_lock([c.lock[0]], [c.lock[1], self.lease_ms], client=pipe)
+            for tenant, ids in by_tenant.items():
+                slots = [tenant_key(tenant, "generations")]
+                await self._renew_slots(slots, [self.lease_ms, *ids], client=pipe)
+            replies: list[Any] = await pipe.execute()
+            return replies
+
+        replies = await self.link.call(exchange)
         for c, kept in zip(locked, replies, strict=False):
             if not kept and not c.lost and not c.ending:
                 c.lost = True

@@ -12,7 +12,7 @@ from typing import Any, Final, TypeVar
 from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
 from seedance.config import ServerConfig
 from seedance.protocol.errors import Overloaded
@@ -93,6 +93,8 @@ class ClusterLink:
         )
         self.blocking: aioredis.Redis = aioredis.Redis(connection_pool=blocking)
         self.error: str | None = "not connected yet"
+        self.scripts: list[Script] = []
+        self._run_id: str | None = None  # the Redis process the scripts were loaded into
         self._tasks: list[asyncio.Task[None]] = []
 
     # ------------------------------------------------------------------ lifecycle
@@ -146,9 +148,14 @@ class ClusterLink:
         return False, f"Redis at {self.url} does not answer: {self.error}"
 
     async def call(self, work: Callable[[], Awaitable[T]]) -> T:
-        """Run one Redis exchange; a failure marks Redis down and raises ``overloaded``."""
+        """Run one Redis exchange (``work`` makes it: it may be made twice, when the scripts
+        had to be loaded again); a failure marks Redis down and raises ``overloaded``."""
         try:
-            return await work()
+            try:
+                return await work()
+            except NoScriptError:  # Redis restarted since the scripts were loaded: again
+                await self.load_scripts()
+                return await work()
         except (RedisError, OSError) as exc:
             self.failed(exc)
             raise self.unreachable() from exc
@@ -160,14 +167,27 @@ class ClusterLink:
             logger.error("cluster: Redis at %s failed (%s); refusing new requests", self.url, error)
         self.error = error
 
+    async def load_scripts(self) -> None:
+        """Load every script (one exchange)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for each in self.scripts:
+            pipe.script_load(each.source)
+        try:
+            await pipe.execute()
+        except (RedisError, OSError) as exc:
+            self.failed(exc)
+
     async def _ping(self) -> None:
         try:
-            await self.redis.ping()
+            run_id = (await self.redis.info("server"))["run_id"]
         except (RedisError, OSError) as exc:
             self.failed(exc)
             return
         if self.error is not None and self.error != "not connected yet":
             logger.info("cluster: Redis at %s answers again", self.url)
+        if run_id != self._run_id:  # a Redis we have not loaded the scripts into
+            await self.load_scripts()
+            self._run_id = run_id
         self.error = None
 
     async def _watch(self) -> None:
@@ -176,6 +196,24 @@ class ClusterLink:
             await self._ping()
 
 
-def script(link: ClusterLink, source: str) -> Any:
-    """A Lua script registered on the link's client (run by its hash, loaded when missing)."""
-    return link.redis.register_script(source)
+class Script:
+    """A Lua script of the cluster mode, run by its hash. Queued on a pipeline it goes out as a
+    bare ``EVALSHA`` (redis-py's own scripts ask ``SCRIPT EXISTS`` first, a round trip per
+    pipeline); the link loads every script when Redis first answers, again whenever Redis
+    comes back, and when a reply says one is missing (a Redis that restarted in between)."""
+
+    def __init__(self, link: ClusterLink, source: str) -> None:
+        self.source = source
+        self._script = link.redis.register_script(source)  # a direct call loads it if missing
+        self.sha: str = self._script.sha
+        link.scripts.append(self)
+
+    async def __call__(self, keys: list[str], args: list[Any], client: Any = None) -> Any:
+        if client is None:
+            return await self._script(keys, args)
+        client.evalsha(self.sha, len(keys), *keys, *args)
+        return None
+
+
+def script(link: ClusterLink, source: str) -> Script:
+    return Script(link, source)

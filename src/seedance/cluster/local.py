@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Final
 
+from seedance.bench.suites import free_port
+
 #: HAProxy's configuration names three servers.
 MAX_NODES: Final = 3
 HAPROXY_CFG: Final = Path(__file__).resolve().parents[3] / "deploy" / "haproxy" / "haproxy.cfg"
@@ -28,21 +30,14 @@ class ClusterError(Exception):
     pass
 
 
-def _program(name: str, package: str) -> str:
+def program(name: str, package: str) -> str:
     path = shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin")
     if path is None:
         raise ClusterError(f"{name} is not installed (the Debian package {package})")
     return path
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def _wait_until(check: str, what: str, procs: Sequence[subprocess.Popen[bytes]]) -> None:
+def wait_until(check: str, what: str, procs: Sequence[subprocess.Popen[bytes]]) -> None:
     """Wait until ``check`` (a URL, or host:port for a bare TCP port) answers."""
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -67,8 +62,8 @@ def run(nodes: int, port: int, serve_args: Sequence[str]) -> int:
         raise ClusterError(f"--nodes must be between 1 and {MAX_NODES}")
     if not HAPROXY_CFG.is_file():
         raise ClusterError(f"{HAPROXY_CFG} not found: run seedance cluster from a checkout")
-    redis_server = _program("redis-server", "redis-server")
-    haproxy = _program("haproxy", "haproxy")
+    redis_server = program("redis-server", "redis-server")
+    haproxy = program("haproxy", "haproxy")
     seedance = [str(Path(sys.executable).with_name("seedance"))]
     children: list[subprocess.Popen[bytes]] = []
     stop = []
@@ -76,23 +71,23 @@ def run(nodes: int, port: int, serve_args: Sequence[str]) -> int:
         signal.signal(sig, lambda *_: stop.append(True))
     with tempfile.TemporaryDirectory(prefix="seedance-cluster-") as data:
         try:
-            redis_port = _free_port()
+            redis_port = free_port()
             redis_url = f"redis://127.0.0.1:{redis_port}/0"
             args = [redis_server, "--port", str(redis_port), "--bind", "127.0.0.1"]
             args += ["--dir", data, "--save", "", "--appendonly", "yes"]
             children.append(subprocess.Popen(args, stdout=subprocess.DEVNULL))
-            _wait_until(f"127.0.0.1:{redis_port}", "redis-server", children)
-            ports = [_free_port() for _ in range(nodes)]
+            wait_until(f"127.0.0.1:{redis_port}", "redis-server", children)
+            ports = [free_port() for _ in range(nodes)]
             for i, node_port in enumerate(ports, 1):
                 node = [*seedance, "serve", "--port", str(node_port), "--redis", redis_url]
                 children.append(subprocess.Popen([*node, "--node-id", f"n{i}", *serve_args]))
             for node_port in ports:
-                _wait_until(f"http://127.0.0.1:{node_port}/healthz", "a node", children)
+                wait_until(f"http://127.0.0.1:{node_port}/healthz", "a node", children)
             env = {**os.environ, "SEEDANCE_LISTEN": f"127.0.0.1:{port}"}
             for i in range(MAX_NODES):
                 env[f"SEEDANCE_NODE{i + 1}"] = f"127.0.0.1:{ports[i % nodes]}"
             children.append(subprocess.Popen([haproxy, "-db", "-f", str(HAPROXY_CFG)], env=env))
-            _wait_until(f"127.0.0.1:{port}", "haproxy", children)
+            wait_until(f"127.0.0.1:{port}", "haproxy", children)
             print(
                 f"seedance cluster: {nodes} node(s) on Redis at {redis_url} behind HAProxy; "
                 f"connect to ws://127.0.0.1:{port}/v2/infer (OpenAI API: "

@@ -182,14 +182,18 @@ class RedisSessionStore:
         session.last_active = time.monotonic()
         await self.link.call(lambda: self._write(session, created=False))
 
-    async def refresh(self, session: Session) -> bool:
-        """Reload the session's turns if another node saved a newer version; true if it did."""
+    def hash_key(self, session: Session) -> str:
+        """The session's hash (whose ``version`` a generation's claim reads)."""
+        return self._key(session.key)
+
+    async def refresh(self, session: Session, version: int | None) -> bool:
+        """Reload the session's turns if another node saved a newer ``version`` than this
+        node's copy; true if it did."""
         key = session.key
-        version = await self.link.call(lambda: self.link.redis.hget(self._key(key), "version"))
-        if version is None or int(cast(bytes, version)) == self._versions.get(key, 0):
+        if version is None or version == self._versions.get(key, 0):
             return False
         turns = await self.link.call(lambda: self.link.redis.hget(self._key(key), "turns"))
-        self._load(session, turns, int(cast(bytes, version)))
+        self._load(session, turns, version)
         return True
 
     async def delete(self, session: Session) -> None:
@@ -262,14 +266,19 @@ class RedisSessionStore:
 
     async def _renew_sessions(self, sessions: list[Session]) -> None:
         """Extend the TTL of ``sessions`` (one pipelined exchange)."""
-        pipe = self.link.redis.pipeline(transaction=False)
         by_tenant: dict[str, list[str]] = {}
         for session in sessions:
-            pipe.pexpire(self._key(session.key), self.ttl_ms)
             by_tenant.setdefault(session.tenant, []).extend((session.session_id, "-1"))
-        for tenant, pairs in by_tenant.items():
-            await self._renew(self._tenant_keys(tenant), [self.ttl_ms, *pairs], client=pipe)
-        await self.link.call(pipe.execute)
+
+        async def exchange() -> None:
+            pipe = self.link.redis.pipeline(transaction=False)
+            for session in sessions:
+                pipe.pexpire(self._key(session.key), self.ttl_ms)
+            for tenant, pairs in by_tenant.items():
+                await self._renew(self._tenant_keys(tenant), [self.ttl_ms, *pairs], client=pipe)
+            await pipe.execute()
+
+        await self.link.call(exchange)
 
     async def _renew_forever(self) -> None:
         period = min(self.ttl_s / 3, RENEW_MAX_S)

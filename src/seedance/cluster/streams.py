@@ -3,8 +3,9 @@ generations are taken over.
 
 One Redis Stream per generation (``sd:{s:TENANT:SESSION}:log:REQUEST``) whose entry ids carry
 the ``seq``: the ``start`` frame is ``0-1``, a token entry of the tokens from ``seq`` is
-``SEQ-2`` (fields ``t``, the text, and ``n``, the count), the end (``done``/``error``) is
-``NEXT_SEQ-3``. Beside it a hash (``...:gen:REQUEST``) holds what a takeover needs (the request,
+``SEQ-2`` (fields ``t``, the text, and ``n``, the count: every token a generation logged
+between two exchanges, which its readers also get as one delta), the end (``done``/``error``)
+is ``NEXT_SEQ-3``. Beside it a hash (``...:gen:REQUEST``) holds what a takeover needs (the request,
 its prompt, its tenant and session), ``...:current`` names the session's latest generation and
 ``...:epoch`` the session's epoch: made afresh whenever Redis lost it, so a cursor from before
 is refused with ``history_lost`` ``epoch_changed``, never answered with a gap. Everything has a
@@ -36,7 +37,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
 import msgspec
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
 from seedance.cluster.link import ClusterLink, script, session_key
 from seedance.protocol.codec import decode_server_text, encode_frame
@@ -227,13 +228,13 @@ class ReplicatedLog(StreamLog):
         if self._pending_start is not None and self.start is None:
             plan.start = self._pending_start
             args += [START_ID, encode_frame(self._pending_start), ""]
-        texts, multi = self.texts, self.multi
-        seq = self.sent_seq
-        for i in range(self.sent, len(texts)):
-            n = multi.get(i, 1)
-            args += [f"{seq}-{TOKEN}", texts[i], n]
-            seq += n
-        plan.entries, plan.seq = len(texts), seq
+        # Everything logged since the last exchange is one entry: readers are handed it as
+        # one delta, so no cursor can fall inside it.
+        texts = self.texts
+        entries, seq = len(texts), len(texts) + self.extra
+        if entries > self.sent:
+            args += [f"{self.sent_seq}-{TOKEN}", "".join(texts[self.sent :]), seq - self.sent_seq]
+        plan.entries, plan.seq = entries, seq
         if self.end_pending is not None:
             (frame,) = self.end_pending
             args += [f"{seq}-{END}", "" if frame is None else encode_frame(frame), ""]
@@ -352,6 +353,8 @@ class Replicator:
             except (RedisError, OSError) as exc:
                 self.link.failed(exc)
                 replies = [exc] * len(plans)
+            if any(isinstance(reply, NoScriptError) for reply in replies):
+                await self.link.load_scripts()  # Redis restarted: the entries go again
             for (log, plan), reply in zip(plans, replies, strict=True):
                 log.acked_by(plan, reply)
 

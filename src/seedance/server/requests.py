@@ -432,8 +432,10 @@ class Generation:
                 requester.log_key(self.request_id),
                 tenant.quotas,
                 self.prompt_tokens + self.message.max_tokens,
+                peek=None if session is None else cluster.sessions.hash_key(session),
             )
-            if session is not None and await cluster.sessions.refresh(session):
+            version = self.claim.session_version
+            if session is not None and await cluster.sessions.refresh(session, version):
                 # Another node saved a newer context: continue that one.
                 self.prompt = session_prompt(requester.model, session, self.message)
                 self.prompt_tokens = self.prompt.tokens
@@ -459,7 +461,9 @@ class Generation:
                 written = await asyncio.wait_for(log.write_end(self.end), 2 * cluster.link.lease_s)
             except asyncio.TimeoutError:
                 written = False
-            if not written:
+            if written:
+                self.claim.lock = None  # the end's script released it
+            else:
                 log.lost = True
                 self.end = None
         await cluster.claims.release(self.claim, self.prompt_tokens, self.completion_tokens)
