@@ -578,3 +578,14 @@ async def test_an_sse_reply_resumes_on_another_node(
     assert events[-1][1] == "[DONE]"
     text += "".join(content(d) for _, d in events)
     assert text == expected
+
+
+async def test_the_cluster_bench_times_a_resume_on_another_node(
+    redis_server: RedisServer, make_server: Callable[..., RunningServer]
+) -> None:
+    """Suite 10's resume trial, as make bench runs it (the owner alive)."""
+    from seedance.bench.cluster_suite import drop_and_resume
+
+    first, second = nodes(make_server, 2, redis_server, engines=lambda: slow_engine(200))
+    elapsed_ms = await drop_and_resume(first.infer_url, second.infer_url, "bench")
+    assert 0 < elapsed_ms < 1000

@@ -104,7 +104,7 @@ def _p(values: list[float], q: float) -> float:
 # --------------------------------------------------------------------------- resume trials
 
 
-async def _drop_and_resume(owner: str, other: str, session: str, kill: Any = None) -> float:
+async def drop_and_resume(owner: str, other: str, session: str, kill: Any = None) -> float:
     """Ask ``owner`` for a resumable reply, drop it after a few tokens (``kill``: kill the
     owner then), resume on ``other``; ms from the drop to the first token there."""
     from websockets.asyncio.client import connect
@@ -146,13 +146,13 @@ def _resume_figures(report: Report, url: str) -> tuple[list[float], list[float]]
         a, b = running["a"].url, running["b"].url
         for i in range(trials):
             report.log(f"[10 cluster] resume, owner alive {i + 1}/{trials}")
-            alive.append(asyncio.run(_drop_and_resume(a, b, f"alive-{i}")))
+            alive.append(asyncio.run(drop_and_resume(a, b, f"alive-{i}")))
         for i in range(kills):
             report.log(f"[10 cluster] resume, owner killed {i + 1}/{kills}")
             doomed = Server(node("doomed", url, *extra))
             kill = functools.partial(doomed.proc.send_signal, signal.SIGKILL)
             try:
-                dead.append(asyncio.run(_drop_and_resume(doomed.url, b, f"dead-{i}", kill)))
+                dead.append(asyncio.run(drop_and_resume(doomed.url, b, f"dead-{i}", kill)))
             finally:
                 doomed.stop()
     return alive, dead
