@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
 import socket
 import subprocess
@@ -18,6 +17,7 @@ import pytest
 from websockets.asyncio.client import ClientConnection
 
 from seedance.bench.suites import free_port
+from seedance.cluster.local import haproxy_env
 from tests.support.servers import ServerProcess
 from tests.support.tools import tool
 from tests.support.waits import eventually
@@ -36,14 +36,6 @@ NGINX_CONF = ROOT / "deploy" / "nginx" / "nginx.conf"
 pytestmark = pytest.mark.subprocess
 
 
-def _haproxy_env(listen: int, nodes: list[int]) -> dict[str, str]:
-    """The addresses deploy/haproxy/haproxy.cfg reads: its three servers take ``nodes`` in
-    turn (two nodes: the second twice, so that no server is down)."""
-    ports = [nodes[i % len(nodes)] for i in range(3)] if nodes else [free_port()] * 3
-    env = {f"SEEDANCE_NODE{i}": f"127.0.0.1:{port}" for i, port in enumerate(ports, 1)}
-    return {**os.environ, "SEEDANCE_LISTEN": f"127.0.0.1:{listen}", **env}
-
-
 @contextlib.contextmanager
 def haproxy(nodes: list[int]) -> Iterator[str]:
     """HAProxy with the deploy configuration in front of ``nodes``; yields its ws:// URL."""
@@ -51,7 +43,7 @@ def haproxy(nodes: list[int]) -> Iterator[str]:
     port = free_port()
     proc = subprocess.Popen(
         [binary, "-db", "-f", str(HAPROXY_CFG)],
-        env=_haproxy_env(port, nodes),
+        env=haproxy_env(port, nodes),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -90,7 +82,7 @@ def test_haproxy_accepts_the_config() -> None:
     binary = tool("haproxy", "haproxy")
     result = subprocess.run(
         [binary, "-c", "-f", str(HAPROXY_CFG)],
-        env=_haproxy_env(free_port(), []),
+        env=haproxy_env(free_port(), []),
         capture_output=True,
         text=True,
         timeout=30,

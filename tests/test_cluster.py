@@ -40,8 +40,8 @@ from tests.support.ws import (
 )
 from tests.support.ws import raw_connect as raw
 from tests.test_balancer import haproxy
-from tests.test_lifecycle import BODY, content, sse
-from tests.test_resume import PROMPT, Reading, read
+from tests.test_lifecycle import BODY, content, dropped_at, sse
+from tests.test_resume import PROMPT, Reading, read, resume, undisturbed
 
 CHAT = {"model": "synthetic", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
@@ -263,15 +263,6 @@ async def test_a_key_revoked_on_one_node_is_refused_on_every_node_within_a_secon
 # --------------------------------------------------------------------------- stream logs
 
 
-async def resume_on(
-    node: RunningServer, session: str, reading: Reading, epoch: str | None = None
-) -> tuple[Any, dict[str, Any]]:
-    ws, hello = await open_session(node.url, f"session_id={session}")
-    resume = {"type": "resume", "request_id": reading.request_id, "after_seq": reading.last_seq}
-    await ws.send(json.dumps({**resume, "epoch": epoch or hello["epoch"]}))
-    return ws, hello
-
-
 async def test_a_stream_resumes_on_another_node(
     redis_server: RedisServer, make_server: Callable[..., RunningServer]
 ) -> None:
@@ -280,14 +271,14 @@ async def test_a_stream_resumes_on_another_node(
     first, second, third = nodes(
         make_server, 3, redis_server, engines=lambda: slow_engine(tokens_per_s=200)
     )
-    expected = await undisturbed_on(first, max_tokens=120)
+    expected = await undisturbed(first, max_tokens=120)
     ws, hello = await open_session(first.url, "session_id=trip")
     request = {"prompt": PROMPT, "seed": 7, "max_tokens": 120, "resumable": True}
     await ws.send(json.dumps({**request, "request_id": "r1"}))
     reading = Reading("r1")
     await read(ws, reading, until_seq=30)
     ws.transport.abort()
-    ws, hello = await resume_on(second, "trip", reading)
+    ws, hello = await resume(second, "trip", reading)
     assert hello["active"]["request_id"] == "r1" and hello["active"]["state"] == "running"
     async with ws:
         await read(ws, reading)
@@ -296,18 +287,10 @@ async def test_a_stream_resumes_on_another_node(
     assert reading.text == expected and reading.starts == 2
 
     again = Reading("r1")
-    ws, _ = await resume_on(third, "trip", again)
+    ws, _ = await resume(third, "trip", again)
     async with ws:
         await read(ws, again)
     assert again.text == expected and again.end == reading.end
-
-
-async def undisturbed_on(node: RunningServer, **fields: Any) -> str:
-    ws, _ = await open_session(node.url)
-    async with ws:
-        frames = await generate(ws, prompt=PROMPT, **{"seed": 7, **fields})
-    assert frames[-1]["type"] == "done"
-    return tokens_text(frames)
 
 
 @pytest.mark.parametrize("aof", [True, False], ids=["aof-always", "no-persistence"])
@@ -326,7 +309,7 @@ async def test_a_redis_restart_keeps_the_logs_or_says_they_are_lost(
         redis.restart()
         await redis_answers(first, second)
         reading = Reading(frames[0]["request_id"])
-        ws, _ = await resume_on(second, "kept", reading, epoch=hello["epoch"])
+        ws, _ = await resume(second, "kept", reading, epoch=hello["epoch"])
         async with ws:
             if aof:
                 await read(ws, reading)
@@ -341,6 +324,28 @@ async def test_a_redis_restart_keeps_the_logs_or_says_they_are_lost(
 # --------------------------------------------------------------------------- takeover
 
 
+async def begin_reply(
+    redis_server: RedisServer,
+    server_process: Callable[..., ServerProcess],
+    session: str,
+    *,
+    max_tokens: int,
+    until_seq: int,
+) -> tuple[ServerProcess, ServerProcess, str, Any, Reading]:
+    """Two nodes (``--lease 1``): the owner and the survivor; the undisturbed text of the
+    reply; and the reply ``r1`` begun resumable on the owner, read up to ``until_seq``."""
+    args = ("--redis", redis_server.url, "--lease", "1", "--synthetic-tokens-per-s", "300")
+    owner = server_process(*args, "--node-id", "n1")
+    survivor = server_process(*args, "--node-id", "n2")
+    expected = await undisturbed(survivor, max_tokens=max_tokens)  # type: ignore[arg-type]
+    ws, _ = await open_session(owner.url, f"session_id={session}")
+    request = {"prompt": PROMPT, "seed": 7, "max_tokens": max_tokens, "resumable": True}
+    await ws.send(json.dumps({**request, "request_id": "r1"}))
+    reading = Reading("r1")
+    await read(ws, reading, until_seq=until_seq)
+    return owner, survivor, expected, ws, reading
+
+
 @pytest.mark.subprocess
 async def test_a_dead_nodes_stream_is_taken_over_where_it_stopped(
     redis_server: RedisServer, server_process: Callable[..., ServerProcess]
@@ -348,21 +353,15 @@ async def test_a_dead_nodes_stream_is_taken_over_where_it_stopped(
     """kill -9 of the node running a reply: the client resumes on another node, which takes
     the generation over after the lease and goes on at the next seq; every seq once, and
     (the synthetic model being deterministic) the very text of an undisturbed run."""
-    args = ("--redis", redis_server.url, "--lease", "1", "--synthetic-tokens-per-s", "300")
-    owner = server_process(*args, "--node-id", "n1")
-    survivor = server_process(*args, "--node-id", "n2")
-    expected = await undisturbed_on(survivor, max_tokens=400)  # type: ignore[arg-type]
-    ws, _ = await open_session(owner.url, "session_id=doomed")
-    request = {"prompt": PROMPT, "seed": 7, "max_tokens": 400, "resumable": True}
-    await ws.send(json.dumps({**request, "request_id": "r1"}))
-    reading = Reading("r1")
-    await read(ws, reading, until_seq=100)
+    owner, survivor, expected, ws, reading = await begin_reply(
+        redis_server, server_process, "doomed", max_tokens=400, until_seq=100
+    )
     owner.signal(signal.SIGKILL)
     with contextlib.suppress(ConnectionClosed, asyncio.TimeoutError):
         await read(ws, reading)  # what was on its way before the socket went
     assert reading.end is None
     killed_at = time.monotonic()
-    ws, _ = await resume_on(survivor, "doomed", reading)  # type: ignore[arg-type]
+    ws, _ = await resume(survivor, "doomed", reading)  # type: ignore[arg-type]
     async with ws:
         await read(ws, reading, until_seq=reading.last_seq + 1)
         resumed_s = time.monotonic() - killed_at
@@ -380,18 +379,12 @@ async def test_a_frozen_node_cannot_write_after_the_takeover(
     """SIGSTOP of the node running a reply, past its lease: another node takes the reply
     over; SIGCONT: the frozen node's next write is refused (fencing), its generation stops,
     and the log holds exactly one reply."""
-    args = ("--redis", redis_server.url, "--lease", "1", "--synthetic-tokens-per-s", "300")
-    owner = server_process(*args, "--node-id", "n1")
-    survivor = server_process(*args, "--node-id", "n2")
-    expected = await undisturbed_on(survivor, max_tokens=600)  # type: ignore[arg-type]
-    ws, _ = await open_session(owner.url, "session_id=frozen")
-    request = {"prompt": PROMPT, "seed": 7, "max_tokens": 600, "resumable": True}
-    await ws.send(json.dumps({**request, "request_id": "r1"}))
-    reading = Reading("r1")
-    await read(ws, reading, until_seq=50)
+    owner, survivor, expected, ws, reading = await begin_reply(
+        redis_server, server_process, "frozen", max_tokens=600, until_seq=50
+    )
     owner.signal(signal.SIGSTOP)
     try:
-        resumed, _ = await resume_on(survivor, "frozen", reading)  # type: ignore[arg-type]
+        resumed, _ = await resume(survivor, "frozen", reading)  # type: ignore[arg-type]
         async with resumed:
             await read(resumed, reading, until_seq=reading.last_seq + 20)
             await survivor.logged("request r1 taken over at seq")
@@ -409,7 +402,7 @@ async def test_a_frozen_node_cannot_write_after_the_takeover(
 async def eventually_done(node: Any, session: str, reading: Reading) -> None:
     """Read the whole reply ``reading`` names from ``node`` once it has ended."""
     for _ in range(50):
-        ws, _ = await resume_on(node, session, reading)
+        ws, _ = await resume(node, session, reading)
         async with ws:
             await read(ws, reading)
         if reading.end is not None and reading.end["type"] == "done":
@@ -561,16 +554,7 @@ async def test_an_sse_reply_resumes_on_another_node(
     ):
         whole = await one.post("/v1/chat/completions", json={**BODY, "stream": False})
         expected = whole.json()["choices"][0]["message"]["content"]
-        text, last_id, request_id = "", "", ""
-        body = {**BODY, "seedance": {"resumable": True}}
-        async with one.stream("POST", "/v1/chat/completions", json=body) as response:
-            async for event_id, data in sse(response):
-                request_id = request_id or json.loads(data)["id"]
-                text += content(data)
-                if event_id is not None:
-                    last_id = event_id
-                    if int(event_id.rpartition(":")[2]) >= 50:
-                        break  # the connection drops
+        text, last_id, request_id = await dropped_at(one, 50)
         headers = {"Last-Event-ID": last_id}
         async with other.stream("GET", f"/v1/streams/{request_id}", headers=headers) as response:
             assert response.status_code == 200

@@ -104,23 +104,30 @@ BODY = {
 }
 
 
+async def dropped_at(http: httpx.AsyncClient, seq: int) -> tuple[str, str, str]:
+    """A resumable streamed reply whose connection drops once the client holds token
+    ``seq``: the text so far, the last event id, and the request id."""
+    text, last_id, request_id = "", "", ""
+    body = {**BODY, "seedance": {"resumable": True}}
+    async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        async for event_id, data in sse(response):
+            request_id = request_id or json.loads(data)["id"]
+            text += content(data)
+            if event_id is not None:
+                last_id = event_id
+                if int(event_id.rpartition(":")[2]) >= seq:
+                    break  # the connection drops
+    return text, last_id, request_id
+
+
 @pytest.mark.slow
 async def test_an_sse_reply_resumes_with_last_event_id(make_server: Any) -> None:
     server: RunningServer = make_server(tokens_per_s=1000.0)
     async with httpx.AsyncClient(base_url=server.http_url, timeout=30) as http:
         whole = await http.post("/v1/chat/completions", json={**BODY, "stream": False})
         expected = whole.json()["choices"][0]["message"]["content"]
-        text, last_id, request_id = "", None, ""
-        body = {**BODY, "seedance": {"resumable": True}}
-        async with http.stream("POST", "/v1/chat/completions", json=body) as response:
-            async for event_id, data in sse(response):
-                request_id = request_id or json.loads(data)["id"]
-                text += content(data)
-                if event_id is not None:
-                    last_id = event_id
-                    if int(event_id.rpartition(":")[2]) >= 50:
-                        break  # the connection drops
-        assert last_id is not None and last_id.startswith(f"{request_id}:")
+        text, last_id, request_id = await dropped_at(http, 50)
+        assert last_id.startswith(f"{request_id}:")
         headers = {"Last-Event-ID": last_id}
         async with http.stream("GET", f"/v1/streams/{request_id}", headers=headers) as response:
             assert response.status_code == 200

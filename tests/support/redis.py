@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from seedance.bench.suites import free_port
+from seedance.cluster.local import redis_command
 from tests.support.tools import tool
 
 
@@ -18,7 +19,7 @@ class RedisServer:
     (what survives a restart), else no persistence at all."""
 
     def __init__(self, directory: Path, *, aof: bool = False) -> None:
-        self.binary = tool("redis-server", "redis-server")
+        tool("redis-server", "redis-server")  # skips the test when it is missing
         self.directory = directory
         self.aof = aof
         self.port = free_port()
@@ -26,12 +27,7 @@ class RedisServer:
         self.proc: subprocess.Popen[str] | None = None
 
     def start(self) -> RedisServer:
-        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1"]
-        args += ["--dir", str(self.directory), "--save", "", "--daemonize", "no"]
-        if self.aof:
-            args += ["--appendonly", "yes", "--appendfsync", "always"]
-        else:
-            args += ["--appendonly", "no"]
+        args = redis_command(self.port, str(self.directory), "always" if self.aof else None)
         self.proc = subprocess.Popen(
             args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )

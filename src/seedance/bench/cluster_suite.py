@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import os
 import signal
 import statistics
 import subprocess
@@ -43,7 +42,14 @@ from seedance.bench.suites import (
     servers,
     verdict,
 )
-from seedance.cluster.local import HAPROXY_CFG, ClusterError, program, wait_until
+from seedance.cluster.local import (
+    HAPROXY_CFG,
+    ClusterError,
+    haproxy_env,
+    program,
+    redis_command,
+    wait_until,
+)
 
 if TYPE_CHECKING:
     from seedance.bench.suites import Report
@@ -58,9 +64,7 @@ SESSIONS = 200  # sessions for the memory figure
 def redis(directory: str) -> Iterator[str]:
     """A redis-server without persistence; its URL."""
     port = free_port()
-    args = [program("redis-server", "redis-server"), "--port", str(port), "--bind", "127.0.0.1"]
-    args += ["--dir", directory, "--save", "", "--appendonly", "no"]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(redis_command(port, directory), stdout=subprocess.DEVNULL)
     try:
         wait_until(f"127.0.0.1:{port}", "redis-server", [proc])
         yield f"redis://127.0.0.1:{port}/0"
@@ -73,12 +77,9 @@ def redis(directory: str) -> Iterator[str]:
 def haproxy(ports: list[int]) -> Iterator[str]:
     """HAProxy with deploy/haproxy/haproxy.cfg in front of ``ports``; its ws:// URL."""
     port = free_port()
-    env = {**os.environ, "SEEDANCE_LISTEN": f"127.0.0.1:{port}"}
-    for i in range(3):
-        env[f"SEEDANCE_NODE{i + 1}"] = f"127.0.0.1:{ports[i % len(ports)]}"
     proc = subprocess.Popen(
         [program("haproxy", "haproxy"), "-db", "-f", str(HAPROXY_CFG)],
-        env=env,
+        env=haproxy_env(port, ports),
         stdout=subprocess.DEVNULL,
     )
     try:

@@ -56,13 +56,32 @@ def wait_until(check: str, what: str, procs: Sequence[subprocess.Popen[bytes]]) 
     raise ClusterError(f"{what} did not start within {START_TIMEOUT_S:.0f} s")
 
 
+def redis_command(port: int, directory: str, appendfsync: str | None = None) -> list[str]:
+    """``redis-server`` on 127.0.0.1:``port`` without snapshots; with ``appendfsync``
+    (``always``, ``everysec``) an append-only file fsynced so, else no persistence at all."""
+    args = [program("redis-server", "redis-server"), "--port", str(port), "--bind", "127.0.0.1"]
+    args += ["--dir", directory, "--save", ""]
+    if appendfsync is None:
+        return [*args, "--appendonly", "no"]
+    return [*args, "--appendonly", "yes", "--appendfsync", appendfsync]
+
+
+def haproxy_env(listen: int, nodes: Sequence[int]) -> dict[str, str]:
+    """The environment deploy/haproxy/haproxy.cfg reads: its listening port, and its three
+    servers taking ``nodes`` in turn (two nodes: the second twice, so that no server is down;
+    none: unused ports, for a check of the file)."""
+    ports = [nodes[i % len(nodes)] for i in range(MAX_NODES)] if nodes else [free_port()] * 3
+    env = {f"SEEDANCE_NODE{i}": f"127.0.0.1:{p}" for i, p in enumerate(ports, 1)}
+    return {**os.environ, "SEEDANCE_LISTEN": f"127.0.0.1:{listen}", **env}
+
+
 def run(nodes: int, port: int, serve_args: Sequence[str]) -> int:
     """Start Redis, ``nodes`` nodes and HAProxy; serve until Ctrl-C or a child exits."""
     if not 1 <= nodes <= MAX_NODES:
         raise ClusterError(f"--nodes must be between 1 and {MAX_NODES}")
     if not HAPROXY_CFG.is_file():
         raise ClusterError(f"{HAPROXY_CFG} not found: run seedance cluster from a checkout")
-    redis_server = program("redis-server", "redis-server")
+    program("redis-server", "redis-server")
     haproxy = program("haproxy", "haproxy")
     seedance = [str(Path(sys.executable).with_name("seedance"))]
     children: list[subprocess.Popen[bytes]] = []
@@ -73,9 +92,8 @@ def run(nodes: int, port: int, serve_args: Sequence[str]) -> int:
         try:
             redis_port = free_port()
             redis_url = f"redis://127.0.0.1:{redis_port}/0"
-            args = [redis_server, "--port", str(redis_port), "--bind", "127.0.0.1"]
-            args += ["--dir", data, "--save", "", "--appendonly", "yes"]
-            children.append(subprocess.Popen(args, stdout=subprocess.DEVNULL))
+            redis = redis_command(redis_port, data, "everysec")
+            children.append(subprocess.Popen(redis, stdout=subprocess.DEVNULL))
             wait_until(f"127.0.0.1:{redis_port}", "redis-server", children)
             ports = [free_port() for _ in range(nodes)]
             for i, node_port in enumerate(ports, 1):
@@ -83,9 +101,7 @@ def run(nodes: int, port: int, serve_args: Sequence[str]) -> int:
                 children.append(subprocess.Popen([*node, "--node-id", f"n{i}", *serve_args]))
             for node_port in ports:
                 wait_until(f"http://127.0.0.1:{node_port}/healthz", "a node", children)
-            env = {**os.environ, "SEEDANCE_LISTEN": f"127.0.0.1:{port}"}
-            for i in range(MAX_NODES):
-                env[f"SEEDANCE_NODE{i + 1}"] = f"127.0.0.1:{ports[i % nodes]}"
+            env = haproxy_env(port, ports)
             children.append(subprocess.Popen([haproxy, "-db", "-f", str(HAPROXY_CFG)], env=env))
             wait_until(f"127.0.0.1:{port}", "haproxy", children)
             print(

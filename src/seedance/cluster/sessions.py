@@ -99,7 +99,6 @@ class RedisSessionStore:
         self.link = link
         self.ttl_s = ttl_s
         self.ttl_ms = max(1, int(ttl_s * 1000))
-        self.bytes = 0  # history of the sessions held here
         self._held: dict[SessionKey, Session] = {}
         self._versions: dict[SessionKey, int] = {}  # the version each held copy holds
         self._admit = script(link, _ADMIT)
@@ -243,16 +242,16 @@ class RedisSessionStore:
         )
         replies = await pipe.execute()
         self._versions[session.key] = 0 if created else int(replies[1])
-        self._recount()
 
     def _load(self, session: Session, turns: Any, version: int) -> None:
         session.turns = _read_turns.decode(turns) if turns else []
         session.size = sum(t.size for t in session.turns)
         self._versions[session.key] = version
-        self._recount()
 
-    def _recount(self) -> None:
-        self.bytes = sum(s.size for s in self._held.values())
+    @property
+    def bytes(self) -> int:
+        """History of the sessions held here (for the gauges: summed when asked)."""
+        return sum(s.size for s in self._held.values())
 
     def _let_go(self, session: Session) -> None:
         """Forget a session that no connection or generation holds here any more."""
@@ -262,7 +261,6 @@ class RedisSessionStore:
     def _drop(self, key: SessionKey) -> None:
         if self._held.pop(key, None) is not None:
             self._versions.pop(key, None)
-            self._recount()
 
     async def _renew_sessions(self, sessions: list[Session]) -> None:
         """Extend the TTL of ``sessions`` (one pipelined exchange)."""

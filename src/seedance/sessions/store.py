@@ -29,7 +29,11 @@ class SessionStore(Protocol):
     """What the server needs from a session store."""
 
     ttl_s: float
-    bytes: int  # history held by all sessions
+
+    @property
+    def bytes(self) -> int:
+        """History held by all sessions (of this process)."""
+        ...
 
     async def start(self) -> None: ...
 
