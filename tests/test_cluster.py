@@ -232,6 +232,46 @@ async def test_any_node_serves_any_session(
     assert hello["created"] and hello["context_turns"] == 0  # ended on every node
 
 
+async def test_a_reply_is_logged_whole_and_every_key_expires(
+    tmp_path: Path, redis_server: RedisServer, make_server: Callable[..., RunningServer]
+) -> None:
+    """What a resumable reply leaves in Redis: its stream log holds every token once, in
+    order (the entries sent between the first and the end carry tokens only), and every key
+    that a request, a session and its quotas wrote has a TTL: nothing stays for ever."""
+    import redis as redis_py
+
+    path = tmp_path / "s.toml"
+    path.write_text(
+        "[tenants.acme.quotas]\nrequests_per_minute = 100\ntokens_per_minute = 10000\n"
+        "generations = 4\nsessions = 4\n"
+    )
+    key = add_key(path, "acme").key
+    (node,) = nodes(make_server, 1, redis_server, path, lambda: slow_engine(tokens_per_s=400))
+    ws, _ = await open_session(node.url, "session_id=kept", additional_headers=auth(key))
+    async with ws:
+        request = {"prompt": PROMPT, "max_tokens": 80, "resumable": True, "request_id": "r"}
+        frames = await generate(ws, **request)
+    assert frames[-1]["type"] == "done" and frames[-1]["usage"]["completion_tokens"] == 80
+
+    client = redis_py.Redis.from_url(redis_server.url)
+    try:
+        (log,) = [k for k in client.scan_iter("sd:*") if k.endswith(b":log:r")]
+        entries = client.xrange(log)
+        kinds = [int(entry_id.split(b"-")[1]) for entry_id, _ in entries]
+        assert kinds[0] == 1 and kinds[-1] == 3 and set(kinds[1:-1]) == {2}
+        assert len(entries) > 4  # the tokens went in several exchanges
+        seqs = [int(entry_id.split(b"-")[0]) for entry_id, _ in entries[1:]]
+        counts = [int(fields[b"n"]) for _, fields in entries[1:-1]]
+        assert seqs == [sum(counts[:i]) for i in range(len(seqs))] and sum(counts) == 80
+        text = "".join(fields[b"t"].decode() for _, fields in entries[1:-1])
+        assert text == tokens_text(frames)
+        # Everything expires (revoked keys, none here, are the one set kept for ever).
+        forever = [k for k in client.scan_iter("sd:*") if client.pttl(k) < 0]
+        assert forever == [], forever
+    finally:
+        client.close()
+
+
 async def test_a_key_revoked_on_one_node_is_refused_on_every_node_within_a_second(
     tmp_path: Path, redis_server: RedisServer, make_server: Callable[..., RunningServer]
 ) -> None:

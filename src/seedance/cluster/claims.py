@@ -1,7 +1,8 @@
 """What a running generation holds in Redis, and how it gets it: its session's lock and its
 tenant's quota reservation, both leases that a live node renews.
 
-One exchange with Redis (two scripts, pipelined) claims both when a generation starts:
+One exchange with Redis (two scripts, in the node's next batch) claims both when a generation
+starts:
 
 - **The session's lock** (``sd:{s:TENANT:SESSION}:lock``): one generation per session across
   every node. Its value names the node, the request and a fencing token (a counter of the
@@ -24,12 +25,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import TYPE_CHECKING, Final
 
 from seedance.cluster.link import ClusterLink, script, session_key, tenant_key
 from seedance.protocol.errors import QuotaExceeded, SessionBusy
 from seedance.tenants.config import Quotas
 from seedance.tenants.usage import rate_refusal
+
+if TYPE_CHECKING:
+    from redis.asyncio.client import Pipeline
 
 logger = logging.getLogger(__name__)
 
@@ -207,19 +211,16 @@ class Claims:
             self.lease_ms,
         ]
 
-        async def exchange() -> list[Any]:
-            """Both scripts in one pipeline: one round trip."""
-            pipe = link.redis.pipeline(transaction=False)
+        def queue(pipe: Pipeline) -> None:
+            """Both scripts in one exchange."""
             if keys:
-                await self._lock(keys, [holder, self.lease_ms, FENCE_TTL_MS], client=pipe)
+                self._lock.queue(pipe, keys, [holder, self.lease_ms, FENCE_TTL_MS])
             if claim.limited:
-                await self._reserve(self._quota_keys(tenant), limits, client=pipe)
+                self._reserve.queue(pipe, self._quota_keys(tenant), limits)
             if peek is not None:
                 pipe.hget(peek, "version")
-            replies: list[Any] = await pipe.execute(raise_on_error=True)
-            return replies
 
-        replies = await link.call(exchange)
+        replies = await link.exchange(queue)
         refusal: Exception | None = None
         if keys:
             fence, held_by = replies.pop(0)
@@ -254,10 +255,9 @@ class Claims:
         if claim.lock is None and not claim.reserved:
             return
 
-        async def exchange() -> None:
-            pipe = self.link.redis.pipeline(transaction=False)
+        def queue(pipe: Pipeline) -> None:
             if claim.lock is not None:
-                await self._unlock([claim.lock[0]], [claim.lock[1]], client=pipe)
+                self._unlock.queue(pipe, [claim.lock[0]], [claim.lock[1]])
             if claim.reserved:
                 keys = self._quota_keys(claim.tenant)
                 settled = [
@@ -267,11 +267,10 @@ class Claims:
                     completion_tokens,
                     claim.reserved_at,
                 ]
-                await self._settle([keys[1], keys[2]], settled, client=pipe)
-            await pipe.execute()
+                self._settle.queue(pipe, [keys[1], keys[2]], settled)
 
         try:
-            await self.link.call(exchange)
+            await self.link.exchange(queue)
         except Exception as exc:
             logger.warning(
                 "request %s: its claim could not be given back (%s); it expires in %.1f s",
@@ -295,18 +294,15 @@ class Claims:
             if c.reserved:
                 by_tenant.setdefault(c.tenant, []).append(c.request_id)
 
-        async def exchange() -> list[Any]:
-            pipe = self.link.redis.pipeline(transaction=False)
+        def queue(pipe: Pipeline) -> None:
             for c in locked:
                 assert c.lock is not None
-                await self._renew_lock([c.lock[0]], [c.lock[1], self.lease_ms], client=pipe)
+                self._renew_lock.queue(pipe, [c.lock[0]], [c.lock[1], self.lease_ms])
             for tenant, ids in by_tenant.items():
                 slots = [tenant_key(tenant, "generations")]
-                await self._renew_slots(slots, [self.lease_ms, *ids], client=pipe)
-            replies: list[Any] = await pipe.execute()
-            return replies
+                self._renew_slots.queue(pipe, slots, [self.lease_ms, *ids])
 
-        replies = await self.link.call(exchange)
+        replies = await self.link.exchange(queue)
         for c, kept in zip(locked, replies, strict=False):
             if not kept and not c.lost and not c.ending:
                 c.lost = True

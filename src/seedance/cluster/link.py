@@ -1,4 +1,11 @@
-"""This node's link to the cluster's Redis: the client, its health, and the key names."""
+"""This node's link to the cluster's Redis: the client, its health, and the key names.
+
+Every short exchange of the node (a request's claim, a session's save, the stream logs' new
+entries, the leases' renewals) goes through one :class:`Batch`: what was queued while a pipeline
+was in flight goes out as the next one. One round trip, one connection and one parse of the
+replies serve everything that happened meanwhile, instead of one of each per request: on a busy
+node the client library's own cost per exchange is what the cluster mode costs the most.
+"""
 
 from __future__ import annotations
 
@@ -7,15 +14,24 @@ import contextlib
 import logging
 import secrets
 import socket
+import sys
 from collections.abc import Awaitable, Callable
-from typing import Any, Final, TypeVar
+from typing import Any, Final, Protocol
 from urllib.parse import urlsplit
 
+import hiredis
 import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
 
 from seedance.config import ServerConfig
 from seedance.protocol.errors import Overloaded
+
+if sys.version_info >= (3, 11):
+    from asyncio import timeout
+else:  # pragma: no cover
+    from async_timeout import timeout
 
 logger = logging.getLogger(__name__)
 
@@ -31,8 +47,6 @@ MAX_CONNECTIONS: Final = 32
 MAX_BLOCKING_CONNECTIONS: Final = 256
 #: Every key of Seedance starts with this.
 PREFIX: Final = "sd:"
-
-T = TypeVar("T")
 
 
 def session_key(tenant: str, session_id: str, what: str) -> str:
@@ -92,8 +106,20 @@ class ClusterLink:
             socket_connect_timeout=TIMEOUT_S,
         )
         self.blocking: aioredis.Redis = aioredis.Redis(connection_pool=blocking)
+        # The batch's connection: no timer per reply (one per exchange covers them all), and
+        # commands packed by hiredis.
+        batched = aioredis.ConnectionPool.from_url(
+            config.redis_url, socket_timeout=None, socket_connect_timeout=TIMEOUT_S
+        )
+        batched.connection_class = type(
+            "Hiredis" + batched.connection_class.__name__,
+            (HiredisPacking, batched.connection_class),
+            {},
+        )
+        self.batched: aioredis.Redis = aioredis.Redis(connection_pool=batched)
         self.error: str | None = "not connected yet"
         self.scripts: list[Script] = []
+        self.batch = Batch(self)
         self._run_id: str | None = None  # the Redis process the scripts were loaded into
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -110,6 +136,7 @@ class ClusterLink:
         else:
             logger.info("cluster: node %s on Redis at %s", self.node_id, self.url)
         self.spawn(self._watch(), "cluster-health")
+        self.spawn(self.batch.run(), "cluster-batch")
 
     def spawn(self, work: Awaitable[None], name: str) -> None:
         """Run ``work`` until the link closes (a background task of the cluster mode)."""
@@ -123,7 +150,7 @@ class ClusterLink:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
-        for client in (self.redis, self.blocking):
+        for client in (self.redis, self.blocking, self.batched):
             with contextlib.suppress(RedisError, OSError):
                 await client.aclose()
                 await client.connection_pool.disconnect()
@@ -147,18 +174,24 @@ class ClusterLink:
             return True, ""
         return False, f"Redis at {self.url} does not answer: {self.error}"
 
-    async def call(self, work: Callable[[], Awaitable[T]]) -> T:
-        """Run one Redis exchange (``work`` makes it: it may be made twice, when the scripts
-        had to be loaded again); a failure marks Redis down and raises ``overloaded``."""
-        try:
-            try:
-                return await work()
-            except NoScriptError:  # Redis restarted since the scripts were loaded: again
-                await self.load_scripts()
-                return await work()
-        except (RedisError, OSError) as exc:
-            self.failed(exc)
-            raise self.unreachable() from exc
+    async def exchange(self, queue: Callable[[Pipeline], object]) -> list[Any]:
+        """Send the commands ``queue`` adds to a pipeline with the node's next batch; their
+        replies. A failure marks Redis down and raises ``overloaded``; so does an error reply.
+        (``queue`` may run twice, when the scripts had to be loaded again.)"""
+        for again in (False, True):
+            waiter = _Waiter(queue)
+            self.batch.add(waiter)
+            replies = await waiter.future
+            if isinstance(replies, BaseException):
+                raise self.unreachable() from replies
+            error = next((r for r in replies if isinstance(r, Exception)), None)
+            if error is None:
+                return replies
+            if isinstance(error, NoScriptError) and not again:
+                continue  # Redis restarted since the scripts were loaded: the batch loaded them
+            self.failed(error)
+            raise self.unreachable() from error
+        raise AssertionError("unreachable")
 
     def failed(self, exc: BaseException) -> None:
         """A Redis exchange failed: Redis counts as down until a ping answers."""
@@ -196,24 +229,132 @@ class ClusterLink:
             await self._ping()
 
 
+class HiredisPacking:
+    """A connection that packs commands with hiredis: redis-py's asyncio connections pack them
+    in Python (its blocking ones use hiredis), which is most of what a big pipeline costs."""
+
+    def pack_command(self, *args: Any) -> list[bytes]:
+        name = args[0]
+        if isinstance(name, str) and " " in name:  # "SCRIPT LOAD" and the like
+            args = (*name.split(), *args[1:])
+        return [hiredis.pack_command(args)]
+
+
 class Script:
-    """A Lua script of the cluster mode, run by its hash. Queued on a pipeline it goes out as a
-    bare ``EVALSHA`` (redis-py's own scripts ask ``SCRIPT EXISTS`` first, a round trip per
-    pipeline); the link loads every script when Redis first answers, again whenever Redis
-    comes back, and when a reply says one is missing (a Redis that restarted in between)."""
+    """A Lua script of the cluster mode, run by its hash (a bare ``EVALSHA``: redis-py's own
+    scripts ask ``SCRIPT EXISTS`` first, a round trip per pipeline). The link loads every
+    script when Redis first answers, again whenever Redis comes back, and when a reply says one
+    is missing (a Redis that restarted in between)."""
 
     def __init__(self, link: ClusterLink, source: str) -> None:
         self.source = source
-        self._script = link.redis.register_script(source)  # a direct call loads it if missing
-        self.sha: str = self._script.sha
+        self.sha: str = link.redis.register_script(source).sha
         link.scripts.append(self)
 
-    async def __call__(self, keys: list[str], args: list[Any], client: Any = None) -> Any:
-        if client is None:
-            return await self._script(keys, args)
-        client.evalsha(self.sha, len(keys), *keys, *args)
-        return None
+    def queue(self, pipe: Pipeline, keys: list[str], args: list[Any]) -> None:
+        pipe.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
 
 
 def script(link: ClusterLink, source: str) -> Script:
     return Script(link, source)
+
+
+class Exchange(Protocol):
+    """A part of a batch: queues its commands, then is handed their replies."""
+
+    def queue(self, pipe: Pipeline) -> object:
+        """Add commands to ``pipe``."""
+
+    def answered(self, replies: list[Any] | BaseException) -> None:
+        """The replies of the commands it queued (errors in place), or what failed the whole
+        pipeline."""
+
+
+class _Waiter:
+    """The exchange of a coroutine that awaits its replies (:meth:`ClusterLink.exchange`)."""
+
+    __slots__ = ("future", "queue")
+
+    def __init__(self, queue: Callable[[Pipeline], object]) -> None:
+        self.queue = queue
+        self.future: asyncio.Future[list[Any] | BaseException] = asyncio.Future()
+
+    def answered(self, replies: list[Any] | BaseException) -> None:
+        if not self.future.done():
+            self.future.set_result(replies)
+
+
+class Batch:
+    """The node's exchanges with Redis, one pipeline in flight at a time: what was added while
+    one was in flight goes out together as the next."""
+
+    def __init__(self, link: ClusterLink) -> None:
+        self.link = link
+        self._parts: list[Exchange] = []
+        self._in_flight: list[Exchange] = []
+        self._wake = asyncio.Event()
+        #: Set once the link closed: what every later exchange is answered with.
+        self.closed: RedisConnectionError | None = None
+
+    def add(self, part: Exchange) -> None:
+        if self.closed is not None:
+            _answer(part, self.closed)
+            return
+        self._parts.append(part)
+        self._wake.set()
+
+    async def run(self) -> None:
+        try:
+            await self._run()
+        finally:  # the link closed: nothing waits for ever
+            self.closed = RedisConnectionError("this node's link to Redis is closed")
+            parts, self._parts = [*self._in_flight, *self._parts], []
+            for part in parts:
+                _answer(part, self.closed)
+
+    async def _run(self) -> None:
+        link = self.link
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            parts, self._parts = self._parts, []
+            pipe = link.batched.pipeline(transaction=False)
+            spans = []
+            for part in parts:
+                first = len(pipe)
+                try:
+                    part.queue(pipe)
+                except Exception as exc:  # a bug: that part fails, the others go on
+                    logger.exception("cluster: an exchange could not be queued")
+                    del pipe.command_stack[first:]
+                    _answer(part, exc)
+                    continue
+                spans.append((part, first, len(pipe)))
+            replies: list[Any] = []
+            self._in_flight = [part for part, _, _ in spans]
+            if len(pipe):
+                try:
+                    # One timer for the whole exchange (a read it cuts short disconnects).
+                    async with timeout(TIMEOUT_S):
+                        replies = await pipe.execute(raise_on_error=False)
+                except Exception as exc:
+                    if isinstance(exc, (RedisError, OSError, asyncio.TimeoutError)):
+                        link.failed(exc)
+                    else:  # a bug: the exchange fails, the batch goes on
+                        logger.exception("cluster: an exchange failed")
+                    self._in_flight = []
+                    for part, _, _ in spans:
+                        _answer(part, exc)
+                    continue
+                if any(isinstance(reply, NoScriptError) for reply in replies):
+                    await link.load_scripts()
+            self._in_flight = []
+            for part, first, end in spans:
+                _answer(part, replies[first:end])
+
+
+def _answer(part: Exchange, replies: list[Any] | BaseException) -> None:
+    try:
+        part.answered(replies)
+    except Exception:
+        logger.exception("cluster: the replies of an exchange could not be handled")

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Final, cast
+from typing import TYPE_CHECKING, Any, Final, cast
 
 import msgspec
 
@@ -31,6 +31,9 @@ from seedance.protocol.errors import QuotaExceeded
 from seedance.protocol.messages import SessionId, TenantId
 from seedance.sessions.session import Session, SessionKey, Turn
 from seedance.sessions.store import new_session_id
+
+if TYPE_CHECKING:
+    from redis.asyncio.client import Pipeline
 
 logger = logging.getLogger(__name__)
 
@@ -126,18 +129,16 @@ class RedisSessionStore:
     ) -> tuple[Session, bool]:
         self.link.check()
         key: SessionKey = (tenant, session_id or new_session_id())
-        stored = None
-        if session_id is not None:
-            stored = await self.link.call(
-                lambda: self.link.redis.hmget(self._key(key), "turns", "version")
-            )
+        limit = -1 if max_for_tenant is None else max_for_tenant
+
+        def queue(pipe: Pipeline) -> None:
+            if session_id is not None:
+                pipe.hmget(self._key(key), "turns", "version")
+            self._admit.queue(pipe, self._tenant_keys(tenant), [key[1], limit, self.ttl_ms])
+
+        *looked_up, admitted = await self.link.exchange(queue)
+        stored = looked_up[0] if looked_up else None
         created = stored is None or stored[1] is None
-        admitted = await self.link.call(
-            lambda: self._admit(
-                self._tenant_keys(tenant),
-                [key[1], -1 if max_for_tenant is None else max_for_tenant, self.ttl_ms],
-            )
-        )
         if not admitted[0]:
             raise QuotaExceeded(
                 f"tenant {tenant} has {max_for_tenant} live sessions, its limit (across the "
@@ -148,7 +149,7 @@ class RedisSessionStore:
             session = Session(key, time.monotonic())
             self._held[key] = session
         if created:
-            await self.link.call(lambda: self._write(session, created=True))
+            await self._write(session, created=True)
         elif stored is not None:
             self._load(session, stored[0], int(cast(bytes, stored[1])))
         session.attached += 1
@@ -167,8 +168,10 @@ class RedisSessionStore:
     async def reserve(self, session: Session, size: int, max_for_tenant: int | None) -> None:
         if max_for_tenant is None:
             return
-        others = await self.link.call(
-            lambda: self._history(self._tenant_keys(session.tenant), [session.session_id])
+        (others,) = await self.link.exchange(
+            lambda pipe: self._history.queue(
+                pipe, self._tenant_keys(session.tenant), [session.session_id]
+            )
         )
         if int(others) + session.size + size > max_for_tenant:
             raise QuotaExceeded(
@@ -179,7 +182,7 @@ class RedisSessionStore:
 
     async def save(self, session: Session) -> None:
         session.last_active = time.monotonic()
-        await self.link.call(lambda: self._write(session, created=False))
+        await self._write(session, created=False)
 
     def hash_key(self, session: Session) -> str:
         """The session's hash (whose ``version`` a generation's claim reads)."""
@@ -191,18 +194,20 @@ class RedisSessionStore:
         key = session.key
         if version is None or version == self._versions.get(key, 0):
             return False
-        turns = await self.link.call(lambda: self.link.redis.hget(self._key(key), "turns"))
+        (turns,) = await self.link.exchange(lambda pipe: pipe.hget(self._key(key), "turns"))
         self._load(session, turns, version)
         return True
 
     async def delete(self, session: Session) -> None:
         key = session.key
-        pipe = self.link.redis.pipeline(transaction=False)
-        pipe.delete(self._key(key))
         sessions, history = self._tenant_keys(session.tenant)
-        pipe.zrem(sessions, key[1])
-        pipe.hdel(history, key[1])
-        await self.link.call(pipe.execute)
+
+        def queue(pipe: Pipeline) -> None:
+            pipe.delete(self._key(key))
+            pipe.zrem(sessions, key[1])
+            pipe.hdel(history, key[1])
+
+        await self.link.exchange(queue)
         session.attached = 0
         self._drop(key)
 
@@ -228,19 +233,19 @@ class RedisSessionStore:
 
     async def _write(self, session: Session, *, created: bool) -> None:
         key = self._key(session.key)
-        pipe = self.link.redis.pipeline(transaction=False)
-        pipe.hset(key, "turns", _turns.encode(session.turns))
-        if created:
-            pipe.hset(key, mapping={"version": 0, "created": time.time()})
-        else:
-            pipe.hincrby(key, "version", 1)
-        pipe.pexpire(key, self.ttl_ms)
-        await self._renew(
-            self._tenant_keys(session.tenant),
-            [self.ttl_ms, session.session_id, session.size],
-            client=pipe,
-        )
-        replies = await pipe.execute()
+        turns = _turns.encode(session.turns)
+        renewed = [self.ttl_ms, session.session_id, session.size]
+
+        def queue(pipe: Pipeline) -> None:
+            pipe.hset(key, "turns", turns)
+            if created:
+                pipe.hset(key, mapping={"version": 0, "created": time.time()})
+            else:
+                pipe.hincrby(key, "version", 1)
+            pipe.pexpire(key, self.ttl_ms)
+            self._renew.queue(pipe, self._tenant_keys(session.tenant), renewed)
+
+        replies = await self.link.exchange(queue)
         self._versions[session.key] = 0 if created else int(replies[1])
 
     def _load(self, session: Session, turns: Any, version: int) -> None:
@@ -268,15 +273,13 @@ class RedisSessionStore:
         for session in sessions:
             by_tenant.setdefault(session.tenant, []).extend((session.session_id, "-1"))
 
-        async def exchange() -> None:
-            pipe = self.link.redis.pipeline(transaction=False)
+        def queue(pipe: Pipeline) -> None:
             for session in sessions:
                 pipe.pexpire(self._key(session.key), self.ttl_ms)
             for tenant, pairs in by_tenant.items():
-                await self._renew(self._tenant_keys(tenant), [self.ttl_ms, *pairs], client=pipe)
-            await pipe.execute()
+                self._renew.queue(pipe, self._tenant_keys(tenant), [self.ttl_ms, *pairs])
 
-        await self.link.call(exchange)
+        await self.link.exchange(queue)
 
     async def _renew_forever(self) -> None:
         period = min(self.ttl_s / 3, RENEW_MAX_S)

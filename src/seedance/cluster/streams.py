@@ -12,8 +12,9 @@ is refused with ``history_lost`` ``epoch_changed``, never answered with a gap. E
 TTL (the resume window, a minute more).
 
 **Writing** (:class:`ReplicatedLog`, on the node that runs the generation): tokens are logged
-in memory as on a single node, and a node-wide :class:`Replicator` sends what every log added
-since its last exchange in one pipeline, each log's entries through one fenced script (it
+in memory as on a single node, and a node-wide :class:`Replicator` sends what the logs added,
+at the pace of the frame merging, with the node's next batch
+(:class:`~seedance.cluster.link.Batch`); each log's entries go through one fenced script (it
 writes only while the generation's session lock still holds the writer's fencing token, so a
 node that lost its lease cannot write a frame). Readers get a frame only once Redis
 acknowledged it: what a client saw is always in Redis, whatever node dies next. The end entry
@@ -30,14 +31,15 @@ log of a local generation that continues at the next ``seq``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import RedisError
 
 from seedance.cluster.link import ClusterLink, script, session_key
 from seedance.protocol.codec import decode_server_text, encode_frame
@@ -45,6 +47,11 @@ from seedance.protocol.errors import HistoryLost
 from seedance.protocol.messages import DoneFrame, ErrorFrame, StartFrame
 from seedance.streams.log import StreamLog
 from seedance.streams.store import MemoryStreamStore
+
+if TYPE_CHECKING:
+    from redis.asyncio.client import Pipeline
+
+    from seedance.server.outbound import FrameMerger
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +67,8 @@ READ_COUNT: Final = 1024
 
 # KEYS: lock, stream, gen, current, epoch. ARGV: holder, TTL (ms), epoch, request id, header
 # ('' once written), release ('1' with the end: the session lock goes with it), then triples
-# (entry id, text or frame, token count; '' for a frame). Entries at or before the stream's
-# last id are skipped (an exchange whose reply was lost is sent again). 0: fenced out.
+# (entry id, text or frame, token count; '' for a frame). An entry at or before the stream's
+# last id was written by an exchange whose reply was lost: skipped. 0: fenced out.
 _APPEND = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 local ttl = ARGV[2]
@@ -70,23 +77,15 @@ if ARGV[5] ~= '' then
   redis.call('SET', KEYS[4], ARGV[4], 'PX', ttl)
   redis.call('SET', KEYS[5], ARGV[3], 'NX', 'PX', ttl)
 end
-local last_ms, last_kind = -1, 0
-local last = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
-if #last > 0 then
-  local dash = string.find(last[1][1], '-')
-  last_ms = tonumber(string.sub(last[1][1], 1, dash - 1))
-  last_kind = tonumber(string.sub(last[1][1], dash + 1))
-end
 for i = 7, #ARGV, 3 do
-  local dash = string.find(ARGV[i], '-')
-  local ms = tonumber(string.sub(ARGV[i], 1, dash - 1))
-  local kind = tonumber(string.sub(ARGV[i], dash + 1))
-  if ms > last_ms or (ms == last_ms and kind > last_kind) then
-    if ARGV[i + 2] == '' then
-      redis.call('XADD', KEYS[2], ARGV[i], 'f', ARGV[i + 1])
-    else
-      redis.call('XADD', KEYS[2], ARGV[i], 't', ARGV[i + 1], 'n', ARGV[i + 2])
-    end
+  local added
+  if ARGV[i + 2] == '' then
+    added = redis.pcall('XADD', KEYS[2], ARGV[i], 'f', ARGV[i + 1])
+  else
+    added = redis.pcall('XADD', KEYS[2], ARGV[i], 't', ARGV[i + 1], 'n', ARGV[i + 2])
+  end
+  if type(added) == 'table' and added.err and not string.find(added.err, 'smaller') then
+    return added
   end
 end
 redis.call('PEXPIRE', KEYS[2], ttl)
@@ -94,6 +93,17 @@ redis.call('PEXPIRE', KEYS[3], ttl)
 redis.call('PEXPIRE', KEYS[4], ttl)
 redis.call('PEXPIRE', KEYS[5], ttl, 'GT')
 if ARGV[6] == '1' then redis.call('DEL', KEYS[1]) end
+return 1
+"""
+
+# The common exchange of a running generation: one token entry, nothing else.
+# KEYS: lock, stream. ARGV: holder, entry id, text, token count. As _APPEND.
+_APPEND_TOKENS = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+local added = redis.pcall('XADD', KEYS[2], ARGV[2], 't', ARGV[3], 'n', ARGV[4])
+if type(added) == 'table' and added.err and not string.find(added.err, 'smaller') then
+  return added
+end
 return 1
 """
 
@@ -112,7 +122,7 @@ def log_keys(tenant: str, session_id: str, request_id: str) -> list[str]:
 class _Plan:
     """One exchange of one log: what it sends, and where the log stands once it is acked."""
 
-    __slots__ = ("args", "end", "entries", "header", "seq", "start")
+    __slots__ = ("args", "end", "entries", "header", "light", "seq", "start")
 
     def __init__(self) -> None:
         self.args: list[Any] = []
@@ -121,6 +131,7 @@ class _Plan:
         self.start: StartFrame | None = None
         self.end = False
         self.header = False
+        self.light = False  # one token entry and nothing else: _APPEND_TOKENS
 
 
 class ReplicatedLog(StreamLog):
@@ -129,9 +140,10 @@ class ReplicatedLog(StreamLog):
 
     __slots__ = (
         "_deliver",
-        "_dirty",
         "_ended",
+        "_held",
         "_pending_start",
+        "_queued",
         "acked",
         "acked_seq",
         "end_pending",
@@ -143,6 +155,8 @@ class ReplicatedLog(StreamLog):
         "replicator",
         "sent",
         "sent_seq",
+        "tokens_at",
+        "ttl_at",
     )
 
     def __init__(
@@ -165,7 +179,10 @@ class ReplicatedLog(StreamLog):
         self._pending_start: StartFrame | None = None
         self.end_pending: tuple[DoneFrame | ErrorFrame | None] | None = None
         self._ended: asyncio.Future[bool] | None = None
-        self._dirty = False
+        self._queued = False  # in the replicator's next exchange
+        self._held = False  # held for the rest of the merge window
+        self.tokens_at = -1.0  # loop time of the last exchange with tokens (-1: none yet)
+        self.ttl_at = -1.0  # loop time the keys' TTLs were last set (-1: never)
         self._deliver: Callable[[str, int], None] | None = None
         self.lost = False
         #: Called when Redis refused this node's writes (another node holds the lock now).
@@ -196,7 +213,7 @@ class ReplicatedLog(StreamLog):
         self.push = self._stage  # the generation's tokens go to Redis first
 
     def _stage(self, text: str, tokens: int) -> None:
-        if not self._dirty:
+        if not (self._queued or self._held):
             self.replicator.mark(self)
 
     def open(self, frame: StartFrame) -> None:
@@ -204,23 +221,24 @@ class ReplicatedLog(StreamLog):
             super().open(frame)
             return
         self._pending_start = frame
-        self.replicator.mark(self)
+        self.replicator.mark(self, now=True)
 
     async def write_end(self, frame: DoneFrame | ErrorFrame | None) -> bool:
         """Write the end (releasing the session lock) after every token; false when this
         node may not write any more (fenced out, or Redis did not take it)."""
-        if self.lost or not self.owned:
+        if self.lost or not self.owned or self.replicator.link.batch.closed is not None:
             return False
         self.end_pending = (frame,)
         self._ended = asyncio.get_running_loop().create_future()
-        self.replicator.mark(self)
+        self.replicator.mark(self, now=True)
         return await self._ended
 
     # ------------------------------------------------------------------ exchanges
 
-    def plan(self) -> _Plan | None:
-        """The next exchange: entries not yet sent (None: nothing to send)."""
-        self._dirty = False
+    def plan(self, now: float) -> _Plan | None:
+        """The next exchange at loop time ``now``: entries not yet sent (None: nothing to
+        send)."""
+        self._queued = self._held = False
         if self.lost or self.holder is None:
             return None
         plan = _Plan()
@@ -234,6 +252,7 @@ class ReplicatedLog(StreamLog):
         entries, seq = len(texts), len(texts) + self.extra
         if entries > self.sent:
             args += [f"{self.sent_seq}-{TOKEN}", "".join(texts[self.sent :]), seq - self.sent_seq]
+            self.tokens_at = now
         plan.entries, plan.seq = entries, seq
         if self.end_pending is not None:
             (frame,) = self.end_pending
@@ -242,10 +261,18 @@ class ReplicatedLog(StreamLog):
         if not args and not self.header:
             return None
         plan.header = bool(self.header)
+        # The keys' TTLs are set by the first exchange and the end, and renewed every quarter
+        # of their span: the common exchange is one token entry and nothing else.
+        ttl_due = now - self.ttl_at > self.replicator.ttl_ms / 4000 or self.ttl_at < 0
+        plan.light = len(args) == 3 and not (plan.start or plan.end or plan.header or ttl_due)
+        if not plan.light:
+            self.ttl_at = now
         self.sent, self.sent_seq = plan.entries, plan.seq
         return plan
 
     def script_args(self, plan: _Plan) -> list[Any]:
+        if plan.light:
+            return [self.holder, *plan.args]
         ttl_ms = self.replicator.ttl_ms
         release = "1" if plan.end else "0"
         return [self.holder, ttl_ms, self.epoch, self.request_id, self.header, release, *plan.args]
@@ -254,6 +281,7 @@ class ReplicatedLog(StreamLog):
         """Redis answered ``plan``'s exchange: hand its frames to the readers."""
         if isinstance(reply, Exception):
             self.sent, self.sent_seq = self.acked, self.acked_seq  # send them again
+            self.ttl_at = -1.0  # and the keys' TTLs with them
             if not self.lost:
                 self.replicator.retry(self)
             return
@@ -312,51 +340,89 @@ class ReplicatedLog(StreamLog):
 
 
 class Replicator:
-    """Sends every dirty log's new entries to Redis, all in one pipeline per exchange."""
+    """Sends every queued log's new entries to Redis, with the node's next batch.
+
+    A log's tokens are sent at the pace of the server's frame merging (``merger``,
+    :class:`~seedance.server.outbound.FrameMerger`): the first ones at once, then at most one
+    token entry per merge window (stretched while the node is CPU-bound), which is also when
+    its readers would have got their next frame; a start or an end goes at once."""
 
     def __init__(self, link: ClusterLink, ttl_s: float) -> None:
         self.link = link
         self.ttl_ms = int(ttl_s * 1000)
-        self._dirty: list[ReplicatedLog] = []
-        self._wake = asyncio.Event()
+        #: The server's merge window (None: every log's tokens go at the next exchange).
+        self.merger: FrameMerger | None = None
+        self._queued: list[ReplicatedLog] = []
+        self._held: list[ReplicatedLog] = []
+        self._timer: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop  # set by start()
+        self._in_batch = False  # added to the node's next batch
+        self._sent: list[tuple[ReplicatedLog, _Plan]] = []  # in the batch in flight
         self._append = script(link, _APPEND)
+        self._append_tokens = script(link, _APPEND_TOKENS)
 
     def start(self) -> None:
-        self.link.spawn(self._run(), "cluster-replicator")
+        self._loop = asyncio.get_running_loop()
 
-    def mark(self, log: ReplicatedLog) -> None:
-        if not log._dirty:
-            log._dirty = True
-            self._dirty.append(log)
-            self._wake.set()
+    def mark(self, log: ReplicatedLog, *, now: bool = False) -> None:
+        """Queue ``log``'s new entries for the next exchange; tokens of a log that sent some
+        less than a merge window ago wait for the rest of the window (``now``: they do not)."""
+        if log._queued:
+            return
+        merger = self.merger
+        if now or merger is None:
+            self._go(log)
+            return
+        loop = self._loop
+        if loop.time() - log.tokens_at >= merger.current_s:
+            self._go(log)
+        elif not log._held:
+            log._held = True
+            self._held.append(log)
+            if self._timer is None:
+                self._timer = loop.call_later(merger.current_s, self._release_held)
+
+    def _release_held(self) -> None:
+        self._timer = None
+        held, self._held = self._held, []
+        for log in held:
+            if log._held:  # else queued since
+                self.mark(log, now=True)
 
     def retry(self, log: ReplicatedLog) -> None:
-        asyncio.get_running_loop().call_later(RETRY_S, self.mark, log)
+        if self.link.batch.closed is None:
+            self._loop.call_later(RETRY_S, functools.partial(self.mark, log, now=True))
+        elif log._ended is not None and not log._ended.done():
+            log._ended.set_result(False)  # this node stops: its end is not written
 
-    async def _run(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            batch, self._dirty = self._dirty, []
-            pipe = self.link.redis.pipeline(transaction=False)
-            plans = []
-            for log in batch:
-                plan = log.plan()
-                if plan is not None:
-                    await self._append(log.keys, log.script_args(plan), client=pipe)
-                    plans.append((log, plan))
-            if not plans:
+    def _go(self, log: ReplicatedLog) -> None:
+        log._queued = True
+        self._queued.append(log)
+        if not self._in_batch:
+            self._in_batch = True
+            self.link.batch.add(self)
+
+    # The replicator's part of the node's batch (:class:`~seedance.cluster.link.Exchange`).
+
+    def queue(self, pipe: Pipeline) -> None:
+        """Each queued log's new entries, through one script each."""
+        self._in_batch = False
+        batch, self._queued = self._queued, []
+        now = self._loop.time()
+        for log in batch:
+            plan = log.plan(now)
+            if plan is None:
                 continue
-            replies: list[Any]
-            try:
-                replies = await pipe.execute(raise_on_error=False)
-            except (RedisError, OSError) as exc:
-                self.link.failed(exc)
-                replies = [exc] * len(plans)
-            if any(isinstance(reply, NoScriptError) for reply in replies):
-                await self.link.load_scripts()  # Redis restarted: the entries go again
-            for (log, plan), reply in zip(plans, replies, strict=True):
-                log.acked_by(plan, reply)
+            if plan.light:
+                self._append_tokens.queue(pipe, log.keys[:2], log.script_args(plan))
+            else:
+                self._append.queue(pipe, log.keys, log.script_args(plan))
+            self._sent.append((log, plan))
+
+    def answered(self, replies: list[Any] | BaseException) -> None:
+        sent, self._sent = self._sent, []
+        for i, (log, plan) in enumerate(sent):
+            log.acked_by(plan, replies if isinstance(replies, BaseException) else replies[i])
 
 
 TakeOver = Callable[[ReplicatedLog, dict[str, Any]], Awaitable[bool]]
@@ -400,11 +466,13 @@ class RedisStreamStore(MemoryStreamStore):
 
     async def epoch_of(self, tenant: str, session_id: str) -> str:
         key = session_key(tenant, session_id, "epoch")
-        pipe = self.link.redis.pipeline(transaction=False)
-        pipe.set(key, secrets.token_hex(8), nx=True, px=self.epoch_ttl_ms)
-        pipe.get(key)
-        pipe.pexpire(key, self.epoch_ttl_ms, gt=True)
-        replies: list[Any] = await self.link.call(pipe.execute)
+
+        def queue(pipe: Pipeline) -> None:
+            pipe.set(key, secrets.token_hex(8), nx=True, px=self.epoch_ttl_ms)
+            pipe.get(key)
+            pipe.pexpire(key, self.epoch_ttl_ms, gt=True)
+
+        replies = await self.link.exchange(queue)
         value: str = replies[1].decode()
         if len(self._epochs) > 100_000:
             self._epochs.clear()
@@ -415,8 +483,8 @@ class RedisStreamStore(MemoryStreamStore):
         log = self.current(tenant, session_id)
         if log is not None:
             return log
-        request_id: Any = await self.link.call(
-            lambda: self.link.redis.get(session_key(tenant, session_id, "current"))
+        (request_id,) = await self.link.exchange(
+            lambda pipe: pipe.get(session_key(tenant, session_id, "current"))
         )
         if request_id is None:
             return None
@@ -446,12 +514,14 @@ class RedisStreamStore(MemoryStreamStore):
         """The log of ``request_id`` as Redis has it, followed live while it runs."""
         keys = log_keys(tenant, session_id, request_id)
         lock, stream, gen, current, _ = keys
-        pipe = self.link.redis.pipeline(transaction=False)
-        pipe.get(current)
-        pipe.hget(gen, "header")
-        pipe.xrange(stream, "-", "+")
-        pipe.get(lock)
-        now_current, raw_header, entries, holder = await self.link.call(pipe.execute)
+
+        def queue(pipe: Pipeline) -> None:
+            pipe.get(current)
+            pipe.hget(gen, "header")
+            pipe.xrange(stream, "-", "+")
+            pipe.get(lock)
+
+        now_current, raw_header, entries, holder = await self.link.exchange(queue)
         if raw_header is None or not entries:
             raise HistoryLost(
                 "expired",

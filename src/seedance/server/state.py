@@ -115,6 +115,8 @@ class ServerState:
         self.merger = (
             FrameMerger(config.merge_window_ms / 1000.0) if config.merge_window_ms > 0 else None
         )
+        if self.cluster is not None:  # the stream logs go to Redis at the frames' pace
+            self.cluster.streams.replicator.merger = self.merger
         self.draining = False
         self.hurry = False  # shutting down without waiting for running generations
         self._started = False
