@@ -31,11 +31,13 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from seedance.bench.suites import (
+    CLIENT_CORE,
     Contender,
     Server,
     fan_out_loads,
     fmt,
     free_port,
+    pin_to,
     ratio,
     run_bench,
     seedance,
@@ -62,9 +64,12 @@ SESSIONS = 200  # sessions for the memory figure
 
 @contextmanager
 def redis(directory: str) -> Iterator[str]:
-    """A redis-server without persistence; its URL."""
+    """A redis-server without persistence, off the server core (as on its own machine, Redis
+    takes no time from the node: it shares the load generator's core); its URL."""
     port = free_port()
-    proc = subprocess.Popen(redis_command(port, directory), stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        redis_command(port, directory), stdout=subprocess.DEVNULL, preexec_fn=pin_to(CLIENT_CORE)
+    )
     try:
         wait_until(f"127.0.0.1:{port}", "redis-server", [proc])
         yield f"redis://127.0.0.1:{port}/0"
@@ -261,8 +266,9 @@ def cluster_suite(report: Report) -> None:
             [
                 "## 10. Cluster mode (Redis)",
                 "",
-                "One `redis-server` (no persistence) on this machine; every node is "
-                "`seedance serve --redis URL` unless it says memory.",
+                "One `redis-server` (no persistence) on this machine, on the load generator's "
+                "core (off the node's); every node is `seedance serve --redis URL` unless it "
+                "says memory.",
                 "",
                 f"**Fan-out**, suite 2's load, one node with Redis against one in memory "
                 f"(turns alternated, {report.rounds} rounds; figures the medians). Goal: "

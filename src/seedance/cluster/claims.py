@@ -40,15 +40,18 @@ logger = logging.getLogger(__name__)
 #: How long a session's fencing counter is kept after its last claim.
 FENCE_TTL_MS: Final = 7 * 24 * 3600 * 1000
 
-# KEYS: lock, fence. ARGV: node and request, lease (ms).
-# Returns {fence, ""} when claimed, {0, holder} when another claim holds the lock.
+# KEYS: lock, fence, and the session's hash (optional). ARGV: node and request, lease (ms),
+# the fence's TTL (ms). Returns {fence, "", version} when claimed (version: the session's
+# stored version, false without a hash), {0, holder} when another claim holds the lock.
 _LOCK = """
 local held = redis.call('GET', KEYS[1])
 if held then return {0, held} end
 local fence = redis.call('INCR', KEYS[2])
 redis.call('PEXPIRE', KEYS[2], ARGV[3])
 redis.call('SET', KEYS[1], ARGV[1] .. ' ' .. fence, 'PX', ARGV[2])
-return {fence, ''}
+local version = false
+if KEYS[3] then version = redis.call('HGET', KEYS[3], 'version') end
+return {fence, '', version}
 """
 
 # KEYS: lock. ARGV: the value the claim set, lease (ms); 0 when the claim was lost.
@@ -211,31 +214,31 @@ class Claims:
             self.lease_ms,
         ]
 
+        if keys and peek is not None:
+            keys.append(peek)
+
         def queue(pipe: Pipeline) -> None:
             """Both scripts in one exchange."""
             if keys:
                 self._lock.queue(pipe, keys, [holder, self.lease_ms, FENCE_TTL_MS])
             if claim.limited:
                 self._reserve.queue(pipe, self._quota_keys(tenant), limits)
-            if peek is not None:
-                pipe.hget(peek, "version")
 
         replies = await link.exchange(queue)
         refusal: Exception | None = None
         if keys:
-            fence, held_by = replies.pop(0)
+            fence, held_by, *version = replies.pop(0)
             if fence:
                 claim.fence = int(fence)
                 claim.lock = (keys[0], f"{holder} {claim.fence}")
+                if version and version[0] is not None:
+                    claim.session_version = int(version[0])
             else:
                 other = held_by.decode().split(" ")
                 refusal = SessionBusy(
                     f"request {other[1] if len(other) > 1 else '?'} is still running on this "
                     "session (on another node); cancel it or wait for its done frame"
                 )
-        if peek is not None:
-            version = replies.pop()
-            claim.session_version = None if version is None else int(version)
         if claim.limited:
             what, value = replies.pop(0)
             if what == b"ok":

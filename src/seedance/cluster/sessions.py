@@ -91,6 +91,20 @@ end
 return held
 """
 
+# KEYS: the session's hash. ARGV: its turns (JSON), TTL (ms), when it was created ('': saved
+# before). Writes the turns, counts the version up (0 when created); returns the version.
+_SAVE = """
+redis.call('HSET', KEYS[1], 'turns', ARGV[1])
+local version = 0
+if ARGV[3] ~= '' then
+  redis.call('HSET', KEYS[1], 'version', 0, 'created', ARGV[3])
+else
+  version = redis.call('HINCRBY', KEYS[1], 'version', 1)
+end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return version
+"""
+
 _turns = msgspec.json.Encoder()
 _read_turns = msgspec.json.Decoder(list[Turn])
 
@@ -107,6 +121,7 @@ class RedisSessionStore:
         self._admit = script(link, _ADMIT)
         self._renew = script(link, _RENEW)
         self._history = script(link, _HISTORY)
+        self._save = script(link, _SAVE)
         self._renewer: asyncio.Task[None] | None = None
 
     def __len__(self) -> int:
@@ -233,20 +248,15 @@ class RedisSessionStore:
 
     async def _write(self, session: Session, *, created: bool) -> None:
         key = self._key(session.key)
-        turns = _turns.encode(session.turns)
+        saved = [_turns.encode(session.turns), self.ttl_ms, time.time() if created else ""]
         renewed = [self.ttl_ms, session.session_id, session.size]
 
         def queue(pipe: Pipeline) -> None:
-            pipe.hset(key, "turns", turns)
-            if created:
-                pipe.hset(key, mapping={"version": 0, "created": time.time()})
-            else:
-                pipe.hincrby(key, "version", 1)
-            pipe.pexpire(key, self.ttl_ms)
+            self._save.queue(pipe, [key], saved)
             self._renew.queue(pipe, self._tenant_keys(session.tenant), renewed)
 
-        replies = await self.link.exchange(queue)
-        self._versions[session.key] = 0 if created else int(replies[1])
+        version, _ = await self.link.exchange(queue)
+        self._versions[session.key] = int(version)
 
     def _load(self, session: Session, turns: Any, version: int) -> None:
         session.turns = _read_turns.decode(turns) if turns else []

@@ -453,6 +453,8 @@ class Generation:
         assert cluster is not None and self.claim is not None
         log = self.log
         self.claim.ending = True
+        if isinstance(log, ReplicatedLog):
+            log.on_lost = None  # too late to stop, and a cycle (log -> self -> log) undone
         if self.handed_off:
             self.end = None  # no end: the lock goes, and another node goes on
             logger.info("request %s handed over to the cluster", self.request_id)
