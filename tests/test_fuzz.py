@@ -65,7 +65,7 @@ json_values = st.recursive(
 frame_keys = st.sampled_from(
     [
         "type", "prompt", "messages", "stream", "max_tokens", "temperature", "top_p", "stop",
-        "seed", "request_id", "reset", "traceparent", "priority", "model", "n", "role",
+        "seed", "request_id", "reset", "traceparent", "priority", "qos", "model", "n", "role",
         "content", "max_completion_tokens", "stream_options", "include_usage", "unknown",
     ]
 )  # fmt: skip

@@ -27,6 +27,7 @@ from seedance.protocol.errors import (
     Unauthorized,
     UnsupportedFrame,
 )
+from seedance.protocol.qos import QoS
 
 __all__ = [
     "ClientSession",
@@ -41,6 +42,7 @@ __all__ = [
     "ModelNotFound",
     "Overloaded",
     "PayloadTooLarge",
+    "QoS",
     "QuotaExceeded",
     "Reconnect",
     "SeedanceError",

@@ -59,6 +59,7 @@ from seedance.protocol.messages import (
     StartFrame,
     TokenFrame,
 )
+from seedance.protocol.qos import QoS
 
 logger = logging.getLogger(__name__)
 
@@ -237,11 +238,13 @@ class ClientSession:
         reset: bool = False,
         priority: int = 0,
         resumable: bool = False,
+        qos: QoS | str | None = None,
     ) -> Stream:
         """Ask for a reply; iterate the result for its tokens. ``priority`` (-10 to 10, within
         the tenant's maximum) orders the request in the server's admission queue.
         ``resumable``: the reply survives a dropped connection (the session reconnects and
-        resumes it)."""
+        resumes it). ``qos``: this request's quality of service, instead of the session's
+        (``X-QoS-Priority``: a class, an SLA tag, a health score)."""
         fields: dict[str, Any] = {
             "prompt": prompt,
             "stream": stream,
@@ -250,6 +253,7 @@ class ClientSession:
             "reset": reset,
             "priority": priority,
             "resumable": resumable,
+            "qos": qos.header() if isinstance(qos, QoS) else qos,
         }
         if messages is not None:
             fields["messages"] = [
@@ -465,6 +469,7 @@ class connect:
 
     ``url`` is ``ws://host:port`` (``/v2/infer`` is added) or a full ``/v2/infer`` URL.
     ``reconnect``: how the session comes back after a dropped connection (None: it does not).
+    ``qos``: the quality of service of every request (the ``X-QoS-Priority`` header).
     """
 
     def __init__(
@@ -477,6 +482,7 @@ class connect:
         open_timeout_s: float = 10.0,
         max_frame_bytes: int | None = 64 * 1024 * 1024,
         reconnect: Reconnect | None = Reconnect(),
+        qos: QoS | str | None = None,
     ) -> None:
         self.base_url = url
         self.model = model
@@ -485,10 +491,13 @@ class connect:
         self.open_timeout_s = open_timeout_s
         self.max_frame_bytes = max_frame_bytes
         self.reconnect = reconnect
+        self.qos = qos.header() if isinstance(qos, QoS) else qos
         self._session: ClientSession | None = None
 
     async def _handshake(self, url: str) -> tuple[ClientConnection, SessionFrame]:
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        if self.qos is not None:
+            headers["X-QoS-Priority"] = self.qos
         ws = await ws_connect(
             url,
             subprotocols=[SUBPROTOCOL],  # type: ignore[list-item]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
-from typing import Final, Generic, TypeVar
+from typing import TYPE_CHECKING, Final, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import (
@@ -23,6 +23,9 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from seedance.protocol.qos import QoS
 
 #: Latency buckets: milliseconds resolved at the low end, minutes at the top.
 LATENCY_BUCKETS: Final = (
@@ -42,6 +45,9 @@ CONDITIONAL_METRICS: Final = (
     "seedance_kv_cache_usage_ratio",
     "seedance_engine_requests",
 )
+#: Distinct ``slatag`` values given series of their own; later ones are counted as "other"
+#: (client-chosen labels must not grow the series without bound).
+MAX_SLATAGS: Final = 100
 
 
 class Metrics:
@@ -109,6 +115,38 @@ class Metrics:
             ["api", "code"],
             registry=r,
         )
+        # Per service level (X-QoS-Priority): TTFT and outcomes by SLA tag and class.
+        self.slo_ttft = histogram(
+            "seedance_slo_time_to_first_token_seconds",
+            "Time to first token by the requests' SLA tag and QoS class.",
+            labels=("slatag", "qos_class"),
+        )
+        self.slo_requests = Counter(
+            "seedance_slo_requests",
+            "Requests ended by SLA tag, QoS class and outcome (a finish reason, an error code, "
+            "cancelled, aborted).",
+            ["slatag", "qos_class", "outcome"],
+            registry=r,
+        )
+        self.slo_health = Histogram(
+            "seedance_slo_client_health_score",
+            "The health score clients reported with their requests (X-QoS-Priority), by tag.",
+            ["slatag"],
+            buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0),
+            registry=r,
+        )
+        self._slatags: set[str] = set()
+
+    def slatag(self, tag: str | None) -> str:
+        """The label of ``tag``: itself while fewer than :data:`MAX_SLATAGS` were seen, else
+        ``other``; ``none`` without one."""
+        if tag is None:
+            return "none"
+        if tag not in self._slatags:
+            if len(self._slatags) >= MAX_SLATAGS:
+                return "other"
+            self._slatags.add(tag)
+        return tag
 
     def refused(self, code: str, api: str = "websocket") -> None:
         self.refused_calls.labels(api, code).inc()
@@ -220,6 +258,7 @@ class RequestMeter:
         "_itl",
         "_labels",
         "_metrics",
+        "_slo",
         "_tokens",
         "first_token",
         "last_token",
@@ -235,9 +274,17 @@ class RequestMeter:
         tenant: str,
         received: float,
         record: list[tuple[float, int]] | None = None,
+        qos: QoS | None = None,
     ) -> None:
         self._metrics = metrics
         self._labels = (model, engine, tenant)
+        #: The SLA tag and class labels (None: no QoS asked).
+        self._slo: tuple[str, str] | None = None
+        if qos is not None:
+            tag = metrics.slatag(qos.slatag)
+            self._slo = (tag, qos.service_class)
+            if qos.health_score is not None:
+                metrics.slo_health.labels(tag).observe(qos.health_score)
         self.received = received
         self.record = record
         self.first_token: float | None = None
@@ -258,6 +305,8 @@ class RequestMeter:
         if last is None:
             self.first_token = now
             self._metrics.ttft.labels(*self._labels).observe(now - self.received)
+            if self._slo is not None:
+                self._metrics.slo_ttft.labels(*self._slo).observe(now - self.received)
         elif count > 0:
             itl, gap = self._itl, (now - last) / count
             itl.counts[bisect_left(LATENCY_BUCKETS, gap)] += count
@@ -269,3 +318,5 @@ class RequestMeter:
     def ended(self, now: float, outcome: str) -> None:
         self._e2e.observe(now - self.received)
         self._metrics.requests.labels(*self._labels, outcome).inc()
+        if self._slo is not None:
+            self._metrics.slo_requests.labels(*self._slo, outcome).inc()

@@ -33,6 +33,7 @@ from seedance.protocol.messages import (
     Resume,
     ServerFrame,
 )
+from seedance.protocol.qos import parse_qos
 
 MAX_SEED: Final = 2**64 - 1
 DEFAULT_MAX_TOKENS: Final = 256
@@ -182,6 +183,11 @@ def validate_generate(msg: Generate, limits: FrameLimits, request_id: str | None
         raise bad(f"priority must be between -{MAX_PRIORITY} and {MAX_PRIORITY}")
     if msg.request_id is not None:
         _check_id("request_id", msg.request_id)
+    if msg.qos is not None:
+        try:
+            parse_qos(msg.qos)
+        except InvalidRequest as exc:
+            raise bad(exc.message) from None
 
 
 def _id_rule_broken(value: str) -> str | None:

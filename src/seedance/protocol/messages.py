@@ -53,6 +53,9 @@ class Generate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     traceparent: str | None = None
     #: -10 .. 10, higher first in the admission queue (a tenant may ask up to its maximum).
     priority: int = 0
+    #: Quality of service, as the ``X-QoS-Priority`` header (for browsers, which cannot set
+    #: it): ``CLASS; slatag=TAG; health_score=0.92`` (:mod:`seedance.protocol.qos`).
+    qos: str | None = None
     #: Survive disconnects: the generation runs on for ``--resume-grace`` without a reader,
     #: and its frames can be read again (``resume``) for ``--resume-window`` after it ends.
     resumable: bool = False

@@ -60,6 +60,7 @@ from seedance.tenants.auth import OPEN_PRINCIPAL, Principal
 if TYPE_CHECKING:
     from opentelemetry.context import Context
 
+    from seedance.protocol.qos import QoS
     from seedance.server.state import ServedModel, ServerState
 
 logger = logging.getLogger(__name__)
@@ -122,6 +123,7 @@ class Connection:
         peer: str,
         trace_parent: Context | None = None,
         principal: Principal = OPEN_PRINCIPAL,
+        qos: QoS | None = None,
     ) -> None:
         self.state = state
         self.principal = principal
@@ -139,7 +141,7 @@ class Connection:
         self.trace_parent = trace_parent
         self.trace = state.tracing.connection(trace_parent, self._span_attributes)
         #: Who asks, for every generation this connection starts.
-        self.requester = Requester(principal, model, "websocket", session, self.id, self.trace)
+        self.requester = Requester(principal, model, "websocket", session, self.id, self.trace, qos)
         self.out = Outbound(
             ws,
             max_pending_bytes=self.config.max_pending_bytes,

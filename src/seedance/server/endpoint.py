@@ -18,6 +18,7 @@ from seedance.protocol.messages import (
     SessionId,
     TenantId,
 )
+from seedance.protocol.qos import qos_from_headers
 from seedance.server.connection import Connection
 from seedance.server.state import ServerState
 from seedance.server.transport import AsgiWebSocket
@@ -61,6 +62,7 @@ class InferEndpoint:
             check_labels(principal, state.config.labels)
             model = state.resolve_model(_param(params, "model"))
             check_model(principal, model.name, state.models)
+            qos = qos_from_headers(scope.get("headers", ()))
             raw_id = _param(params, "session_id")
             session_id = SessionId(validate_session_id(raw_id)) if raw_id is not None else None
             quotas = principal.tenant.quotas
@@ -111,7 +113,7 @@ class InferEndpoint:
                 )
             )
             parent = Tracing.from_headers(scope.get("headers", ()))
-            connection = Connection(state, ws, session, model, peer, parent, principal)
+            connection = Connection(state, ws, session, model, peer, parent, principal, qos)
             state.connections.add(connection)
             try:
                 await connection.run()

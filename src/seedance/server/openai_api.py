@@ -40,6 +40,7 @@ from seedance.protocol.errors import (
 )
 from seedance.protocol.messages import DoneFrame, ErrorFrame, RequestId, StartFrame, ms
 from seedance.protocol.openai import OpenAIRequest, decode_chat, decode_completion, error_body
+from seedance.protocol.qos import qos_from_headers
 from seedance.server.errors import error_headers
 from seedance.server.requests import Generation, Prompt, Requester, admit
 from seedance.server.state import ServedModel, ServerState
@@ -203,7 +204,8 @@ class HttpCall:
             raw=raw,
             unset=request.unset,
         )
-        requester = Requester(self.principal, model, "http")
+        qos = qos_from_headers(self.scope.get("headers", ()))
+        requester = Requester(self.principal, model, "http", qos=qos)
         self.generation = generation = admit(
             state,
             requester,

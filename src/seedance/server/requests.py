@@ -28,7 +28,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from msgspec import UNSET
+from msgspec import UNSET, structs
 
 from seedance.engines.base import GenerationRequest, SamplingParams
 from seedance.observability.audit import kinds as audit
@@ -57,6 +57,7 @@ from seedance.protocol.messages import (
     Usage,
     ms,
 )
+from seedance.protocol.qos import QoS, parse_qos
 from seedance.sessions.context import fit_context
 from seedance.sessions.session import Session, Turn
 from seedance.streams.log import StreamLog
@@ -88,6 +89,8 @@ class Requester:
     session: Session | None = None
     connection_id: str | None = None
     connection_trace: ConnectionTrace | None = None
+    #: The quality of service its handshake or HTTP request asked for (``X-QoS-Priority``).
+    qos: QoS | None = None
     tenant: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -131,6 +134,11 @@ def admit(
         raise Overloaded("the server is shutting down; retry on another server")
     state.check_cluster()
     state.check_audit()
+    qos = parse_qos(message.qos) if message.qos is not None else requester.qos
+    if qos is not None and message.priority == 0:
+        # The class's priority, lowered to the tenant's highest (never refused for it).
+        highest = requester.principal.tenant.max_priority
+        message = structs.replace(message, priority=qos.priority_within(highest))
     check_priority(requester.principal, message.priority)
     session = requester.session
     if session is not None and session.active_request is not None:
@@ -167,6 +175,7 @@ def admit(
             operation=operation,
             trace_parent=trace_parent,
             trace=trace,
+            qos=qos,
         )
     except BaseException:
         usage.end_request(tenant, 0)
@@ -243,6 +252,7 @@ class Generation:
         operation: str = "chat",
         trace_parent: Context | None = None,
         trace: RequestTrace | None = None,
+        qos: QoS | None = None,
     ) -> None:
         self.state = state
         self.requester = requester
@@ -280,6 +290,7 @@ class Generation:
             requester.tenant,
             received,
             self.trace.token_times,
+            qos,
         )
         self.error: SeedanceError | None = None
         #: Its hold on the session and the tenant's quotas in the cluster (cluster mode).
