@@ -33,6 +33,7 @@ from urllib.parse import urlencode, urlsplit, urlunsplit
 from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed as WsConnectionClosed
+from websockets.exceptions import InvalidHandshake
 
 from seedance.protocol.codec import decode_server_text, encode_client_message
 from seedance.protocol.errors import (
@@ -498,15 +499,18 @@ class connect:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         if self.qos is not None:
             headers["X-QoS-Priority"] = self.qos
-        ws = await ws_connect(
-            url,
-            subprotocols=[SUBPROTOCOL],  # type: ignore[list-item]
-            additional_headers=headers,
-            open_timeout=self.open_timeout_s,
-            ping_interval=None,  # the protocol's heartbeat keeps the connection alive
-            max_size=self.max_frame_bytes,
-            compression=None,
-        )
+        try:
+            ws = await ws_connect(
+                url,
+                subprotocols=[SUBPROTOCOL],  # type: ignore[list-item]
+                additional_headers=headers,
+                open_timeout=self.open_timeout_s,
+                ping_interval=None,  # the protocol's heartbeat keeps the connection alive
+                max_size=self.max_frame_bytes,
+                compression=None,
+            )
+        except InvalidHandshake as exc:  # cut, or answered by something else than a server
+            raise ConnectionClosed(1006, f"the WebSocket handshake failed: {exc}") from exc
         try:
             first = await asyncio.wait_for(ws.recv(), self.open_timeout_s)
             frame = decode_server_text(first) if isinstance(first, str) else None

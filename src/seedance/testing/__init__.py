@@ -1,0 +1,1 @@
+"""Tools for testing clients of Seedance: :mod:`seedance.testing.faults`."""
