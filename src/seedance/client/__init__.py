@@ -1,5 +1,15 @@
 """Python client for Seedance's ``/v2/infer`` WebSocket protocol."""
 
+from seedance.client.qos import (
+    BreakerPolicy,
+    CircuitBreaker,
+    Degrade,
+    HealthScore,
+    NoReply,
+    Reply,
+    ResilientClient,
+    ResponseCache,
+)
 from seedance.client.session import (
     ClientSession,
     Reconnect,
@@ -30,21 +40,29 @@ from seedance.protocol.errors import (
 from seedance.protocol.qos import QoS
 
 __all__ = [
+    "BreakerPolicy",
+    "CircuitBreaker",
     "ClientSession",
     "ConnectionClosed",
     "ContextOverflow",
+    "Degrade",
     "EngineError",
     "Forbidden",
+    "HealthScore",
     "HistoryLost",
     "InternalError",
     "InvalidJSON",
     "InvalidRequest",
     "ModelNotFound",
+    "NoReply",
     "Overloaded",
     "PayloadTooLarge",
     "QoS",
     "QuotaExceeded",
     "Reconnect",
+    "Reply",
+    "ResilientClient",
+    "ResponseCache",
     "SeedanceError",
     "SessionBusy",
     "Stream",
