@@ -41,7 +41,8 @@ TIMEOUT_S: Final = 1.0
 PING_INTERVAL_S: Final = 0.5
 #: What a client refused because Redis is down is told to wait.
 RETRY_AFTER_S: Final = 1.0
-#: Connections to Redis one node opens at most (exchanges are pipelined over them).
+#: Connections to Redis one node opens at most besides the batch's (health pings, script
+#: loads, revocations, a follower's lock checks).
 MAX_CONNECTIONS: Final = 32
 #: Connections that wait for new stream entries (one per followed stream, at most).
 MAX_BLOCKING_CONNECTIONS: Final = 256

@@ -353,8 +353,7 @@ class Replicator:
         #: The server's merge window (None: every log's tokens go at the next exchange).
         self.merger: FrameMerger | None = None
         self._queued: list[ReplicatedLog] = []
-        self._held: list[ReplicatedLog] = []
-        self._timer: asyncio.TimerHandle | None = None
+        self._held: list[ReplicatedLog] = []  # until the merger's window ends
         self._loop: asyncio.AbstractEventLoop  # set by start()
         self._in_batch = False  # added to the node's next batch
         self._sent: list[tuple[ReplicatedLog, _Plan]] = []  # in the batch in flight
@@ -370,20 +369,16 @@ class Replicator:
         if log._queued:
             return
         merger = self.merger
-        if now or merger is None:
-            self._go(log)
-            return
-        loop = self._loop
-        if loop.time() - log.tokens_at >= merger.current_s:
+        if now or merger is None or self._loop.time() - log.tokens_at >= merger.current_s:
             self._go(log)
         elif not log._held:
             log._held = True
+            if not self._held:
+                merger.hold(self)  # the merger's one timer releases them with the frames
             self._held.append(log)
-            if self._timer is None:
-                self._timer = loop.call_later(merger.current_s, self._release_held)
 
-    def _release_held(self) -> None:
-        self._timer = None
+    def release_held(self) -> None:
+        """The merge window ended (:class:`~seedance.server.outbound.Held`)."""
         held, self._held = self._held, []
         for log in held:
             if log._held:  # else queued since

@@ -21,6 +21,7 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Callable
+from typing import Protocol
 
 from seedance.protocol.codec import TokenFrameEncoder
 from seedance.server.transport import AsgiWebSocket, OutFrame
@@ -102,6 +103,13 @@ class TokenStream:
         return frame, size
 
 
+class Held(Protocol):
+    """What a merge window holds: told when the window ends (an :class:`Outbound`, or the
+    cluster mode's replicator of stream logs)."""
+
+    def release_held(self) -> None: ...
+
+
 class FrameMerger:
     """The merge window of a server, and one timer for every stream it holds: each tick
     releases them all, so a token is held at most one window.
@@ -121,7 +129,7 @@ class FrameMerger:
         self.current_s = window_s  # the window in force now
         self.lag_s = 0.0  # smoothed lateness of the loop's timers
         self.merged = 0  # token deltas that joined an earlier frame (read by /metrics)
-        self._held: list[Outbound] = []
+        self._held: list[Held] = []
         self._timer: asyncio.TimerHandle | None = None
         self._probe: asyncio.TimerHandle | None = None
         self._probe_due = 0.0
@@ -148,7 +156,7 @@ class FrameMerger:
         )
         self._schedule_probe(loop)
 
-    def hold(self, out: Outbound) -> None:
+    def hold(self, out: Held) -> None:
         self._held.append(out)
         if self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(self.current_s, self._tick)
