@@ -380,7 +380,7 @@ async def begin_reply(
     expected = await undisturbed(survivor, max_tokens=max_tokens)  # type: ignore[arg-type]
     ws, _ = await open_session(owner.url, f"session_id={session}")
     request = {"prompt": PROMPT, "seed": 7, "max_tokens": max_tokens, "resumable": True}
-    await ws.send(json.dumps({**request, "request_id": "r1"}))
+    await ws.send(json.dumps({**request, "request_id": "r1", "qos": "high; slatag=moved"}))
     reading = Reading("r1")
     await read(ws, reading, until_seq=until_seq)
     return owner, survivor, expected, ws, reading
@@ -410,6 +410,13 @@ async def test_a_dead_nodes_stream_is_taken_over_where_it_stopped(
     assert reading.last_seq == 399 and reading.text == expected
     assert resumed_s < 1.0 + 1.0 + 1.0, resumed_s  # the lease, a follower's wait, slack
     await survivor.logged("request r1 taken over at seq")
+    # The generation kept its quality of service on the survivor (its SLA tag's metrics).
+    async with httpx.AsyncClient() as client:
+        metrics = (await client.get(survivor.url.replace("ws:", "http:") + "/metrics")).text
+    assert (
+        'seedance_slo_requests_total{outcome="length",qos_class="high",slatag="moved"} 1.0'
+        in metrics
+    )
 
 
 @pytest.mark.subprocess

@@ -21,6 +21,7 @@ import msgspec
 
 from seedance.protocol.errors import SeedanceError
 from seedance.protocol.messages import ChatMessage, Generate, RequestId, TenantId
+from seedance.protocol.qos import parse_qos
 from seedance.sessions.session import Turn
 from seedance.tenants.auth import OPEN_PRINCIPAL, Principal
 from seedance.tenants.config import Quotas
@@ -50,6 +51,7 @@ def header_of(generation: Generation) -> bytes:
             "model": requester.model.name,
             "api": requester.api,
             "operation": generation.operation,
+            "qos": None if generation.qos is None else generation.qos.header(),
             "request": msgspec.to_builtins(generation.message),
             "messages": [[m.role, m.content] for m in prompt.messages],
             "prompt_tokens": prompt.tokens,
@@ -111,6 +113,7 @@ async def take_over(state: ServerState, log: ReplicatedLog, header: dict[str, An
             prompt,
             time.monotonic(),
             operation=header["operation"],
+            qos=parse_qos(header["qos"]) if header.get("qos") else None,
         )
         generation.claim = claim
         generation.completion_tokens = log.next_seq  # the reply so far

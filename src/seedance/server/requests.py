@@ -263,6 +263,7 @@ class Generation:
         self.prompt_tokens = prompt.tokens
         self.received = received
         self.operation = operation
+        self.qos = qos  # the quality of service it was admitted with (X-QoS-Priority)
         self.admitted_at: float | None = None
         self.completion_tokens = 0
         self.parts = log.texts  # the reply's text as logged
