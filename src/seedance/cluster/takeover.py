@@ -21,7 +21,7 @@ import msgspec
 
 from seedance.protocol.errors import SeedanceError
 from seedance.protocol.messages import ChatMessage, Generate, RequestId, TenantId
-from seedance.protocol.qos import parse_qos
+from seedance.protocol.qos import QoS, parse_qos
 from seedance.sessions.session import Turn
 from seedance.tenants.auth import OPEN_PRINCIPAL, Principal
 from seedance.tenants.config import Quotas
@@ -41,6 +41,7 @@ def header_of(generation: Generation) -> bytes:
     prompt = generation.prompt
     log = generation.log
     session = requester.session
+    qos = generation.qos  # its class and tag (the health it reported is counted where it began)
     return msgspec.json.encode(
         {
             "tenant": requester.tenant,
@@ -51,7 +52,7 @@ def header_of(generation: Generation) -> bytes:
             "model": requester.model.name,
             "api": requester.api,
             "operation": generation.operation,
-            "qos": None if generation.qos is None else generation.qos.header(),
+            "qos": None if qos is None else QoS(qos.service_class, qos.slatag).header(),
             "request": msgspec.to_builtins(generation.message),
             "messages": [[m.role, m.content] for m in prompt.messages],
             "prompt_tokens": prompt.tokens,
