@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from seedance.client.session import ClientSession, Stream, TokenChunk, connect
+from seedance.protocol.codec import DEFAULT_MAX_TOKENS
 from seedance.protocol.errors import SeedanceError
 from seedance.protocol.messages import DoneFrame
 from seedance.protocol.qos import QoS
@@ -176,12 +177,13 @@ class RetryBudget:
         self.calls += 1
         self._balance = min(self._balance + self.ratio, max(1.0, 10 * self.ratio))
 
-    def retry(self) -> bool:
-        if self._balance < 1.0:
-            return False
+    @property
+    def available(self) -> bool:
+        return self._balance >= 1.0
+
+    def spend(self) -> None:
         self._balance -= 1.0
         self.retries += 1
-        return True
 
 
 class ResponseCache:
@@ -232,7 +234,6 @@ class Reply:
         self.reason: str | None = None
         self.done: DoneFrame | None = None
         self._stream: Stream | None = None
-        self._first: TokenChunk | None = None
         self._parts: list[str] = []
         self._breaker: CircuitBreaker | None = None
         self._started = False
@@ -343,7 +344,8 @@ class ResilientClient:
         degrade = self.degrade
         if degrade is not None and health < degrade.below:
             if degrade.max_tokens is not None:
-                fields["max_tokens"] = min(fields.get("max_tokens", 256), degrade.max_tokens)
+                asked = fields.get("max_tokens", DEFAULT_MAX_TOKENS)
+                fields["max_tokens"] = min(asked, degrade.max_tokens)
             model = degrade.model
             if degrade.fallback:
                 endpoints = []
@@ -352,12 +354,14 @@ class ResilientClient:
         tried = False
         for url in endpoints:
             breaker = self.breakers[url]
-            if tried and not self.budget.retry():
+            if tried and not self.budget.available:
                 reasons.append(f"{url}: not tried (retry budget spent)")
                 continue
-            if not breaker.allow():
+            if not breaker.allow():  # (an endpoint it skips costs no retry)
                 reasons.append(f"{url}: circuit open")
                 continue
+            if tried:
+                self.budget.spend()
             tried = True
             started = time.monotonic()
             stream: Stream | None = None
