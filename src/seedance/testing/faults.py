@@ -126,15 +126,16 @@ class FaultProxy:
 
     def drop(self) -> None:
         """Close every open connection, both sides (a FIN each way)."""
-        for link in list(self.links):
-            link.close(abort=False)
-        self.links.clear()
+        self._end_all(abort=False)
 
     def reset(self) -> None:
         """Abort every open connection, both sides (a RST each way)."""
-        for link in list(self.links):
-            link.close(abort=True)
-        self.links.clear()
+        self._end_all(abort=True)
+
+    def _end_all(self, *, abort: bool) -> None:
+        links, self.links = self.links, set()
+        for link in links:
+            link.close(abort=abort)
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.accepted += 1
