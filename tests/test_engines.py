@@ -115,6 +115,17 @@ async def test_synthetic_pacing() -> None:
     assert 0.19 <= total < 1.0
 
 
+async def test_synthetic_echo_replies_with_the_message_exactly() -> None:
+    engine = SyntheticEngine(echo=True)
+    hostile = 'Hi <script>alert("x")</script>\n```js\nlet a = 1;\n``` café'
+    deltas = await drain(engine, request(hostile, max_tokens=100))
+    assert "".join(d.text for d in deltas) == hostile
+    assert deltas[-1].finish_reason == "stop"
+    assert sum(d.tokens for d in deltas) == engine.count_tokens(hostile)
+    cut = await drain(engine, request(hostile, max_tokens=3))  # max_tokens still holds
+    assert sum(d.tokens for d in cut) == 3 and cut[-1].finish_reason == "length"
+
+
 async def test_synthetic_abort_on_close() -> None:
     engine = SyntheticEngine(tokens_per_s=1000)
     stream = engine.generate(request("x", max_tokens=1000))

@@ -3,7 +3,9 @@
 The reply is a pure function of the conversation and the seed: the same request gives the same
 text, token for token. Exactly ``max_tokens`` tokens are produced unless a stop string matches
 (or the context window fills). ``ttft_ms`` delays the first token; ``tokens_per_s`` paces the
-rest (0 = as fast as the event loop allows).
+rest (0 = as fast as the event loop allows). With ``echo`` the reply is the last message's text,
+token by token, and ends (``stop``) after it: what a test needs to put chosen text, hostile HTML
+say, in a model's reply.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
-from seedance.config import Option, non_negative
+from seedance.config import Option, boolean, non_negative
 from seedance.engines.base import Engine, GenerationRequest, ModelInfo, TokenDelta
 from seedance.engines.registry import EngineSpec
 from seedance.engines.stops import StopMatcher
@@ -75,6 +77,7 @@ class SyntheticEngine(Engine):
         context_length: int = 32768,
         max_output_tokens: int = 16384,
         max_concurrency: int = 1024,
+        echo: bool = False,
     ) -> None:
         self._info = ModelInfo(
             name=name,
@@ -85,6 +88,7 @@ class SyntheticEngine(Engine):
         self.ttft_s = max(0.0, ttft_ms) / 1000.0
         self.interval_s = 1.0 / tokens_per_s if tokens_per_s > 0 else 0.0
         self.max_concurrency = max_concurrency
+        self.echo = echo
         self.stats = SyntheticStats()
 
     @property
@@ -107,15 +111,19 @@ class SyntheticEngine(Engine):
             matcher = StopMatcher(params.stop)
             loop = asyncio.get_running_loop()
             start = loop.time() + self.ttft_s
-            words = _sentence(rng)
+            words = _echo(request) if self.echo else _sentence(rng)
             for _ in range(request.continuation_tokens):  # the same reply, from where it was
-                next(words)
+                next(words, None)
+            reason = "length"
             for i in range(limit):
                 due = start + i * self.interval_s
                 delay = due - loop.time()
                 # Always yield to the loop: an unpaced stream must not starve the others.
                 await asyncio.sleep(delay if delay > 0 else 0)
-                piece = next(words)
+                piece = next(words, None)
+                if piece is None:  # an echo ends with its text
+                    reason = "stop"
+                    break
                 stats.tokens_generated += 1
                 text, n = matcher.push(piece)
                 if matcher.stopped:
@@ -126,7 +134,7 @@ class SyntheticEngine(Engine):
                     yield TokenDelta(text, n)
             text, n = matcher.flush()
             finished = True
-            yield TokenDelta(text, n, "length")
+            yield TokenDelta(text, n, reason)
         finally:
             stats.active -= 1
             if finished:
@@ -144,6 +152,12 @@ def _seed_of(request: GenerationRequest) -> int:
         digest.update(b"\x01")
     digest.update(str(request.params.seed or 0).encode())
     return int.from_bytes(digest.digest(), "big")
+
+
+def _echo(request: GenerationRequest) -> Iterator[str]:
+    """The last message's text, cut into tokens (whitespace included: the echo is exact)."""
+    last = request.messages[-1].content if request.messages else ""
+    yield from _TOKEN_RE.findall(last)
 
 
 def _sentence(rng: random.Random) -> Iterator[str]:
@@ -164,6 +178,7 @@ def _sentence(rng: random.Random) -> Iterator[str]:
 class SyntheticOptions:
     ttft_ms: float = 0.0
     tokens_per_s: float = 0.0
+    echo: bool = False
 
 
 OPTIONS = (
@@ -183,6 +198,7 @@ OPTIONS = (
         non_negative,
         "0 or more",
     ),
+    Option("echo", "--synthetic-echo", boolean, "reply with the last message's text"),
 )
 
 
@@ -191,6 +207,7 @@ def create_engine(config: ServerConfig, options: SyntheticOptions) -> SyntheticE
         name=config.model or "synthetic",
         ttft_ms=options.ttft_ms,
         tokens_per_s=options.tokens_per_s,
+        echo=options.echo,
     )
 
 
