@@ -1,4 +1,6 @@
-"""The event loop Seedance runs on: uvloop when it is installed, asyncio's own otherwise."""
+"""The event loop Seedance runs on: uvloop when it is installed, asyncio's own otherwise; and
+``timeout``, asyncio's from Python 3.11 (``asyncio.wait_for`` can swallow a cancellation),
+async-timeout's before."""
 
 from __future__ import annotations
 
@@ -6,8 +8,14 @@ import asyncio
 import contextlib
 import importlib.util
 import socket
+import sys
 from collections import deque
 from typing import Any
+
+if sys.version_info >= (3, 11):
+    from asyncio import timeout as timeout
+else:  # pragma: no cover
+    from async_timeout import timeout as timeout
 
 
 def uvloop_available() -> bool:

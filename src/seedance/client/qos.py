@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from seedance.client.session import ClientSession, Stream, TokenChunk, connect
+from seedance.eventloop import timeout
 from seedance.protocol.codec import DEFAULT_MAX_TOKENS
 from seedance.protocol.errors import SeedanceError
 from seedance.protocol.messages import DoneFrame
@@ -179,7 +180,7 @@ class RetryBudget:
 
     @property
     def available(self) -> bool:
-        return self._balance >= 1.0
+        return self._balance >= 1.0 - 1e-9  # ten calls of 0.1 add up to 0.999...
 
     def spend(self) -> None:
         self._balance -= 1.0
@@ -366,9 +367,10 @@ class ResilientClient:
             started = time.monotonic()
             stream: Stream | None = None
             try:
-                session = await self._session(url, model)
-                stream = session.generate(reply._prompt, qos=qos, **fields)
-                first = await asyncio.wait_for(stream.__anext__(), self.first_token_timeout_s)
+                async with timeout(self.first_token_timeout_s):  # connecting included
+                    session = await self._session(url, model)
+                    stream = session.generate(reply._prompt, qos=qos, **fields)
+                    first = await stream.__anext__()
             except StopAsyncIteration:  # a reply without a token: done at once
                 first = TokenChunk("", 0, 0)
             except (SeedanceError, OSError, asyncio.TimeoutError) as exc:

@@ -14,7 +14,6 @@ import contextlib
 import logging
 import secrets
 import socket
-import sys
 from collections.abc import Awaitable, Callable
 from typing import Any, Final, Protocol
 from urllib.parse import urlsplit
@@ -26,12 +25,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
 
 from seedance.config import ServerConfig
+from seedance.eventloop import timeout
 from seedance.protocol.errors import Overloaded
-
-if sys.version_info >= (3, 11):
-    from asyncio import timeout
-else:  # pragma: no cover
-    from async_timeout import timeout
 
 logger = logging.getLogger(__name__)
 
