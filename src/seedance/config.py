@@ -74,6 +74,7 @@ class ServerConfig:
     resume_window_s: float = 600.0
     resume_max_bytes: int = 64 * 1024 * 1024
     allowed_origins: tuple[str, ...] = ()
+    no_playground: bool = False
     labels: tuple[tuple[str, str], ...] = ()
     audit_file: str | None = None
     audit_fsync: str = "record"
@@ -423,6 +424,12 @@ OPTIONS: tuple[Option, ...] = (
         _origins,
         "browser origins allowed on /v2/infer, comma-separated (https://app.example.com); a "
         "handshake from another origin is refused with forbidden (none set: any origin)",
+    ),
+    Option(
+        "no_playground",
+        "--no-playground",
+        boolean,
+        "do not serve the playground at / nor the browser SDK at /sdk/ (served by default)",
     ),
     Option(
         "labels",

@@ -29,6 +29,7 @@ from seedance.server.endpoint import InferEndpoint
 from seedance.server.errors import EXCEPTION_HANDLERS
 from seedance.server.openai_api import OpenAIEndpoint, StreamsEndpoint, authenticate_http
 from seedance.server.state import ServerState
+from seedance.server.web import web_routes
 from seedance.sessions.store import SessionStore
 from seedance.tenants.policy import may_use
 
@@ -128,6 +129,7 @@ def create_app(
             Route("/v1/completions", OpenAIEndpoint(state, "completion"), methods=["POST"]),
             Route("/v1/streams/{request_id}", StreamsEndpoint(state), methods=["GET"]),
             *admin_routes(state),
+            *([] if config.no_playground else web_routes()),
         ],
         lifespan=lifespan,
         exception_handlers=EXCEPTION_HANDLERS,

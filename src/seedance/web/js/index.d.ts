@@ -1,0 +1,335 @@
+// Type declarations of @seedance/client (the module itself is plain JavaScript).
+
+export declare const SUBPROTOCOL: "seedance.v2";
+export declare const RECONNECT_CODES: ReadonlySet<number>;
+
+// ------------------------------------------------------------------------ errors
+
+export type ErrorCode =
+  | "invalid_json" | "invalid_request" | "unsupported_frame" | "session_busy"
+  | "context_overflow" | "model_not_found" | "unauthorized" | "forbidden" | "quota_exceeded"
+  | "overloaded" | "payload_too_large" | "engine_error" | "internal_error" | "history_lost"
+  | "connection_closed" | "no_reply";
+
+export interface ErrorBody {
+  code: string;
+  message: string;
+  retryable: boolean;
+  retry_after?: number;
+  reason?: string;
+}
+
+export declare class SeedanceError extends Error {
+  static readonly code: ErrorCode;
+  static readonly retryable: boolean;
+  readonly code: ErrorCode | string;
+  readonly retryable: boolean;
+  /** Seconds after which a retry can pass, where the server said. */
+  readonly retryAfter: number | null;
+  readonly requestId: string | null;
+  /** history_lost: expired, trimmed, epoch_changed or cursor_ahead. */
+  readonly reason: string | null;
+}
+export declare class InvalidJSON extends SeedanceError {}
+export declare class InvalidRequest extends SeedanceError {}
+export declare class UnsupportedFrame extends SeedanceError {}
+export declare class SessionBusy extends SeedanceError {}
+export declare class ContextOverflow extends SeedanceError {}
+export declare class ModelNotFound extends SeedanceError {}
+export declare class Unauthorized extends SeedanceError {}
+export declare class Forbidden extends SeedanceError {}
+export declare class QuotaExceeded extends SeedanceError {}
+export declare class Overloaded extends SeedanceError {}
+export declare class PayloadTooLarge extends SeedanceError {}
+export declare class EngineError extends SeedanceError {}
+export declare class InternalError extends SeedanceError {}
+export declare class HistoryLost extends SeedanceError {}
+export declare class ConnectionClosed extends SeedanceError {
+  constructor(closeCode: number, closeReason?: string);
+  readonly closeCode: number;
+  readonly closeReason: string;
+}
+export declare class NoReply extends SeedanceError {}
+export declare function errorFromWire(body: ErrorBody, requestId?: string | null): SeedanceError;
+
+// ------------------------------------------------------------------------ quality of service
+
+export type QoSClass = "critical" | "high" | "normal" | "low" | "background";
+export interface QoS {
+  class?: QoSClass;
+  /** 1-64 letters, digits and `_.:-`: the service level the request is measured against. */
+  slatag?: string;
+  /** 0 to 1: the client's own view of the service. */
+  healthScore?: number;
+}
+/** `high; slatag=checkout; health_score=0.92`, the qos field's syntax. */
+export declare function formatQoS(qos: QoS | string | null | undefined): string | undefined;
+
+// ------------------------------------------------------------------------ frames
+
+export interface SessionFrame {
+  type: "session";
+  session_id: string;
+  model: string;
+  created: boolean;
+  context_turns: number;
+  expires_in: number;
+  heartbeat_interval: number;
+  idle_timeout: number;
+  server: string;
+  epoch: string;
+  active?: { request_id: string; next_seq: number; state: "running" | "done" };
+}
+export interface StartFrame {
+  type: "start";
+  request_id: string;
+  trace_id: string;
+  model: string;
+  prompt_tokens: number;
+}
+export interface Usage {
+  prompt_tokens: number;
+  completion_tokens: number;
+  total_tokens: number;
+}
+export interface DoneFrame {
+  type: "done";
+  done: true;
+  request_id: string;
+  trace_id: string;
+  finish_reason: "stop" | "length" | "cancelled";
+  usage: Usage;
+  timing: { queue_ms: number; ttft_ms: number | null; total_ms: number };
+  text?: string;
+}
+export interface Message {
+  role: "system" | "user" | "assistant";
+  content: string;
+}
+/** The fields of a generate frame (docs/protocol.md, section 2). */
+export interface GenerateFields {
+  messages?: Message[];
+  stream?: boolean;
+  max_tokens?: number;
+  temperature?: number;
+  top_p?: number;
+  stop?: string | string[];
+  seed?: number;
+  request_id?: string;
+  reset?: boolean;
+  priority?: number;
+  qos?: QoS | string;
+  resumable?: boolean;
+  traceparent?: string;
+}
+
+/** Tokens `seq` .. `seq + n - 1` of a reply. */
+export interface TokenChunk {
+  text: string;
+  seq: number;
+  n: number;
+}
+
+// ------------------------------------------------------------------------ sessions
+
+export interface ReconnectPolicy {
+  attempts: number;
+  firstDelayMs: number;
+  maxDelayMs: number;
+}
+export declare const DEFAULT_RECONNECT: ReconnectPolicy;
+
+export interface ConnectOptions {
+  /** Sent as the `bearer.<key>` subprotocol (browsers cannot set headers). */
+  apiKey?: string;
+  sessionId?: string;
+  model?: string;
+  /** Every request's default quality of service. */
+  qos?: QoS | string;
+  /** false: never reconnect. */
+  reconnect?: boolean | Partial<ReconnectPolicy>;
+  /** How often a binary heartbeat measures the round trip (default 2000). */
+  heartbeatMs?: number;
+  /** Weight of a new sample in the smoothed round trip (default 1/8). */
+  rttSmoothing?: number;
+}
+
+export interface SessionEvents {
+  rtt: CustomEvent<{ rtt: number; sample: number }>;
+  reconnecting: CustomEvent<{ code: number; attempt: number }>;
+  reconnected: CustomEvent<{ resumed: string[]; epochChanged: boolean }>;
+  close: CustomEvent<{ code: number; reason: string; error: ConnectionClosed }>;
+  error: CustomEvent<{ error: SeedanceError }>;
+}
+
+export declare function inferUrl(url: string, params?: Record<string, string | null | undefined>): string;
+export declare function connect(url?: string, options?: ConnectOptions): Promise<Session>;
+
+export declare class Session extends EventTarget {
+  readonly url: string;
+  readonly sessionId: string | null;
+  readonly model: string | null;
+  readonly info: SessionFrame | null;
+  readonly epoch: string | undefined;
+  /** The smoothed round trip of binary heartbeats, ms (undefined before the first). */
+  readonly rtt: number | undefined;
+  readonly lastRtt: number | undefined;
+  readonly reconnects: number;
+  readonly closed: boolean;
+  qos: QoS | string | undefined;
+  generate(prompt: string | GenerateFields, fields?: GenerateFields): Generation;
+  cancel(requestId?: string): void;
+  ping(): Promise<number>;
+  end(): void;
+  close(): void;
+  /** Drop the connection as a network failure would (demos, tests). */
+  drop(): void;
+  addEventListener<K extends keyof SessionEvents>(
+    type: K,
+    listener: (event: SessionEvents[K]) => void,
+    options?: boolean | AddEventListenerOptions,
+  ): void;
+  addEventListener(type: string, listener: EventListenerOrEventListenerObject | null, options?: boolean | AddEventListenerOptions): void;
+}
+
+export declare class Generation implements AsyncIterable<TokenChunk> {
+  readonly session: Session;
+  readonly requestId: string;
+  readonly resumable: boolean;
+  readonly start: StartFrame | null;
+  readonly done: DoneFrame | null;
+  readonly error: SeedanceError | null;
+  readonly lastSeq: number;
+  readonly resumes: number;
+  readonly text: string;
+  cancel(): void;
+  result(): Promise<DoneFrame>;
+  [Symbol.asyncIterator](): AsyncIterator<TokenChunk>;
+}
+
+// ------------------------------------------------------------------------ resilience
+
+export declare class HealthScore {
+  constructor(slaTtftMs: number, calls?: number);
+  record(ttftMs: number | null): void;
+  readonly value: number;
+}
+
+export type BreakerState = "closed" | "open" | "half_open";
+export interface BreakerPolicy {
+  windowMs: number;
+  minSamples: number;
+  failureRate: number;
+  cooldownMs: number;
+  probes: number;
+}
+export declare const DEFAULT_BREAKER: BreakerPolicy;
+export type BreakerListener = (name: string, from: BreakerState, to: BreakerState, why: string) => void;
+
+export declare class CircuitBreaker {
+  constructor(name: string, policy?: Partial<BreakerPolicy>, onChange?: BreakerListener | null, clock?: () => number);
+  readonly state: BreakerState;
+  allow(): boolean;
+  record(ok: boolean): void;
+}
+
+export declare class RetryBudget {
+  constructor(ratio?: number);
+  readonly calls: number;
+  readonly retries: number;
+  readonly available: boolean;
+  called(): void;
+  spend(): void;
+}
+
+export declare class ResponseCache {
+  constructor(maxEntries?: number);
+  static key(prompt: string, fields: GenerateFields): string;
+  get(key: string): string | undefined;
+  put(key: string, text: string): void;
+}
+
+export interface Degrade {
+  /** Health below which the client degrades (default 0.7). */
+  below?: number;
+  max_tokens?: number;
+  model?: string;
+  /** Go straight to the fallbacks. */
+  fallback?: boolean;
+}
+
+export interface ResilientOptions {
+  qos?: QoS;
+  slaTtftMs?: number;
+  firstTokenTimeoutMs?: number;
+  breaker?: Partial<BreakerPolicy>;
+  retryRatio?: number;
+  cache?: ResponseCache;
+  degradedReply?: string;
+  degrade?: Degrade;
+  onBreaker?: BreakerListener;
+  connectOptions?: ConnectOptions;
+}
+
+export declare class Reply implements AsyncIterable<TokenChunk> {
+  readonly source: "endpoint" | "cache" | "degraded" | null;
+  readonly endpoint: string | null;
+  /** Why not the first endpoint. */
+  readonly reason: string | null;
+  readonly done: DoneFrame | null;
+  readonly text: string;
+  collect(): Promise<string>;
+  [Symbol.asyncIterator](): AsyncIterator<TokenChunk>;
+}
+
+export declare class ResilientClient {
+  constructor(endpoints: string[], options?: ResilientOptions);
+  readonly health: HealthScore;
+  readonly breakers: Map<string, CircuitBreaker>;
+  readonly budget: RetryBudget;
+  generate(prompt: string, fields?: GenerateFields): Reply;
+  close(): void;
+}
+
+// ------------------------------------------------------------------------ rendering
+
+export declare const WINDOW_MAX: 128;
+export declare const WINDOW_MIN: 32;
+export declare const RTT_LOW_MS: 80;
+export declare const RTT_HIGH_MS: 200;
+/** Tokens per render window for a round trip: 128 at <= 80 ms, 32 at >= 200 ms, linear between. */
+export declare function windowFor(rttMs: number | undefined): number;
+export declare function escapeHtml(text: string): string;
+
+export type Fragment =
+  | { kind: "text"; html: string }
+  | { kind: "code"; html: string }
+  | { kind: "open"; lang: string }
+  | { kind: "close" };
+
+export declare class MarkdownStream {
+  push(text: string): Fragment[];
+  end(): Fragment[];
+}
+
+export interface WindowRecord {
+  tokens: number;
+  window: number;
+  /** The main thread's ms to append the window and lay the page out. */
+  appendMs: number;
+}
+
+export declare class TokenView {
+  constructor(
+    container: HTMLElement,
+    options?: { maxWaitMs?: number; workerUrl?: string | URL; onWindow?: (record: WindowRecord) => void },
+  );
+  readonly container: HTMLElement;
+  readonly worker: Worker;
+  readonly stats: WindowRecord[];
+  push(text: string, tokens?: number, rttMs?: number): void;
+  end(): Promise<void>;
+  reset(): void;
+  append(fragments: Fragment[]): void;
+  terminate(): void;
+}

@@ -1,0 +1,464 @@
+// Seedance's browser client for the /v2/infer WebSocket protocol (docs/protocol.md): sessions,
+// replies as async iterators, cancel, binary heartbeats with a rolling round trip, reconnect
+// with resume of resumable replies, and typed errors with the protocol's codes.
+
+export const SUBPROTOCOL = "seedance.v2";
+
+const HEARTBEAT_PING = 0x01;
+const HEARTBEAT_PONG = 0x02;
+
+/** Close codes after which a session reconnects: no close frame, the server going away or
+ * restarting, a fault of the server, try again later. */
+export const RECONNECT_CODES = new Set([1001, 1006, 1011, 1012, 1013]);
+
+// ------------------------------------------------------------------------------- errors
+
+export class SeedanceError extends Error {
+  static code = "internal_error";
+  static retryable = false;
+
+  constructor(message, { code, retryable, retryAfter = null, requestId = null, reason = null } = {}) {
+    super(message);
+    this.name = new.target.name;
+    this.code = code ?? new.target.code;
+    this.retryable = retryable ?? new.target.retryable;
+    this.retryAfter = retryAfter; // seconds, where the server said
+    this.requestId = requestId;
+    this.reason = reason; // history_lost: why
+  }
+}
+
+export class InvalidJSON extends SeedanceError { static code = "invalid_json"; }
+export class InvalidRequest extends SeedanceError { static code = "invalid_request"; }
+export class UnsupportedFrame extends SeedanceError { static code = "unsupported_frame"; }
+export class SessionBusy extends SeedanceError { static code = "session_busy"; static retryable = true; }
+export class ContextOverflow extends SeedanceError { static code = "context_overflow"; }
+export class ModelNotFound extends SeedanceError { static code = "model_not_found"; }
+export class Unauthorized extends SeedanceError { static code = "unauthorized"; }
+export class Forbidden extends SeedanceError { static code = "forbidden"; }
+export class QuotaExceeded extends SeedanceError { static code = "quota_exceeded"; static retryable = true; }
+export class Overloaded extends SeedanceError { static code = "overloaded"; static retryable = true; }
+export class PayloadTooLarge extends SeedanceError { static code = "payload_too_large"; }
+export class EngineError extends SeedanceError { static code = "engine_error"; static retryable = true; }
+export class InternalError extends SeedanceError { static code = "internal_error"; }
+export class HistoryLost extends SeedanceError { static code = "history_lost"; }
+
+/** The socket closed (client side only); `closeCode` is the WebSocket close code. */
+export class ConnectionClosed extends SeedanceError {
+  static code = "connection_closed";
+  static retryable = true;
+
+  constructor(closeCode, closeReason = "") {
+    super(`connection closed (${closeCode}${closeReason ? `: ${closeReason}` : ""})`);
+    this.closeCode = closeCode;
+    this.closeReason = closeReason;
+  }
+}
+
+const ERRORS = Object.fromEntries(
+  [
+    InvalidJSON, InvalidRequest, UnsupportedFrame, SessionBusy, ContextOverflow, ModelNotFound,
+    Unauthorized, Forbidden, QuotaExceeded, Overloaded, PayloadTooLarge, EngineError,
+    InternalError, HistoryLost,
+  ].map((cls) => [cls.code, cls]),
+);
+
+/** The error of an `error` frame's body, as its class (SeedanceError for a code it does not know). */
+export function errorFromWire(body, requestId = null) {
+  const cls = ERRORS[body.code] ?? SeedanceError;
+  return new cls(body.message, {
+    code: body.code,
+    retryable: body.retryable,
+    retryAfter: body.retry_after ?? null,
+    requestId,
+    reason: body.reason ?? null,
+  });
+}
+
+// ------------------------------------------------------------------------------ quality of service
+
+const QOS_CLASSES = ["critical", "high", "normal", "low", "background"];
+
+/** `{class: "high", slatag: "checkout", healthScore: 0.92}` (or the header's text) as the
+ * `qos` field / X-QoS-Priority value: `high; slatag=checkout; health_score=0.92`. */
+export function formatQoS(qos) {
+  if (qos == null || typeof qos === "string") return qos ?? undefined;
+  const cls = qos.class ?? "normal";
+  if (!QOS_CLASSES.includes(cls)) throw new InvalidRequest(`unknown QoS class '${cls}'`);
+  let text = cls;
+  if (qos.slatag) text += `; slatag=${qos.slatag}`;
+  if (qos.healthScore != null) text += `; health_score=${Math.round(qos.healthScore * 100) / 100}`;
+  return text;
+}
+
+// ------------------------------------------------------------------------------ connecting
+
+/** ws(s)://host:port/v2/infer?... from a ws, wss, http or https URL (path optional), or from
+ * the page's own origin when `url` is empty. */
+export function inferUrl(url, params = {}) {
+  const base = url || globalThis.location?.origin;
+  const target = new URL(base, globalThis.location?.href);
+  if (target.protocol === "http:") target.protocol = "ws:";
+  else if (target.protocol === "https:") target.protocol = "wss:";
+  if (target.protocol !== "ws:" && target.protocol !== "wss:") {
+    throw new InvalidRequest(`url must start with ws://, wss://, http:// or https://, got ${url}`);
+  }
+  if (target.pathname === "" || target.pathname === "/") target.pathname = "/v2/infer";
+  for (const [key, value] of Object.entries(params)) {
+    if (value != null) target.searchParams.set(key, value);
+  }
+  return target.toString();
+}
+
+/** Reconnect tries: up to `attempts`, each after a wait drawn uniformly below `firstDelayMs`
+ * doubled per try (at most `maxDelayMs`): full jitter, so that the clients of one server do not
+ * all come back at once. */
+export const DEFAULT_RECONNECT = { attempts: 6, firstDelayMs: 100, maxDelayMs: 5000 };
+
+/**
+ * Open a session. Options: apiKey (sent as the `bearer.<key>` subprotocol), sessionId, model,
+ * qos (every request's default), reconnect (DEFAULT_RECONNECT; false: never), heartbeatMs
+ * (how often the round trip is measured, default 2000), rttSmoothing (default 1/8).
+ * Rejects with the server's error (Unauthorized, ModelNotFound...) or ConnectionClosed.
+ */
+export async function connect(url = "", options = {}) {
+  const session = new Session(url, options);
+  await session._open();
+  return session;
+}
+
+/**
+ * A session on one WebSocket. Events (it is an EventTarget; `event.detail` holds):
+ *   rtt           {rtt, sample}        a heartbeat came back
+ *   reconnecting  {code, attempt}      the connection dropped; a try to reconnect starts
+ *   reconnected   {resumed, epochChanged}  open again; `resumed`: the request ids resumed
+ *   close         {code, reason, error}    closed for good
+ */
+export class Session extends EventTarget {
+  constructor(url, options = {}) {
+    super();
+    this.url = url;
+    this.options = options;
+    this.qos = options.qos;
+    this.sessionId = options.sessionId ?? null;
+    this.model = options.model ?? null;
+    this.info = null; // the last `session` frame
+    /** The smoothed round trip of binary heartbeats in ms (undefined before the first). */
+    this.rtt = undefined;
+    this.lastRtt = undefined;
+    this.reconnects = 0;
+    this.closed = false;
+    this._ws = null;
+    this._generations = new Map();
+    this._pings = []; // send times of heartbeats not answered yet
+    this._heartbeat = null;
+    this._closing = false;
+    this._dropping = false;
+    const reconnect = options.reconnect ?? true;
+    this._reconnect = reconnect === false ? null : { ...DEFAULT_RECONNECT, ...(reconnect === true ? {} : reconnect) };
+  }
+
+  get epoch() {
+    return this.info?.epoch;
+  }
+
+  /** Ask for a reply: `generate("hello", {max_tokens: 64, resumable: true})`, or
+   * `generate({messages: [...]})`. Fields are those of the protocol's generate frame. */
+  generate(prompt, fields = {}) {
+    const frame = typeof prompt === "string" ? { prompt, ...fields } : { ...prompt, ...fields };
+    frame.request_id ??= `js-${randomId()}`;
+    const qos = formatQoS(frame.qos ?? this.qos);
+    if (qos) frame.qos = qos;
+    else delete frame.qos;
+    const generation = new Generation(this, frame);
+    this._generations.set(frame.request_id, generation);
+    this._send(JSON.stringify(frame));
+    return generation;
+  }
+
+  /** Stop the running reply (its `done` says "cancelled"). */
+  cancel(requestId = undefined) {
+    this._send(JSON.stringify(requestId ? { type: "cancel", request_id: requestId } : { type: "cancel" }));
+  }
+
+  /** Measure the round trip of one binary heartbeat now, in ms. */
+  ping() {
+    return new Promise((resolve, reject) => {
+      const onRtt = (event) => {
+        this.removeEventListener("rtt", onRtt);
+        this.removeEventListener("close", onClose);
+        resolve(event.detail.sample);
+      };
+      const onClose = () => {
+        this.removeEventListener("rtt", onRtt);
+        reject(new ConnectionClosed(1006));
+      };
+      this.addEventListener("rtt", onRtt);
+      this.addEventListener("close", onClose, { once: true });
+      this._sendPing();
+    });
+  }
+
+  /** Delete the session on the server, then close. */
+  end() {
+    this._closing = true;
+    this._send(JSON.stringify({ type: "end_session" }));
+  }
+
+  close() {
+    this._closing = true;
+    this._ws?.close(1000);
+  }
+
+  /** Drop the connection as a network failure would (for demos and tests): the session
+   * reconnects and resumes what is resumable. */
+  drop() {
+    this._dropping = true;
+    this._ws?.close(4000, "dropped by the client");
+  }
+
+  // ---------------------------------------------------------------------------- the socket
+
+  _open() {
+    const url = inferUrl(this.url, { session_id: this.sessionId, model: this.model });
+    const protocols = [SUBPROTOCOL];
+    if (this.options.apiKey) protocols.push(`bearer.${this.options.apiKey}`);
+    return new Promise((resolve, reject) => {
+      const ws = new WebSocket(url, protocols);
+      ws.binaryType = "arraybuffer";
+      let refusal = null;
+      ws.onmessage = (event) => {
+        if (typeof event.data !== "string") return;
+        const frame = JSON.parse(event.data);
+        if (frame.type === "error") {
+          refusal = errorFromWire(frame.error);
+        } else if (frame.type === "session") {
+          this._attach(ws, frame);
+          resolve(frame);
+        }
+      };
+      ws.onclose = (event) => reject(refusal ?? new ConnectionClosed(event.code, event.reason));
+    });
+  }
+
+  _attach(ws, frame) {
+    this._ws = ws;
+    this.info = frame;
+    this.sessionId = frame.session_id;
+    this.model = frame.model;
+    this._pings = [];
+    ws.onmessage = (event) => this._onMessage(event.data);
+    ws.onclose = (event) => this._onClose(event);
+    const every = this.options.heartbeatMs ?? 2000;
+    this._sendPing();
+    this._heartbeat = setInterval(() => this._sendPing(), every);
+  }
+
+  _send(text) {
+    if (this.closed) throw new ConnectionClosed(this._closeCode ?? 1006);
+    if (this._ws?.readyState === WebSocket.OPEN) this._ws.send(text);
+    else this._queued = [...(this._queued ?? []), text]; // reconnecting: sent once open again
+  }
+
+  _sendPing() {
+    if (this._ws?.readyState !== WebSocket.OPEN) return;
+    this._pings.push(performance.now());
+    this._ws.send(new Uint8Array([HEARTBEAT_PING, 0]));
+  }
+
+  _onMessage(data) {
+    if (typeof data !== "string") {
+      const bytes = new Uint8Array(data);
+      if (bytes[0] === HEARTBEAT_PING) this._ws.send(new Uint8Array([HEARTBEAT_PONG, 0]));
+      else if (bytes[0] === HEARTBEAT_PONG && this._pings.length) this._onPong(this._pings.shift());
+      return;
+    }
+    const frame = JSON.parse(data);
+    if (frame.type === "session") {
+      this.info = frame;
+      return;
+    }
+    if (frame.type === "pong") return;
+    let generation = this._generations.get(frame.request_id);
+    if (frame.type === "error") {
+      const error = errorFromWire(frame.error, frame.request_id ?? null);
+      if (!generation && this._generations.size === 1) [generation] = this._generations.values();
+      if (generation) {
+        this._generations.delete(generation.requestId);
+        generation._fail(error);
+      } else {
+        this.dispatchEvent(new CustomEvent("error", { detail: { error } }));
+      }
+      return;
+    }
+    if (!generation) return;
+    if (frame.type === "done") this._generations.delete(generation.requestId);
+    generation._frame(frame);
+  }
+
+  _onPong(sentAt) {
+    const sample = performance.now() - sentAt;
+    const alpha = this.options.rttSmoothing ?? 1 / 8;
+    this.rtt = this.rtt === undefined ? sample : this.rtt + alpha * (sample - this.rtt);
+    this.lastRtt = sample;
+    this.dispatchEvent(new CustomEvent("rtt", { detail: { rtt: this.rtt, sample } }));
+  }
+
+  async _onClose(event) {
+    clearInterval(this._heartbeat);
+    const code = this._dropping ? 1006 : event.code;
+    this._dropping = false;
+    if (!this._closing && this._reconnect && RECONNECT_CODES.has(code)) {
+      if (await this._reopen(code)) return;
+    }
+    this._finish(code, event.reason);
+  }
+
+  // A dropped connection: open the same session again and resume the resumable replies; the
+  // others fail at once (their text cannot be read again).
+  async _reopen(code) {
+    const dropped = new ConnectionClosed(code);
+    for (const generation of [...this._generations.values()]) {
+      if (!generation.resumable) {
+        this._generations.delete(generation.requestId);
+        generation._fail(dropped);
+      }
+    }
+    const epoch = this.epoch;
+    const policy = this._reconnect;
+    for (let attempt = 1; attempt <= policy.attempts; attempt++) {
+      this.dispatchEvent(new CustomEvent("reconnecting", { detail: { code, attempt } }));
+      const cap = Math.min(policy.maxDelayMs, policy.firstDelayMs * 2 ** (attempt - 1));
+      await sleep(Math.random() * cap);
+      if (this._closing) return false;
+      let frame;
+      try {
+        frame = await this._open();
+      } catch (error) {
+        if (!(error instanceof ConnectionClosed) && !error.retryable) {
+          this._failAll(error);
+          return false;
+        }
+        continue;
+      }
+      this.reconnects += 1;
+      const resumed = [];
+      for (const generation of this._generations.values()) {
+        const resume = { type: "resume", request_id: generation.requestId, after_seq: generation.lastSeq };
+        if (epoch) resume.epoch = epoch;
+        this._ws.send(JSON.stringify(resume));
+        generation.resumes += 1;
+        resumed.push(generation.requestId);
+      }
+      for (const text of this._queued ?? []) this._ws.send(text);
+      this._queued = [];
+      const epochChanged = Boolean(epoch && frame.epoch !== epoch);
+      this.dispatchEvent(new CustomEvent("reconnected", { detail: { resumed, epochChanged } }));
+      return true;
+    }
+    return false;
+  }
+
+  _failAll(error) {
+    for (const generation of this._generations.values()) generation._fail(error);
+    this._generations.clear();
+  }
+
+  _finish(code, reason) {
+    this.closed = true;
+    this._closeCode = code;
+    const error = new ConnectionClosed(code, reason);
+    this._failAll(error);
+    this.dispatchEvent(new CustomEvent("close", { detail: { code, reason, error } }));
+  }
+}
+
+/**
+ * One reply: `for await (const {text, seq, n} of generation)`. After the loop, `done` holds
+ * the done frame (usage, timing, finish_reason) and `text` the whole reply. An error frame for
+ * the request is thrown by the loop (and by `result()`).
+ */
+export class Generation {
+  constructor(session, frame) {
+    this.session = session;
+    this.requestId = frame.request_id;
+    this.resumable = Boolean(frame.resumable);
+    this.start = null;
+    this.done = null;
+    this.error = null;
+    /** The index of the last token received (-1: none): where a resume starts from. */
+    this.lastSeq = -1;
+    this.resumes = 0;
+    this._parts = [];
+    this._queue = [];
+    this._wake = null;
+  }
+
+  get text() {
+    return this._parts.join("");
+  }
+
+  cancel() {
+    this.session.cancel(this.requestId);
+  }
+
+  /** Wait for the end: the done frame (or the error thrown). */
+  async result() {
+    for await (const _ of this); // eslint-disable-line no-unused-vars
+    return this.done;
+  }
+
+  [Symbol.asyncIterator]() {
+    return {
+      next: async () => {
+        while (this._queue.length === 0) {
+          if (this.error) throw this.error;
+          if (this.done) return { done: true, value: undefined };
+          await new Promise((resolve) => (this._wake = resolve));
+        }
+        return { done: false, value: this._queue.shift() };
+      },
+      return: async () => {
+        if (!this.done && !this.error) this.cancel();
+        return { done: true, value: undefined };
+      },
+    };
+  }
+
+  _frame(frame) {
+    if (frame.type === "start") {
+      this.start ??= frame;
+    } else if (frame.type === "token") {
+      const n = frame.n ?? 1;
+      const last = frame.seq + n - 1;
+      if (last <= this.lastSeq) return; // held already (never sent twice by the server)
+      this.lastSeq = last;
+      this._parts.push(frame.token);
+      this._queue.push({ text: frame.token, seq: frame.seq, n });
+    } else if (frame.type === "done") {
+      this.done = frame;
+      if (frame.text != null && this._parts.length === 0) this._parts.push(frame.text);
+    }
+    this._wakeUp();
+  }
+
+  _fail(error) {
+    this.error = error;
+    this._wakeUp();
+  }
+
+  _wakeUp() {
+    const wake = this._wake;
+    this._wake = null;
+    wake?.();
+  }
+}
+
+function sleep(ms) {
+  return new Promise((resolve) => setTimeout(resolve, ms));
+}
+
+function randomId() {
+  const bytes = crypto.getRandomValues(new Uint8Array(6));
+  return Array.from(bytes, (b) => b.toString(16).padStart(2, "0")).join("");
+}
