@@ -438,3 +438,34 @@ def test_the_resume_suite_clients_drop_and_resume_whole(make_server: Any) -> Non
     results = json.loads(out.stdout)
     assert len(results) == 6 and all(r["whole"] for r in results)
     assert all(r["resume_ms"] > 0 and r["ttft_ms"] > 0 for r in results)
+
+
+def test_the_qos_suite_puts_the_design_table_beside_its_own(tmp_path: Path) -> None:
+    # Suite 11 in its quickest form: one 24 s period, A and B at once against faulty twins.
+    out = tmp_path / "benchmarks.md"
+    result = subprocess.run(
+        [
+            *(sys.executable, "-m", "seedance.bench.suites", "--quick", "--rounds", "1"),
+            *("--suites", "11", "--out", str(out)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    report = out.read_text()
+    assert "## 11. Client-side QoS: the design document's A/B table" in report
+    assert "| 11. Client QoS: retries add at most 10% to B's calls | **met** |" in report
+    cells = [
+        [cell.strip() for cell in line.strip().strip("|").split("|")]
+        for line in report.splitlines()
+        if line.startswith(("| A: ", "| B: "))
+    ]
+    rows = {row[0]: row for row in cells}
+    assert rows["A: baseline (no breaker), design"][2:3] == ["312"]
+    a, b = rows["A: baseline (no breaker), measured"], rows["B: SLA + breaker, measured"]
+    assert a[1] == b[1] == "720"  # the same schedule: 30 requests/s for 24 s
+    assert float(a[6]) > 1 and float(a[7]) == 0  # A: the faults are its errors, no fallback
+    assert float(b[6]) < float(a[6]) and float(b[7]) > 0  # B: fewer errors, some fallbacks
+    assert float(b[9]) <= 1.1
+    assert "| secondary |" in report and "| degraded |" in report

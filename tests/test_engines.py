@@ -7,11 +7,12 @@ import random
 
 import pytest
 
-from seedance.config import ConfigError, ServerConfig
+from seedance.config import ConfigError, ServerConfig, load_config
 from seedance.engines.base import GenerationRequest, SamplingParams, TokenDelta
 from seedance.engines.registry import available_engines, create_engine
 from seedance.engines.stops import StopMatcher
-from seedance.engines.synthetic import SyntheticEngine
+from seedance.engines.synthetic import Faults, SyntheticEngine, SyntheticOptions
+from seedance.protocol.errors import EngineError
 from seedance.protocol.messages import ChatMessage, RequestId
 from tests.support.servers import server_config
 
@@ -149,6 +150,79 @@ async def test_synthetic_respects_the_context_window() -> None:
         ),
     )
     assert sum(d.tokens for d in deltas) == 5
+
+
+async def outcomes(engine: SyntheticEngine, n: int, max_tokens: int = 4) -> list[str]:
+    """Each request's fate: "ok", or "failed after K tokens" (K = 0: before the first)."""
+    fates = []
+    for i in range(n):
+        received = 0
+        try:
+            async for delta in engine.generate(request(f"q{i}", max_tokens=max_tokens)):
+                received += delta.tokens
+        except EngineError:
+            fates.append(f"failed after {received}")
+        else:
+            fates.append("ok")
+    return fates
+
+
+async def test_synthetic_faults_fail_requests_at_their_rate_and_the_same_ones_every_run() -> None:
+    faults = Faults(error_rate=0.1, error_midstream=0.5, seed=7)
+    first = await outcomes(SyntheticEngine(faults=faults), 400)
+    again = await outcomes(SyntheticEngine(faults=faults), 400)
+    other = await outcomes(SyntheticEngine(faults=Faults(error_rate=0.1, seed=8)), 400)
+    assert first == again != other  # the seed decides which requests fail
+    failed = [f for f in first if f != "ok"]
+    assert 25 <= len(failed) <= 55  # 10% of 400
+    before = failed.count("failed after 0")
+    assert 0.3 * len(failed) <= before <= 0.7 * len(failed)  # half of them mid-reply
+    midway = {f for f in failed if f != "failed after 0"}
+    assert midway == {"failed after 1", "failed after 2", "failed after 3"}  # never at the end
+    assert all(f in ("ok", "failed after 0") for f in other)  # none mid-reply by default
+
+
+async def test_synthetic_faults_spike_the_first_token() -> None:
+    engine = SyntheticEngine(ttft_ms=1, faults=Faults(spike_rate=0.5, spike_ms=60, seed=3))
+    loop = asyncio.get_running_loop()
+    firsts = []
+    for i in range(12):
+        started = loop.time()
+        stream = engine.generate(request(f"q{i}", max_tokens=1))
+        await stream.__anext__()
+        firsts.append(loop.time() - started)
+        await stream.aclose()
+    late = [t for t in firsts if t >= 0.06]
+    assert len(late) == engine.stats.spikes_injected and 2 <= len(late) <= 10
+    assert all(t < 0.05 for t in firsts if t < 0.06)
+    assert engine.stats.faults_injected == 0
+
+
+async def test_synthetic_incidents_come_and_go_with_the_clock() -> None:
+    now = [1005.5]  # in the incident that starts at 1005
+    faults = Faults(incident_every_s=20, incident_s=2, incident_error_rate=1.0, incident_at=1005)
+    engine = SyntheticEngine(faults=faults, clock=lambda: now[0])
+    assert await outcomes(engine, 5) == ["failed after 0"] * 5
+    now[0] = 1007.0  # over
+    assert await outcomes(engine, 5) == ["ok"] * 5
+    now[0] = 986.0  # the one before, in step
+    assert await outcomes(engine, 1) == ["failed after 0"]
+    now[0] = 1026.9  # the next one
+    assert await outcomes(engine, 1) == ["failed after 0"]
+    assert engine.stats.faults_injected == 7 and engine.stats.requests_aborted == 7
+    assert engine.stats.active == 0
+
+
+def test_synthetic_fault_options_reach_the_engine() -> None:
+    assert SyntheticEngine(faults=Faults()).faults is None  # nothing to inject: no dice drawn
+    engine = create_engine(
+        server_config(engine="synthetic", error_rate=0.05, spike_rate=0.02, spike_ms=200)
+    )
+    assert isinstance(engine, SyntheticEngine) and engine.faults is not None
+    assert (engine.faults.error_rate, engine.faults.spike_ms) == (0.05, 200)
+    with pytest.raises(ConfigError, match="--synthetic-error-rate"):
+        load_config({"engine": "synthetic", "synthetic_error_rate": "1.5"}, {})
+    assert SyntheticOptions().fault_seed == 0
 
 
 def test_registry_finds_the_builtin_engine() -> None:

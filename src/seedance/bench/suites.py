@@ -777,8 +777,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks.md"))
     parser.add_argument(
         "--suites",
-        default="1,2,3,4,5,6,7,8,9,10",
-        help="which suites to run (default all: 1-10)",
+        default="1,2,3,4,5,6,7,8,9,10,11",
+        help="which suites to run (default all: 1-11)",
     )
     args = parser.parse_args(argv)
     if _cores() < 2:
@@ -788,6 +788,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from seedance.bench.http_suite import http_suite
     from seedance.bench.llama_suite import llama_suite
     from seedance.bench.observability_suite import observability_suite
+    from seedance.bench.qos_suite import qos_suite
     from seedance.bench.resume_suite import resume_suite
 
     report = Report(args.quick, args.rounds, args.out)
@@ -804,6 +805,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "8": functools.partial(observability_suite, report),
         "9": functools.partial(resume_suite, report),
         "10": functools.partial(cluster_suite, report),
+        "11": functools.partial(qos_suite, report),
     }
     for key in sorted(chosen, key=int):
         suites[key]()

@@ -6,6 +6,15 @@ text, token for token. Exactly ``max_tokens`` tokens are produced unless a stop 
 rest (0 = as fast as the event loop allows). With ``echo`` the reply is the last message's text,
 token by token, and ends (``stop``) after it: what a test needs to put chosen text, hostile HTML
 say, in a model's reply.
+
+With :class:`Faults` it is a faulty upstream, per request: a share of the requests fail with
+``engine_error`` (before the first token, where it was due, or, for ``error_midstream`` of
+them, after a random token of the reply), a share have their first token late by ``spike_ms``,
+and incidents come and go: the first ``incident_s`` of every ``incident_every_s``, counted from
+the Unix time ``incident_at`` (so that processes on one machine agree when they are), fail at
+``incident_error_rate`` instead of ``error_rate``. Every request draws the same four numbers
+from one generator seeded with ``seed``, whatever happens to it: the n-th request the engine
+serves meets the same dice in every run, and only the incidents depend on the time.
 """
 
 from __future__ import annotations
@@ -14,7 +23,8 @@ import asyncio
 import hashlib
 import random
 import re
-from collections.abc import AsyncGenerator, Iterator
+import time
+from collections.abc import AsyncGenerator, Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
@@ -22,6 +32,8 @@ from seedance.config import Option, boolean, non_negative
 from seedance.engines.base import Engine, GenerationRequest, ModelInfo, TokenDelta
 from seedance.engines.registry import EngineSpec
 from seedance.engines.stops import StopMatcher
+from seedance.protocol.errors import EngineError
+from seedance.protocol.messages import FinishReason
 
 if TYPE_CHECKING:
     from seedance.config import ServerConfig
@@ -62,6 +74,34 @@ class SyntheticStats:
     requests_finished: int = 0
     requests_aborted: int = 0
     active: int = 0
+    faults_injected: int = 0  # requests failed on purpose (before or after the first token)
+    spikes_injected: int = 0  # requests whose first token was made late on purpose
+
+
+@dataclass(frozen=True, slots=True)
+class Faults:
+    """What goes wrong, per request (see the module): rates are shares of the requests."""
+
+    error_rate: float = 0.0
+    error_midstream: float = 0.0  # share of the failures that come after the first token
+    spike_rate: float = 0.0
+    spike_ms: float = 0.0
+    incident_every_s: float = 0.0  # 0: no incidents
+    incident_s: float = 0.0
+    incident_error_rate: float = 0.0
+    incident_at: float = 0.0  # Unix time an incident starts (the others: every incident_every_s)
+    seed: int = 0
+
+    @property
+    def active(self) -> bool:
+        return bool(self.error_rate or self.spike_rate or self.incident_error_rate)
+
+    def error_rate_at(self, now: float) -> float:
+        """The chance that a request started at ``now`` (Unix time) fails."""
+        every = self.incident_every_s
+        if every > 0 and (now - self.incident_at) % every < self.incident_s:
+            return self.incident_error_rate
+        return self.error_rate
 
 
 class SyntheticEngine(Engine):
@@ -78,6 +118,8 @@ class SyntheticEngine(Engine):
         max_output_tokens: int = 16384,
         max_concurrency: int = 1024,
         echo: bool = False,
+        faults: Faults | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self._info = ModelInfo(
             name=name,
@@ -89,6 +131,9 @@ class SyntheticEngine(Engine):
         self.interval_s = 1.0 / tokens_per_s if tokens_per_s > 0 else 0.0
         self.max_concurrency = max_concurrency
         self.echo = echo
+        self.faults = faults if faults is not None and faults.active else None
+        self._clock = clock
+        self._dice = random.Random(faults.seed if faults is not None else 0)
         self.stats = SyntheticStats()
 
     @property
@@ -110,16 +155,20 @@ class SyntheticEngine(Engine):
             limit = max(0, min(params.max_tokens, room))
             matcher = StopMatcher(params.stop)
             loop = asyncio.get_running_loop()
-            start = loop.time() + self.ttft_s
+            late, fail_at = self._roll(limit) if self.faults is not None else (0.0, -1)
+            start = loop.time() + self.ttft_s + late
             words = _echo(request) if self.echo else _sentence(rng)
             for _ in range(request.continuation_tokens):  # the same reply, from where it was
                 next(words, None)
-            reason = "length"
+            reason: FinishReason = "length"
             for i in range(limit):
                 due = start + i * self.interval_s
                 delay = due - loop.time()
                 # Always yield to the loop: an unpaced stream must not starve the others.
                 await asyncio.sleep(delay if delay > 0 else 0)
+                if i == fail_at:
+                    stats.faults_injected += 1
+                    raise EngineError("the model failed (a fault injected on purpose); retry")
                 piece = next(words, None)
                 if piece is None:  # an echo ends with its text
                     reason = "stop"
@@ -141,6 +190,23 @@ class SyntheticEngine(Engine):
                 stats.requests_finished += 1
             else:
                 stats.requests_aborted += 1
+
+    def _roll(self, limit: int) -> tuple[float, int]:
+        """This request's faults: extra seconds before its first token, and the index of the
+        token it fails at instead of sending (-1: it does not fail)."""
+        faults = self.faults
+        assert faults is not None
+        dice = self._dice
+        fails, midstream, spike, where = (dice.random() for _ in range(4))
+        late = 0.0
+        if spike < faults.spike_rate:
+            late = faults.spike_ms / 1000.0
+            self.stats.spikes_injected += 1
+        if fails >= faults.error_rate_at(self._clock()):
+            return late, -1
+        if midstream < faults.error_midstream and limit > 1:
+            return late, 1 + int(where * (limit - 1))  # after token 1 .. limit - 1
+        return late, 0
 
 
 def _seed_of(request: GenerationRequest) -> int:
@@ -179,6 +245,19 @@ class SyntheticOptions:
     ttft_ms: float = 0.0
     tokens_per_s: float = 0.0
     echo: bool = False
+    error_rate: float = 0.0
+    error_midstream: float = 0.0
+    spike_rate: float = 0.0
+    spike_ms: float = 0.0
+    incident_every_s: float = 0.0
+    incident_s: float = 0.0
+    incident_error_rate: float = 0.0
+    incident_at: float = 0.0
+    fault_seed: int = 0
+
+
+def _share(v: float) -> bool:
+    return 0 <= v <= 1
 
 
 OPTIONS = (
@@ -199,6 +278,69 @@ OPTIONS = (
         "0 or more",
     ),
     Option("echo", "--synthetic-echo", boolean, "reply with the last message's text"),
+    Option(
+        "error_rate",
+        "--synthetic-error-rate",
+        float,
+        "share of the requests that fail with engine_error",
+        _share,
+        "0 to 1",
+    ),
+    Option(
+        "error_midstream",
+        "--synthetic-error-midstream",
+        float,
+        "share of those failures that come after the first token",
+        _share,
+        "0 to 1",
+    ),
+    Option(
+        "spike_rate",
+        "--synthetic-spike-rate",
+        float,
+        "share of the requests whose first token is late",
+        _share,
+        "0 to 1",
+    ),
+    Option(
+        "spike_ms",
+        "--synthetic-spike-ms",
+        float,
+        "how late, ms",
+        non_negative,
+        "0 or more",
+    ),
+    Option(
+        "incident_every_s",
+        "--synthetic-incident-every-s",
+        float,
+        "an incident starts every so many seconds (0: none)",
+        non_negative,
+        "0 or more",
+    ),
+    Option(
+        "incident_s",
+        "--synthetic-incident-s",
+        float,
+        "how long each incident lasts, s",
+        non_negative,
+        "0 or more",
+    ),
+    Option(
+        "incident_error_rate",
+        "--synthetic-incident-error-rate",
+        float,
+        "share of the requests that fail during an incident",
+        _share,
+        "0 to 1",
+    ),
+    Option(
+        "incident_at",
+        "--synthetic-incident-at",
+        float,
+        "Unix time at which an incident starts (the others: before and after it, in step)",
+    ),
+    Option("fault_seed", "--synthetic-fault-seed", int, "seed of the fault draws"),
 )
 
 
@@ -208,6 +350,17 @@ def create_engine(config: ServerConfig, options: SyntheticOptions) -> SyntheticE
         ttft_ms=options.ttft_ms,
         tokens_per_s=options.tokens_per_s,
         echo=options.echo,
+        faults=Faults(
+            error_rate=options.error_rate,
+            error_midstream=options.error_midstream,
+            spike_rate=options.spike_rate,
+            spike_ms=options.spike_ms,
+            incident_every_s=options.incident_every_s,
+            incident_s=options.incident_s,
+            incident_error_rate=options.incident_error_rate,
+            incident_at=options.incident_at,
+            seed=options.fault_seed,
+        ),
     )
 
 
