@@ -22,6 +22,7 @@ from seedance.bench.metrics import Distribution, Sample, percentile, summarize
 from seedance.bench.peers.openai_sse import create_app as openai_app
 from seedance.engines.synthetic import SyntheticEngine
 from tests.support.servers import SEEDANCE, RunningServer, asgi_server, slow_engine
+from tests.support.tools import tool
 
 pytestmark = pytest.mark.bench
 
@@ -469,3 +470,27 @@ def test_the_qos_suite_puts_the_design_table_beside_its_own(tmp_path: Path) -> N
     assert float(b[6]) < float(a[6]) and float(b[7]) > 0  # B: fewer errors, some fallbacks
     assert float(b[9]) <= 1.1
     assert "| secondary |" in report and "| degraded |" in report
+
+
+def test_the_browser_suite_times_each_appended_window(tmp_path: Path) -> None:
+    # Suite 12 in its quick form: headless Chromium, 4 replies of 1,024 tokens per window size.
+    tool("chromium", "chromium")
+    out = tmp_path / "benchmarks.md"
+    result = subprocess.run(
+        [
+            *(sys.executable, "-m", "seedance.bench.suites", "--quick", "--rounds", "1"),
+            *("--suites", "12", "--out", str(out)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stderr
+    report = out.read_text()
+    assert "## 12. Rendering in the browser" in report and "Headless Chromium 1" in report
+    for window, rtt, target in ((128, 80, 16), (64, 160, 22), (32, 200, 12)):
+        row = next(line for line in report.splitlines() if line.startswith(f"| {window} tokens"))
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        assert cells[0] == f"{window} tokens ({rtt} ms)" and int(cells[1]) >= 4
+        assert cells[3] == f"< {target} ms"
+        assert f"main thread per appended window of {window} tokens" in report

@@ -192,3 +192,22 @@ async def test_the_health_score_reaches_the_server_and_degrades_the_client(
     count = value(samples, "seedance_slo_client_health_score_count", slatag="sdk_health")
     total = value(samples, "seedance_slo_client_health_score_sum", slatag="sdk_health")
     assert count == 4 and total < 4 * 0.8  # 1.0 first, then lower
+
+
+async def test_calls_at_once_take_sessions_of_their_own_and_start_afresh(
+    make_server: Callable[..., RunningServer],
+) -> None:
+    """A session runs one reply at a time: concurrent calls through one client each take an
+    idle session or open one (none meets session_busy), and each call resets its context."""
+    server = make_server([slow_engine(tokens_per_s=200)])
+    client = ResilientClient([server.url])
+    try:
+        replies = await asyncio.gather(*(client.complete(f"q{i}", max_tokens=20) for i in range(6)))
+        assert all(r.source == "endpoint" and r.reason is None for r in replies)
+        sessions = client._sessions[(server.url, None)]
+        assert len(sessions) == 6
+        again = await asyncio.gather(*(client.complete("x", max_tokens=3) for _ in range(3)))
+        assert len(sessions) == 6 and all(r.source == "endpoint" for r in again)  # reused
+        assert all(r.done is not None and r.done.usage.prompt_tokens < 30 for r in again)
+    finally:
+        await client.close()

@@ -18,10 +18,9 @@ other suites, would double the run: an incident period is long). Each client run
 periods back to back; figures are over every request of them.
 
 A client is one process (``python -m seedance.bench.qos_suite``) on the client core, with
-``CONCURRENCY`` workers: a ResilientClient holds one session per endpoint and a session runs
-one request at a time, so each worker has a client of its own, all sharing one set of breakers,
-one retry budget, one cache and one health score (what one service holding a pool of
-connections would do).
+``CONCURRENCY`` workers: A's each hold a session (a session runs one request at a time); B's
+share one ResilientClient (one set of breakers, one retry budget, one cache, one health score:
+one service), which takes an idle session per call or opens another.
 """
 
 from __future__ import annotations
@@ -166,35 +165,28 @@ async def run_client(plan: Plan) -> dict[str, Any]:
     def on_breaker(url: str, old: str, new: str, why: str) -> None:
         events.append((round(loop.time() - zero, 3), new, why))
 
-    clients: list[Any] = []
-    resilient: list[ResilientClient] = []
     policy = BreakerPolicy(window_s=plan.window_s, cooldown_s=plan.cooldown_s)
 
-    def share() -> None:
-        """One service: one set of breakers, one budget, one health score (fresh ones)."""
-        breakers = {url: CircuitBreaker(url, policy, on_breaker) for url in plan.urls}
-        budget, health = RetryBudget(), HealthScore(plan.sla_ttft_s)
-        for client in resilient:
-            client.breakers, client.budget, client.health = breakers, budget, health
+    def resilient() -> ResilientClient:
+        """One service's client, shared by every worker (a session per call in flight)."""
+        return ResilientClient(
+            plan.urls,
+            qos=QoS("high", slatag=SLATAG),
+            sla_ttft_s=plan.sla_ttft_s,
+            first_token_timeout_s=plan.sla_ttft_s,
+            breaker=policy,
+            cache=ResponseCache(),
+            degraded_reply=DEGRADED,
+            on_breaker=on_breaker,
+        )
 
+    clients: list[Any]
     if plan.group == "a":
         clients = list(
             await asyncio.gather(*(connect(plan.urls[0]) for _ in range(plan.concurrency)))
         )
     else:
-        cache = ResponseCache()
-        for _ in range(plan.concurrency):
-            client = ResilientClient(
-                plan.urls,
-                qos=QoS("high", slatag=SLATAG),
-                sla_ttft_s=plan.sla_ttft_s,
-                first_token_timeout_s=plan.sla_ttft_s,
-                breaker=policy,
-                cache=cache,
-                degraded_reply=DEGRADED,
-            )
-            resilient.append(client)
-        clients = resilient
+        clients = [resilient()] * plan.concurrency
 
     async def ask(client: Any, prompt: str, max_tokens: int, first: list[float]) -> tuple[str, str]:
         """One request: what served it and why not the primary; ``first`` gets the loop time
@@ -214,9 +206,13 @@ async def run_client(plan: Plan) -> dict[str, Any]:
     # Warm-up, one request per worker: connections open (B's to the secondary stay lazy).
     warm = [ask(c, "warm-up", 1, []) for c in clients]
     await asyncio.gather(*warm, return_exceptions=True)
-    # Forget what the warm-up taught: 48 calls at once on a busy loop can miss the SLA and open
-    # the breaker before the schedule starts (it did, in --quick, with its 1 s window).
-    share()
+    if plan.group == "b":
+        # Forget what the warm-up taught (48 calls at once on a busy loop can miss the SLA
+        # and open the breaker before the schedule starts; it did, in --quick, with its 1 s
+        # window), keeping the sessions it opened.
+        client = clients[0]
+        client.breakers = {url: CircuitBreaker(url, policy, on_breaker) for url in plan.urls}
+        client.budget, client.health = RetryBudget(), HealthScore(plan.sla_ttft_s)
     events.clear()
     served_before = sum(requests_served(url) for url in plan.urls)
     late = loop.time() - zero  # > 0: the schedule starts late, in a burst
@@ -255,13 +251,13 @@ async def run_client(plan: Plan) -> dict[str, Any]:
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-    await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)
+    await asyncio.gather(*(c.close() for c in set(clients)), return_exceptions=True)
     return {
         "late_s": round(late, 3),
         "calls": sum(requests_served(url) for url in plan.urls) - served_before,
         "results": results,
         "breaker": events,
-        "retries": resilient[0].budget.retries if resilient else 0,
+        "retries": clients[0].budget.retries if plan.group == "b" else 0,
     }
 
 
@@ -482,9 +478,10 @@ def _section(
             "then the fallbacks: a secondary endpoint (a smaller model: "
             f"{SECONDARY_TTFT_MS} ms, {SECONDARY_TOKENS_PER_S} tokens/s, no faults) within the "
             "10% retry budget, the response cache, a degraded reply.",
-            f"- Each client runs {CONCURRENCY} workers with a client each (a session runs one "
-            "request at a time); B's share one set of breakers, one budget, one cache and one "
-            "health score, as one service would.",
+            f"- Each client runs {CONCURRENCY} workers. A's hold a session each (a session runs "
+            "one request at a time); B's share one `ResilientClient`, as one service would: one "
+            "set of breakers, one budget, one cache, one health score, and a session per call "
+            "in flight.",
             "",
             "**Latency is time to the first token** (of whatever served the reply; for a request "
             "that failed before it, time to the error), counted from when the request was due; "
@@ -515,17 +512,14 @@ def _section(
             "window's calls failed to open, so it trails an incident by about half a window "
             "and keeps the primary out for its cool-down after it: it spares B little of a "
             "short incident, and the fallbacks below it do the rest.",
-            f"- B retried {out['b']['retries']:,} time(s). The retry budget banks at most one "
-            "retry (`RetryBudget` caps its balance at max(1, 10 x ratio)), so a fault within "
-            "ten calls of the last retry goes to the cache or the degraded reply even when "
-            "faults are rare: the cache and degraded rows with *first token late* or "
-            "*engine_error*.",
+            f"- B retried {out['b']['retries']:,} time(s): the retry budget allows a tenth of "
+            "the calls, saved up to a burst of 10; a fault with the budget spent goes to the "
+            "cache or the degraded reply (the cache and degraded rows with *first token late* "
+            "or *engine_error*).",
             *(
                 [
-                    f"- {busy} fallback(s) met `session_busy` on the primary: after a "
-                    "first-token timeout the SDK sends `cancel` and moves on, and the worker's "
-                    "next request on that session can reach the server before the cancelled "
-                    "one has ended."
+                    f"- {busy} fallback(s) met `session_busy` on the primary (a session given "
+                    "a call while a cancelled reply of its own was still ending)."
                 ]
                 if busy
                 else []

@@ -777,12 +777,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks.md"))
     parser.add_argument(
         "--suites",
-        default="1,2,3,4,5,6,7,8,9,10,11",
-        help="which suites to run (default all: 1-11)",
+        default="1,2,3,4,5,6,7,8,9,10,11,12",
+        help="which suites to run (default all: 1-12)",
     )
     args = parser.parse_args(argv)
     if _cores() < 2:
         print("note: fewer than 2 cores; server and load generator share them", file=sys.stderr)
+    from seedance.bench.browser_suite import browser_suite
     from seedance.bench.cluster_suite import cluster_suite
     from seedance.bench.gateway_suite import gateway_suite
     from seedance.bench.http_suite import http_suite
@@ -806,6 +807,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "9": functools.partial(resume_suite, report),
         "10": functools.partial(cluster_suite, report),
         "11": functools.partial(qos_suite, report),
+        "12": functools.partial(browser_suite, report),
     }
     for key in sorted(chosen, key=int):
         suites[key]()

@@ -16,6 +16,10 @@ budget, and a chain of fallbacks tried only before a reply's first token.
         print(chunk.text, end="")
     print(reply.source, reply.reason)   # "endpoint", None / "cache", "ws://primary...: ..."
 
+**Calls** are independent (each resets its session's context unless ``reset=False``; send a
+conversation as ``messages``) and may run at once: a session runs one reply at a time, so each
+call in flight takes an idle session of its endpoint or opens one.
+
 **Health score** (:class:`HealthScore`): each of the last 10 calls scores 1 when its first
 token came within the SLA (``sla_ttft_s``), ``sla / ttft`` when later, 0 when it failed; the
 health is their mean weighted by recency (the newest call weighs 10, the oldest 1), 1.0 before
@@ -32,9 +36,10 @@ failure opens it again. Every change is logged and passed to ``on_breaker``.
 
 **Fallbacks**, in order, and only while no token of the reply has arrived (a reply is never
 replayed as a new one): the next endpoint (spending the retry budget when the previous one was
-tried: retries add at most 10% to the calls), a reply from the local cache of earlier replies to
-the same request, then the declared degraded reply. The reply says which (``source``) and why
-(``reason``). An error after the first token is raised as it is.
+tried: retries add at most 10% to the calls, saved up to a burst of 10), a reply from the
+local cache of earlier replies to the same request, then the declared degraded reply. The
+reply says which (``source``) and why (``reason``). An error after the first token is raised as
+it is.
 """
 
 from __future__ import annotations
@@ -166,17 +171,20 @@ class CircuitBreaker:
 
 
 class RetryBudget:
-    """Retries allowed: ``ratio`` of the calls made (each call adds ``ratio``, a retry spends 1)."""
+    """Retries allowed: ``ratio`` of the calls made (each call adds ``ratio``, a retry spends
+    1), saved up to ``burst`` retries, so that a burst of failures after a calm spell can retry
+    that many in a row. Over any run, retries <= ``ratio`` x calls."""
 
-    def __init__(self, ratio: float = 0.1) -> None:
+    def __init__(self, ratio: float = 0.1, burst: float = 10.0) -> None:
         self.ratio = ratio
+        self.burst = burst
         self._balance = 0.0
         self.calls = 0
         self.retries = 0
 
     def called(self) -> None:
         self.calls += 1
-        self._balance = min(self._balance + self.ratio, max(1.0, 10 * self.ratio))
+        self._balance = min(self._balance + self.ratio, self.burst)
 
     @property
     def available(self) -> bool:
@@ -315,12 +323,17 @@ class ResilientClient:
         self.degraded_reply = degraded_reply
         self.degrade = degrade
         self._options = {"reconnect": None, **connect_options}
-        self._sessions: dict[tuple[str, str | None], ClientSession] = {}
+        # Sessions by (endpoint, model): a session runs one reply at a time, so concurrent
+        # calls take an idle one or open another.
+        self._sessions: dict[tuple[str, str | None], list[ClientSession]] = {}
 
     def generate(self, prompt: str, **fields: Any) -> Reply:
-        """Ask for a reply (``fields`` as :meth:`ClientSession.generate`; replies stream)."""
+        """Ask for a reply (``fields`` as :meth:`ClientSession.generate`; replies stream).
+        Calls are independent: each resets its session's context (any endpoint may answer it;
+        send a conversation as ``messages``), unless ``reset=False`` is given."""
         if not fields.get("stream", True):
             raise ValueError("a ResilientClient's replies stream (stream=False is not offered)")
+        fields.setdefault("reset", True)
         return Reply(self, prompt, fields)
 
     async def complete(self, prompt: str, **fields: Any) -> Reply:
@@ -329,7 +342,8 @@ class ResilientClient:
         return reply
 
     async def close(self) -> None:
-        sessions, self._sessions = list(self._sessions.values()), {}
+        sessions = [s for pool in self._sessions.values() for s in pool]
+        self._sessions = {}
         await asyncio.gather(*(s.close() for s in sessions), return_exceptions=True)
 
     # ------------------------------------------------------------------ a call
@@ -404,11 +418,15 @@ class ResilientClient:
         return TokenChunk(cached, 0, 1)
 
     async def _session(self, url: str, model: str | None) -> ClientSession:
-        key = (url, model)
-        session = self._sessions.get(key)
-        if session is None or session.closed:
-            session = await connect(url, model=model, qos=self.qos, **self._options)
-            self._sessions[key] = session
+        """An idle session to ``url``, opened when there is none. (The caller's generate then
+        claims it before anything else runs: no await between the two.)"""
+        pool = self._sessions.setdefault((url, model), [])
+        pool[:] = [s for s in pool if not s.closed]
+        for session in pool:
+            if not session.busy:
+                return session
+        session = await connect(url, model=model, qos=self.qos, **self._options)
+        pool.append(session)
         return session
 
 

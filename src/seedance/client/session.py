@@ -219,6 +219,11 @@ class ClientSession:
         return self._closed is not None
 
     @property
+    def busy(self) -> bool:
+        """A reply is running on the session (a session runs one at a time)."""
+        return bool(self._streams)
+
+    @property
     def close_code(self) -> int | None:
         return self._closed.received_code if self._closed else None
 

@@ -176,6 +176,8 @@ export declare class Session extends EventTarget {
   readonly lastRtt: number | undefined;
   readonly reconnects: number;
   readonly closed: boolean;
+  /** A reply is running on the session (a session runs one at a time). */
+  readonly busy: boolean;
   qos: QoS | string | undefined;
   generate(prompt: string | GenerateFields, fields?: GenerateFields): Generation;
   cancel(requestId?: string): void;
@@ -234,7 +236,8 @@ export declare class CircuitBreaker {
 }
 
 export declare class RetryBudget {
-  constructor(ratio?: number);
+  /** `ratio` of the calls (default 0.1), saved up to `burst` retries (default 10). */
+  constructor(ratio?: number, burst?: number);
   readonly calls: number;
   readonly retries: number;
   readonly available: boolean;
@@ -282,6 +285,8 @@ export declare class Reply implements AsyncIterable<TokenChunk> {
   [Symbol.asyncIterator](): AsyncIterator<TokenChunk>;
 }
 
+/** Calls are independent: each resets its session's context unless `reset: false` is given;
+ * concurrent calls use sessions of their own. */
 export declare class ResilientClient {
   constructor(endpoints: string[], options?: ResilientOptions);
   readonly health: HealthScore;

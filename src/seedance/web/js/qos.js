@@ -115,10 +115,13 @@ export class CircuitBreaker {
   }
 }
 
-/** Retries allowed: `ratio` of the calls made (each call adds `ratio`, a retry spends 1). */
+/** Retries allowed: `ratio` of the calls made (each call adds `ratio`, a retry spends 1),
+ * saved up to `burst` retries, so that a burst of failures after a calm spell can retry that
+ * many in a row. Over any run, retries <= ratio x calls. */
 export class RetryBudget {
-  constructor(ratio = 0.1) {
+  constructor(ratio = 0.1, burst = 10) {
     this.ratio = ratio;
+    this.burst = burst;
     this.balance = 0;
     this.calls = 0;
     this.retries = 0;
@@ -126,7 +129,7 @@ export class RetryBudget {
 
   called() {
     this.calls += 1;
-    this.balance = Math.min(this.balance + this.ratio, Math.max(1, 10 * this.ratio));
+    this.balance = Math.min(this.balance + this.ratio, this.burst);
   }
 
   get available() {
@@ -241,16 +244,18 @@ export class ResilientClient {
     this.degradedReply = options.degradedReply ?? null;
     this.degrade = options.degrade ?? null;
     this.connectOptions = { reconnect: false, ...options.connectOptions };
-    this._sessions = new Map();
+    this._sessions = new Map(); // "url model" -> sessions (each runs one reply at a time)
   }
 
-  /** Ask for a reply (fields as Session.generate's; replies stream). */
+  /** Ask for a reply (fields as Session.generate's; replies stream). Calls are independent:
+   * each resets its session's context (any endpoint may answer it; send a conversation as
+   * `messages`), unless `reset: false` is given. */
   generate(prompt, fields = {}) {
-    return new Reply(this, prompt, fields);
+    return new Reply(this, prompt, { reset: true, ...fields });
   }
 
   close() {
-    for (const session of this._sessions.values()) session.close();
+    for (const pool of this._sessions.values()) for (const session of pool) session.close();
     this._sessions.clear();
   }
 
@@ -292,7 +297,13 @@ export class ResilientClient {
         // The timeout covers connecting too; an attempt it gave up on asks for nothing.
         let abandoned = false;
         const attempt = async () => {
-          const session = await this._session(url, model);
+          // An idle session, else a new one; the generate claims it in the same tick (no await
+          // between), so that concurrent calls never share a session (one reply at a time).
+          let session = this._idle(url, model);
+          if (!session) {
+            session = await connect(url, { ...this.connectOptions, model: model ?? undefined, qos: this.qos });
+            this._pool(url, model).push(session);
+          }
           if (abandoned) return { done: true };
           generation = session.generate(reply.prompt, { ...fields, qos });
           return generation[Symbol.asyncIterator]().next();
@@ -325,14 +336,15 @@ export class ResilientClient {
     throw new NoReply(reply.reason);
   }
 
-  async _session(url, model) {
+  _pool(url, model) {
     const key = `${url} ${model}`;
-    let session = this._sessions.get(key);
-    if (!session || session.closed) {
-      session = await connect(url, { ...this.connectOptions, model: model ?? undefined, qos: this.qos });
-      this._sessions.set(key, session);
-    }
-    return session;
+    const pool = (this._sessions.get(key) ?? []).filter((session) => !session.closed);
+    this._sessions.set(key, pool);
+    return pool;
+  }
+
+  _idle(url, model) {
+    return this._pool(url, model).find((session) => !session.busy);
   }
 }
 

@@ -162,6 +162,11 @@ export class Session extends EventTarget {
     return this.info?.epoch;
   }
 
+  /** A reply is running on the session (a session runs one at a time). */
+  get busy() {
+    return this._generations.size > 0;
+  }
+
   /** Ask for a reply: `generate("hello", {max_tokens: 64, resumable: true})`, or
    * `generate({messages: [...]})`. Fields are those of the protocol's generate frame. */
   generate(prompt, fields = {}) {
