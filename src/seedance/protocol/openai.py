@@ -21,7 +21,7 @@ from seedance.protocol.messages import ChatMessage, Generate
 #: ``max_tokens`` of ``/v1/completions`` when absent (OpenAI's default).
 COMPLETIONS_DEFAULT_MAX_TOKENS: Final = 16
 
-_ROLES: Final = {
+ROLES: Final = {
     "system": "system",
     "developer": "system",
     "user": "user",
@@ -98,7 +98,7 @@ _completion_decoder = msgspec.json.Decoder(_CompletionBody)
 
 def decode_chat(body: bytes, limits: FrameLimits) -> OpenAIRequest:
     """A ``/v1/chat/completions`` body."""
-    parsed = _decode(_chat_decoder, body)
+    parsed = decode_body(_chat_decoder, body)
     messages = [_message(i, m) for i, m in enumerate(parsed.messages)]
     if not messages:
         raise InvalidRequest("messages must hold at least one message")
@@ -110,7 +110,7 @@ def decode_chat(body: bytes, limits: FrameLimits) -> OpenAIRequest:
 
 def decode_completion(body: bytes, limits: FrameLimits) -> OpenAIRequest:
     """A ``/v1/completions`` body (one prompt)."""
-    parsed = _decode(_completion_decoder, body)
+    parsed = decode_body(_completion_decoder, body)
     prompt = parsed.prompt
     if isinstance(prompt, list):
         if len(prompt) != 1:
@@ -122,7 +122,7 @@ def decode_completion(body: bytes, limits: FrameLimits) -> OpenAIRequest:
     return _request("completion", parsed, limits, max_tokens, prompt=prompt)
 
 
-def _decode(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
+def decode_body(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
     try:
         return decoder.decode(body)
     except msgspec.ValidationError as exc:
@@ -136,7 +136,7 @@ def _decode(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
 
 
 def _message(index: int, message: _Message) -> ChatMessage:
-    role = _ROLES.get(message.role)
+    role = ROLES.get(message.role)
     if role is None:
         raise InvalidRequest(
             f"messages[{index}].role: {message.role!r} is not supported "

@@ -28,6 +28,7 @@ from seedance.server.admin import admin_routes
 from seedance.server.endpoint import InferEndpoint
 from seedance.server.errors import EXCEPTION_HANDLERS
 from seedance.server.openai_api import OpenAIEndpoint, StreamsEndpoint, authenticate_http
+from seedance.server.responses_api import ResponseEndpoint, ResponsesEndpoint
 from seedance.server.state import ServerState
 from seedance.server.web import web_routes
 from seedance.sessions.store import SessionStore
@@ -128,6 +129,17 @@ def create_app(
             Route("/v1/chat/completions", OpenAIEndpoint(state, "chat"), methods=["POST"]),
             Route("/v1/completions", OpenAIEndpoint(state, "completion"), methods=["POST"]),
             Route("/v1/streams/{request_id}", StreamsEndpoint(state), methods=["GET"]),
+            Route("/v1/responses", ResponsesEndpoint(state), methods=["POST"]),
+            Route(
+                "/v1/responses/{response_id}",
+                ResponseEndpoint(state),
+                methods=["GET", "DELETE"],
+            ),
+            Route(
+                "/v1/responses/{response_id}/cancel",
+                ResponseEndpoint(state, "cancel"),
+                methods=["POST"],
+            ),
             *admin_routes(state),
             *([] if config.no_playground else web_routes()),
         ],

@@ -22,7 +22,7 @@ import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import msgspec
 
@@ -56,8 +56,8 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 _encode = msgspec.json.Encoder().encode
-_JSON_HEADERS: Final = [(b"content-type", b"application/json")]
-_SSE_HEADERS: Final = [
+JSON_HEADERS: Final = [(b"content-type", b"application/json")]
+SSE_HEADERS: Final = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
@@ -67,8 +67,16 @@ HIGH_WATER_BYTES: Final = 64 * 1024
 SHUTTING_DOWN: Final = "the server is shutting down; retry on another server"
 
 
-class _Disconnected(Exception):
+class Disconnected(Exception):
     """The client went away."""
+
+
+class HttpEndpoint(Protocol):
+    """What an :class:`HttpCall` knows of the endpoint it serves."""
+
+    kind: str  # for the log line
+    operation: str  # the trace's operation name
+    path: str
 
 
 class OpenAIEndpoint:
@@ -96,8 +104,8 @@ class OpenAIEndpoint:
             # The door first: a caller that is not let in costs no body read and no parse.
             call.principal = authenticate_http(self.state, scope)
             call.authenticated = True
-            body = await _read_body(receive, self.state.config.max_frame_bytes)
-        except _Disconnected:
+            body = await read_body(receive, self.state.config.max_frame_bytes)
+        except Disconnected:
             call.ended()
             return
         except SeedanceError as exc:
@@ -120,7 +128,7 @@ class HttpCall:
         request_id: RequestId,
         scope: Scope,
         send: Send,
-        endpoint: OpenAIEndpoint | None = None,
+        endpoint: HttpEndpoint | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.operation = endpoint.operation if endpoint is not None else "stream"
@@ -186,11 +194,12 @@ class HttpCall:
         await self.relay(generation.log, generation)
 
     def _admit(self, body: bytes) -> Generation:
-        assert self.endpoint is not None
+        endpoint = self.endpoint
+        assert isinstance(endpoint, OpenAIEndpoint)
         state = self.state
         tenant = self.principal.tenant
-        limits = self.endpoint.limits.capped(tenant.quotas.max_tokens)
-        self.request = request = self.endpoint._decode(body, limits)
+        limits = endpoint.limits.capped(tenant.quotas.max_tokens)
+        self.request = request = endpoint._decode(body, limits)
         self.model = model = state.resolve_model(request.model)
         check_model(self.principal, model.name, state.models)
         message = request.generate
@@ -213,7 +222,7 @@ class HttpCall:
             self.request_id,
             self.received,
             prompt=prompt,
-            operation=self.endpoint.operation,
+            operation=endpoint.operation,
             trace=self.trace,
         )
         return generation
@@ -236,7 +245,7 @@ class HttpCall:
                 if log.stream:
                     text, last_seq = follower.take()
                     if not self.started and text:  # headers with the first text
-                        await self._start(200, _SSE_HEADERS)
+                        await self._start(200, SSE_HEADERS)
                         if chunks.chat:  # the role comes first, as OpenAI sends it
                             await self._event(chunks.delta({"role": "assistant", "content": ""}))
                     if text:
@@ -281,14 +290,14 @@ class HttpCall:
         }
         if log.stream:
             if not self.started:
-                await self._start(200, _SSE_HEADERS)
+                await self._start(200, SSE_HEADERS)
             await self._event(chunks.delta(None, end.finish_reason))
             if log.meta and log.meta.get("include_usage"):
                 await self._event(chunks.usage(usage))
             await self.send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
         else:
             whole = chunks.whole("".join(log.texts), end.finish_reason, usage)
-            await self._respond(200, _JSON_HEADERS, whole)
+            await self._respond(200, JSON_HEADERS, whole)
 
     async def fail(self, error: SeedanceError) -> None:
         """Refused before a generation started: counted, audited, answered."""
@@ -303,7 +312,7 @@ class HttpCall:
 
     async def _render_error(self, error: SeedanceError) -> None:
         if not self.started:
-            headers = [*_JSON_HEADERS, *error_headers(error)]
+            headers = [*JSON_HEADERS, *error_headers(error)]
             await self._respond(error.http_status, headers, error_body(error))
             return
         # Mid-stream: the status is already 200; the error travels as an event, then the end.
@@ -479,6 +488,11 @@ class StreamsEndpoint:
             after_seq = _cursor(scope, request_id)
             tenant = call.principal.name
             log = await self.state.streams.find(tenant, request_id, request_id, None)
+            if log.meta is None or "kind" not in log.meta:  # a /v1/responses response
+                raise InvalidRequest(
+                    f"{request_id} is not a chat or completions reply; read a response's events "
+                    "with GET /v1/responses/{id}?stream=true"
+                )
         except SeedanceError as exc:
             exc.request_id = request_id
             await call.fail(exc)
@@ -577,13 +591,13 @@ def _ms(at: float | None, since: float) -> float | None:
     return None if at is None else ms(at - since)
 
 
-async def _read_body(receive: Receive, limit: int) -> bytes:
+async def read_body(receive: Receive, limit: int) -> bytes:
     chunks: list[bytes] = []
     size = 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            raise _Disconnected
+            raise Disconnected
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:

@@ -74,6 +74,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+#: What a generation does when its last reader leaves: stop at once, run on for
+#: ``--resume-grace`` (a resumable request), or run to its end (a background response).
+WithoutReaders = Literal["abort", "grace", "finish"]
+
+
 def new_request_id() -> RequestId:
     return RequestId("r-" + secrets.token_hex(6))
 
@@ -126,10 +131,13 @@ def admit(
     operation: str = "chat",
     trace_parent: Context | None = None,
     trace: RequestTrace | None = None,
+    without_readers: WithoutReaders | None = None,
 ) -> Generation:
     """Check a request and start its generation; raises the :class:`SeedanceError` that
     refuses it. The same checks, in the same order, for every transport. Without ``prompt``
-    the request continues ``requester.session`` (its history trimmed to fit)."""
+    the request continues ``requester.session`` (its history trimmed to fit).
+    ``without_readers``: what the generation does when its last reader leaves (by default
+    ``grace`` for a resumable request, else ``abort``)."""
     if state.draining:
         raise Overloaded("the server is shutting down; retry on another server")
     state.check_cluster()
@@ -176,6 +184,7 @@ def admit(
             trace_parent=trace_parent,
             trace=trace,
             qos=qos,
+            without_readers=without_readers,
         )
     except BaseException:
         usage.end_request(tenant, 0)
@@ -198,9 +207,15 @@ def check_fits(model: ServedModel, prompt_tokens: int) -> None:
         )
 
 
-def session_prompt(model: ServedModel, session: Session, message: Generate) -> Prompt:
+def session_prompt(
+    model: ServedModel,
+    session: Session,
+    message: Generate,
+    preamble: Sequence[ChatMessage] = (),
+) -> Prompt:
     """The session's history and the request's turns, trimmed so that the prompt leaves room
-    for ``max_tokens``.
+    for ``max_tokens``. ``preamble`` (the Responses API's ``instructions``) opens the prompt
+    and is never trimmed nor kept in the session.
 
     Turn counts are estimates (each message tokenized alone); an engine that counts the
     rendered prompt exactly may find more, and then the history is trimmed further.
@@ -209,7 +224,8 @@ def session_prompt(model: ServedModel, session: Session, message: Generate) -> P
     new_turns = [Turn(m, engine.count_message_tokens(m), name) for m in message.turns()]
     history = [] if message.reset else _history(model, session)
     max_tokens = message.max_tokens
-    room = engine.info.context_length
+    fixed = sum(engine.count_message_tokens(m) for m in preamble)
+    room = engine.info.context_length - fixed
     for _ in range(4):
         context, estimate = fit_context(
             history,
@@ -218,12 +234,12 @@ def session_prompt(model: ServedModel, session: Session, message: Generate) -> P
             reply_overhead=engine.reply_overhead_tokens,
             max_tokens=max_tokens,
         )
-        messages = [t.message for t in context]
-        exact = engine.prompt_tokens(messages, estimate)
+        messages = [*preamble, *(t.message for t in context)]
+        exact = engine.prompt_tokens(messages, estimate + fixed)
         over = exact + max_tokens - engine.info.context_length
-        if exact <= estimate or over <= 0 or len(context) == len(new_turns):
+        if exact <= estimate + fixed or over <= 0 or len(context) == len(new_turns):
             break
-        room -= max(over, exact - estimate)
+        room -= max(over, exact - estimate - fixed)
     return Prompt(tuple(messages), exact, new_turns)
 
 
@@ -253,8 +269,12 @@ class Generation:
         trace_parent: Context | None = None,
         trace: RequestTrace | None = None,
         qos: QoS | None = None,
+        without_readers: WithoutReaders | None = None,
     ) -> None:
         self.state = state
+        self.without_readers: WithoutReaders = without_readers or (
+            "grace" if log.resumable else "abort"
+        )
         self.requester = requester
         self.log = log
         self.message = message
@@ -315,12 +335,14 @@ class Generation:
 
     def reader_left(self) -> None:
         """A reader detached. With none left, a request that is not resumable is aborted at
-        once; a resumable one runs on for the grace period, then ends ``cancelled``."""
+        once; a resumable one runs on for the grace period, then ends ``cancelled``; one in
+        the background (the Responses API's ``background``) runs to its end."""
         if self.log.readers or self.task is None or self.task.done():
             return
-        if not self.log.resumable:
+        policy = self.without_readers
+        if policy == "abort":
             self.cancel(silent=True)
-        elif self._grace is None:
+        elif policy == "grace" and self._grace is None:
             grace_s = self.state.config.resume_grace_s
             self._grace = asyncio.get_running_loop().call_later(grace_s, self._abandon)
 

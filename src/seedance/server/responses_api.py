@@ -1,0 +1,414 @@
+"""OpenAI's Responses API over HTTP, text only: ``POST /v1/responses``, ``GET`` and ``DELETE
+/v1/responses/{id}``, ``POST /v1/responses/{id}/cancel``.
+
+The same request lifecycle as every other request (:func:`seedance.server.requests.admit`):
+a response is a generation whose request id is the response id, and whose stream log keeps
+its frames; its events are rendered from the log (:mod:`seedance.protocol.responses`), so a
+live reader and one that comes back with ``starting_after`` see the same events, each once.
+
+**Stored responses** (``store``, the default) are sessions: response ``resp_X`` is the session
+``resp_X`` of its tenant, holding the conversation up to and including its reply, so
+``previous_response_id`` continues it on any node that shares the session store (the cluster
+mode's Redis). The conversation lives as long as a session (``--session-ttl``, from its last
+use); the response object and its events as long as the stream log (``--resume-window`` after
+the response ended). A response that is not stored is neither.
+
+**Background** responses (``background: true``) run to their end without a reader; ``GET
+/v1/responses/{id}?stream=true&starting_after=N`` reads their events from the log, and
+``POST .../cancel`` stops them. A foreground response stops when its client leaves.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import Awaitable
+from typing import Any, Final
+
+import msgspec
+
+from seedance.observability.logs import bind_request
+from seedance.protocol.codec import FrameLimits, validate_session_id
+from seedance.protocol.errors import (
+    HistoryLost,
+    InternalError,
+    InvalidRequest,
+    NotFound,
+    SeedanceError,
+    SessionBusy,
+)
+from seedance.protocol.messages import ChatMessage, RequestId, SessionId, TenantId
+from seedance.protocol.qos import qos_from_headers
+from seedance.protocol.responses import (
+    FIRST_DELTA,
+    Rendered,
+    ResponsesRequest,
+    decode_responses,
+    deleted,
+)
+from seedance.server.openai_api import (
+    JSON_HEADERS,
+    SSE_HEADERS,
+    Disconnected,
+    HttpCall,
+    HttpFollower,
+    Receive,
+    Scope,
+    Send,
+    authenticate_http,
+    read_body,
+)
+from seedance.server.requests import Generation, Requester, admit, session_prompt
+from seedance.server.state import ServerState
+from seedance.sessions.session import Session, Turn
+from seedance.streams.log import StreamLog
+from seedance.tenants.policy import check_model
+
+logger = logging.getLogger(__name__)
+
+_encode = msgspec.json.Encoder().encode
+API: Final = "responses"  # the log meta's "api": which renderer its frames are for
+
+
+def rendered(log: StreamLog) -> Rendered:
+    """The response as ``log`` holds it now."""
+    assert log.meta is not None
+    return Rendered(
+        id=log.request_id,
+        meta=log.meta,
+        text="".join(log.texts[: log.entries]),
+        tokens=log.next_seq,
+        started=log.start is not None,
+        end=log.end,
+        ended=not log.running,
+    )
+
+
+class ResponsesEndpoint:
+    """``POST /v1/responses``."""
+
+    kind = API
+    operation = "responses"
+    path = "/v1/responses"
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        self.limits = FrameLimits(
+            max_frame_bytes=state.config.max_frame_bytes,
+            max_tokens=max(m.limits.max_tokens for m in state.models.values()),
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response_id = RequestId("resp_" + secrets.token_hex(24))
+        call = ResponseCall(self.state, response_id, scope, send, self)
+        bind_request(call.request_id, call.trace.trace_id)
+        try:
+            call.principal = authenticate_http(self.state, scope)
+            call.authenticated = True
+            body = await read_body(receive, self.state.config.max_frame_bytes)
+        except Disconnected:
+            call.ended()
+            return
+        except SeedanceError as exc:
+            await call.fail(exc)
+            call.ended()
+            return
+        await call.serve(call.create(body, self.limits), receive)
+
+
+class ResponseEndpoint:
+    """``GET /v1/responses/{id}`` (``?stream=true&starting_after=N``: its events),
+    ``DELETE /v1/responses/{id}``, and ``POST /v1/responses/{id}/cancel``."""
+
+    kind = API
+    operation = "responses"
+    path = "/v1/responses/{response_id}"
+
+    def __init__(self, state: ServerState, action: str = "read") -> None:
+        self.state = state
+        self.action = action
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response_id = RequestId(scope.get("path_params", {}).get("response_id", ""))
+        call = ResponseCall(self.state, response_id, scope, send, self)
+        try:
+            call.principal = authenticate_http(self.state, scope)
+            call.authenticated = True
+        except SeedanceError as exc:
+            await call.fail(exc)
+            call.ended()
+            return
+        if self.action == "cancel":
+            work = call.cancel()
+        elif scope.get("method") == "DELETE":
+            work = call.delete()
+        else:
+            work = call.read(_query(scope))
+        await call.serve(call.guarded(work), receive)
+
+
+class ResponseCall(HttpCall):
+    """One request of the Responses API, from its body to the last byte of its answer."""
+
+    async def guarded(self, work: Awaitable[None]) -> None:
+        """``work``, its refusal answered as an error (an ``error`` event once streaming)."""
+        try:
+            await work
+        except SeedanceError as exc:
+            if not self.started:
+                await self.fail(exc)
+                return
+            self.outcome = exc.code
+            await self._sse({"type": "error", "code": exc.code, "message": exc.message})
+            await self.send({"type": "http.response.body", "body": b""})
+
+    async def create(self, body: bytes, limits: FrameLimits) -> None:
+        try:
+            generation, request = await self._admit_response(body, limits)
+        except SeedanceError as exc:
+            await self.fail(exc)
+            return
+        except Exception:
+            logger.exception("request %s failed", self.request_id)
+            await self.fail(InternalError(f"internal error on request {self.request_id}"))
+            return
+        log = generation.log
+        if request.stream:
+            await self.events(log, generation, after=-1)
+        elif request.background:  # answered at once; it runs on without a reader
+            await self._json(rendered(log).response())
+        else:
+            await self.whole(log, generation)
+
+    async def read(self, query: dict[str, str]) -> None:
+        log = await self._find()
+        self.outcome = "retrieved"
+        if query.get("stream", "false").lower() in ("true", "1"):
+            after = query.get("starting_after", "-1")
+            if not after.lstrip("-").isdigit():
+                raise InvalidRequest("starting_after: an integer (a sequence_number)")
+            await self.events(log, self.state.generations.get(log.request_id), int(after))
+        else:
+            await self._json(rendered(log).response())
+
+    async def delete(self) -> None:
+        """The response's conversation and its log go; a running one is stopped first."""
+        state = self.state
+        tenant = self.principal.name
+        generation = state.generations.get(self.request_id)
+        if generation is not None:
+            generation.cancel(silent=True)
+        try:
+            session_id = SessionId(validate_session_id(self.request_id))
+        except InvalidRequest:
+            raise self._not_found() from None
+        session, created = await state.sessions.attach(TenantId(tenant), session_id)
+        await state.sessions.delete(session)
+        log = await _logged(state, tenant, self.request_id)
+        state.streams.forget(tenant, self.request_id)
+        if created and log is None:
+            raise self._not_found()
+        self.outcome = "deleted"
+        await self._json(deleted(self.request_id))
+
+    async def cancel(self) -> None:
+        """Stop a background response; answers the response as it ended."""
+        log = await self._find()
+        generation = self.state.generations.get(self.request_id)
+        if log.running:
+            assert log.meta is not None
+            if not log.meta.get("background"):
+                raise InvalidRequest(
+                    f"response {self.request_id} is not a background response: only those can "
+                    "be cancelled (a foreground one stops when its client disconnects)"
+                )
+            if generation is None:
+                raise InvalidRequest(
+                    f"response {self.request_id} runs on another node; cancel it there"
+                )
+            generation.cancel(silent=False)
+            await self.whole(log, None)
+            self.outcome = "cancelled"
+            return
+        await self._json(rendered(log).response())
+
+    # ---------------------------------------------------------------- answers
+
+    async def whole(self, log: StreamLog, generation: Generation | None) -> None:
+        """Wait for the end, then answer the Response object."""
+        follower = HttpFollower(log, log.next_seq - 1)
+        log.attach(follower, log.next_seq - 1)
+        if generation is not None:
+            generation.reader_joined()
+        try:
+            while not follower.ended:
+                await follower.wait()
+                follower.take()  # the text is in the log
+        finally:
+            log.detach(follower)
+            follower.caught_up()
+            if generation is not None:
+                generation.reader_left()
+        await self._json(rendered(log).response())
+
+    async def events(self, log: StreamLog, generation: Generation | None, after: int) -> None:
+        """The response's events numbered above ``after``, to its end, as Server-Sent Events."""
+        cursor = max(-1, after - FIRST_DELTA)  # the last token the client holds
+        if not log.running:
+            cursor = min(cursor, log.next_seq - 1)
+        follower = HttpFollower(log, cursor)
+        log.attach(follower, cursor)  # cursor_ahead, or inside a frame: refused
+        if generation is not None:
+            generation.reader_joined()
+        view = rendered(log)
+        try:
+            await self._start(200, SSE_HEADERS)
+            for event in view.opening(after):
+                await self._sse(event)
+            while True:
+                await follower.wait()
+                text, last_seq = follower.take()
+                if text:
+                    await self._sse(view.delta(text, last_seq))
+                if follower.ended:
+                    break
+        finally:
+            log.detach(follower)
+            follower.caught_up()
+            if generation is not None:
+                generation.reader_left()
+        for event in rendered(log).closing(after):
+            await self._sse(event)
+        await self.send({"type": "http.response.body", "body": b""})
+
+    async def _sse(self, event: dict[str, Any]) -> None:
+        data = b"event: " + event["type"].encode() + b"\ndata: " + _encode(event) + b"\n\n"
+        await self.send({"type": "http.response.body", "body": data, "more_body": True})
+
+    async def _json(self, body: dict[str, Any]) -> None:
+        await self._respond(200, JSON_HEADERS, _encode(body))
+
+    # ---------------------------------------------------------------- admission
+
+    async def _admit_response(
+        self, body: bytes, limits: FrameLimits
+    ) -> tuple[Generation, ResponsesRequest]:
+        state = self.state
+        principal = self.principal
+        quotas = principal.tenant.quotas
+        request = decode_responses(body, limits.capped(quotas.max_tokens))
+        self.model = model = state.resolve_model(request.model)
+        check_model(principal, model.name, state.models)
+        message = request.generate
+        if model.limits.max_tokens < message.max_tokens:
+            raise InvalidRequest(
+                f"max_output_tokens must be between 1 and {model.limits.max_tokens}"
+            )
+        history = []
+        if request.previous_response_id is not None:
+            history = await self._conversation(request.previous_response_id)
+        tenant = TenantId(principal.name)
+        session_id = SessionId(self.request_id)
+        session: Session | None = None
+        if request.store:
+            session, _ = await state.sessions.attach(tenant, session_id, quotas.sessions)
+        try:
+            holder = session or Session((tenant, session_id), time.monotonic())
+            if history:
+                holder.commit(history, reset=True, max_tokens=model.engine.info.context_length)
+            instructions = request.instructions
+            preamble = (ChatMessage("system", instructions),) if instructions else ()
+            prompt = session_prompt(model, holder, message, preamble)
+            prompt.unset = request.unset
+            qos = qos_from_headers(self.scope.get("headers", ()))
+            requester = Requester(principal, model, "http", session=session, qos=qos)
+            self.generation = generation = admit(
+                state,
+                requester,
+                message,
+                self.request_id,
+                self.received,
+                prompt=prompt,
+                operation="responses",
+                trace=self.trace,
+                without_readers="finish" if request.background else "abort",
+            )
+        except BaseException:
+            if session is not None:  # a refused response is not stored
+                await state.sessions.delete(session)
+            raise
+        if session is not None:  # busy while it runs; its TTL counts from its end
+            await state.sessions.detach(session)
+        generation.log.meta = {
+            "api": API,
+            "created_at": int(time.time()),
+            "model": model.name,
+            "instructions": request.instructions,
+            "max_output_tokens": message.max_tokens,
+            "temperature": message.temperature,
+            "top_p": message.top_p,
+            "previous_response_id": request.previous_response_id,
+            "store": request.store,
+            "background": request.background,
+            "metadata": request.metadata,
+        }
+        return generation, request
+
+    async def _conversation(self, previous: str) -> list[Turn]:
+        """The stored conversation of response ``previous``."""
+        sessions = self.state.sessions
+        try:
+            session_id = SessionId(validate_session_id(previous))
+        except InvalidRequest:
+            raise InvalidRequest(f"previous_response_id: not a response id: {previous!r}") from None
+        session, created = await sessions.attach(TenantId(self.principal.name), session_id)
+        try:
+            if created:
+                raise InvalidRequest(
+                    f"previous_response_id: no stored response {previous} (it was not stored, "
+                    f"was deleted, or was last used more than {sessions.ttl_s:g} s ago)"
+                )
+            if session.busy:
+                raise SessionBusy(
+                    f"previous_response_id: response {previous} is still in progress; wait "
+                    "for it to end"
+                )
+            return list(session.turns)
+        finally:
+            if created:
+                await sessions.delete(session)
+            else:
+                await sessions.detach(session)
+
+    async def _find(self) -> StreamLog:
+        log = await _logged(self.state, self.principal.name, self.request_id)
+        if log is None:
+            raise self._not_found()
+        return log
+
+    def _not_found(self) -> NotFound:
+        return NotFound(
+            f"no response {self.request_id}: it was not stored, was deleted, or ended more than "
+            f"{self.state.config.resume_window_s:g} s ago"
+        )
+
+
+async def _logged(state: ServerState, tenant: str, response_id: str) -> StreamLog | None:
+    """The log of a Responses API response of ``tenant``, if it is kept."""
+    try:
+        log = await state.streams.find(tenant, response_id, response_id, None)
+    except HistoryLost:
+        return None
+    if log.meta is None or log.meta.get("api") != API:
+        return None
+    return log
+
+
+def _query(scope: Scope) -> dict[str, str]:
+    query: dict[str, str] = {}
+    for part in scope.get("query_string", b"").decode("latin-1").split("&"):
+        name, _, value = part.partition("=")
+        if name:
+            query[name] = value
+    return query
