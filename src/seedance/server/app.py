@@ -28,7 +28,8 @@ from seedance.server.admin import admin_routes
 from seedance.server.endpoint import InferEndpoint
 from seedance.server.errors import EXCEPTION_HANDLERS
 from seedance.server.openai_api import OpenAIEndpoint, StreamsEndpoint, authenticate_http
-from seedance.server.responses_api import ResponseEndpoint, ResponsesEndpoint
+from seedance.server.realtime import RealtimeEndpoint
+from seedance.server.responses_api import ResponseEndpoint, ResponsesEndpoint, ResponsesSocket
 from seedance.server.state import ServerState
 from seedance.server.web import web_routes
 from seedance.sessions.store import SessionStore
@@ -119,6 +120,7 @@ def create_app(
             await state.close()
 
     infer = InferEndpoint(state)
+    responses = ResponsesEndpoint(state)
     app = SeedanceApp(
         routes=[
             WebSocketRoute(INFER_PATH, infer),
@@ -129,7 +131,9 @@ def create_app(
             Route("/v1/chat/completions", OpenAIEndpoint(state, "chat"), methods=["POST"]),
             Route("/v1/completions", OpenAIEndpoint(state, "completion"), methods=["POST"]),
             Route("/v1/streams/{request_id}", StreamsEndpoint(state), methods=["GET"]),
-            Route("/v1/responses", ResponsesEndpoint(state), methods=["POST"]),
+            Route("/v1/responses", responses, methods=["POST"]),
+            WebSocketRoute("/v1/responses", ResponsesSocket(state, responses)),
+            WebSocketRoute("/v1/realtime", RealtimeEndpoint(state)),
             Route(
                 "/v1/responses/{response_id}",
                 ResponseEndpoint(state),

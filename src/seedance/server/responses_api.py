@@ -20,25 +20,29 @@ the response ended). A response that is not stored is neither.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import time
 from collections.abc import Awaitable
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import msgspec
+from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from seedance.observability.logs import bind_request
 from seedance.protocol.codec import FrameLimits, validate_session_id
 from seedance.protocol.errors import (
     HistoryLost,
     InternalError,
+    InvalidJSON,
     InvalidRequest,
     NotFound,
     SeedanceError,
     SessionBusy,
 )
 from seedance.protocol.messages import ChatMessage, RequestId, SessionId, TenantId
+from seedance.protocol.openai import error_body
 from seedance.protocol.qos import qos_from_headers
 from seedance.protocol.responses import (
     FIRST_DELTA,
@@ -161,7 +165,7 @@ class ResponseCall(HttpCall):
                 return
             self.outcome = exc.code
             await self._sse({"type": "error", "code": exc.code, "message": exc.message})
-            await self.send({"type": "http.response.body", "body": b""})
+            await self._end_stream()
 
     async def create(self, body: bytes, limits: FrameLimits) -> None:
         try:
@@ -280,11 +284,17 @@ class ResponseCall(HttpCall):
                 generation.reader_left()
         for event in rendered(log).closing(after):
             await self._sse(event)
-        await self.send({"type": "http.response.body", "body": b""})
+        await self._end_stream()
+
+    # ---------------------------------------------------------------- the transport's
 
     async def _sse(self, event: dict[str, Any]) -> None:
+        """One event of a stream (a Server-Sent Event here)."""
         data = b"event: " + event["type"].encode() + b"\ndata: " + _encode(event) + b"\n\n"
         await self.send({"type": "http.response.body", "body": data, "more_body": True})
+
+    async def _end_stream(self) -> None:
+        await self.send({"type": "http.response.body", "body": b""})
 
     async def _json(self, body: dict[str, Any]) -> None:
         await self._respond(200, JSON_HEADERS, _encode(body))
@@ -412,3 +422,130 @@ def _query(scope: Scope) -> dict[str, str]:
         if name:
             query[name] = value
     return query
+
+
+# --------------------------------------------------------------------------- WebSocket mode
+
+
+class ResponsesSocket:
+    """The Responses API's WebSocket mode (``client.responses.connect()``): ``ws://.../v1/
+    responses``; each ``response.create`` event (a ``POST /v1/responses`` body, flat, with an
+    optional ``stream_id``) streams its events back as JSON frames, one response at a time per
+    socket. Errors are OpenAI's nested ``error`` event; the socket stays open."""
+
+    kind = API
+    operation = "responses"
+    path = "/v1/responses"
+
+    def __init__(self, state: ServerState, endpoint: ResponsesEndpoint) -> None:
+        self.state = state
+        self.endpoint = endpoint
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        ws = WebSocket(scope, receive, cast(Any, send))
+        state = self.state
+        await ws.accept()
+        try:
+            principal = authenticate_http(state, scope)
+        except SeedanceError as exc:
+            await ws.send_text(_encode(socket_error(exc)).decode())
+            await ws.close(exc.connect_close_code)
+            return
+        running: asyncio.Task[None] | None = None
+        try:
+            while True:
+                text = await ws.receive_text()
+                try:
+                    event = _socket_event(text)
+                    if running is not None and not running.done():
+                        raise InvalidRequest(
+                            "a response is in progress on this socket: one at a time (wait "
+                            "for its last event, or open another socket)"
+                        )
+                except SeedanceError as exc:
+                    await ws.send_text(_encode(socket_error(exc)).decode())
+                    continue
+                call = SocketResponseCall(
+                    state, RequestId("resp_" + secrets.token_hex(24)), scope, ws, self.endpoint
+                )
+                call.principal, call.authenticated = principal, True
+                call.stream_id = event.pop("stream_id", None)
+                body = _encode({**event, "stream": True})
+                running = asyncio.create_task(call.respond(body, self.endpoint.limits))
+        except WebSocketDisconnect:
+            pass
+        finally:
+            if running is not None and not running.done():
+                running.cancel()  # a foreground response stops when its client leaves
+                await asyncio.gather(running, return_exceptions=True)
+
+
+def _socket_event(text: str) -> dict[str, Any]:
+    try:
+        event = msgspec.json.decode(text)
+    except msgspec.DecodeError as exc:
+        raise InvalidJSON(f"not a JSON event: {exc}") from None
+    if not isinstance(event, dict):
+        raise InvalidJSON("an event is a JSON object")
+    kind = event.pop("type", None)
+    if kind != "response.create":
+        raise InvalidRequest(f"type: {kind!r} is not supported here (response.create)")
+    if event.get("background"):
+        raise InvalidRequest("background: not over a WebSocket (use POST /v1/responses)")
+    event.pop("stream", None)  # implied
+    event.pop("generate", None)
+    return event
+
+
+def socket_error(error: SeedanceError, stream_id: str | None = None) -> dict[str, Any]:
+    """An error as the Responses API's WebSocket mode sends it (nested, with the status)."""
+    body = msgspec.json.decode(error_body(error))["error"]
+    return {
+        "type": "error",
+        "status": error.http_status,
+        "error": body,
+        "sequence_number": None,
+        "stream_id": stream_id,
+    }
+
+
+class SocketResponseCall(ResponseCall):
+    """One ``response.create`` of a socket: a :class:`ResponseCall` whose events go out as
+    WebSocket frames."""
+
+    def __init__(
+        self,
+        state: ServerState,
+        request_id: RequestId,
+        scope: Scope,
+        ws: WebSocket,
+        endpoint: ResponsesEndpoint,
+    ) -> None:
+        super().__init__(state, request_id, scope, _no_http, endpoint)
+        self.ws = ws
+        self.stream_id: str | None = None
+
+    async def respond(self, body: bytes, limits: FrameLimits) -> None:
+        bind_request(self.request_id, self.trace.trace_id)
+        try:
+            await self.create(body, limits)
+        finally:
+            self.ended()
+
+    async def _start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        self.started = True
+
+    async def _sse(self, event: dict[str, Any]) -> None:
+        if self.stream_id is not None:
+            event = {**event, "stream_id": self.stream_id}
+        await self.ws.send_text(_encode(event).decode())
+
+    async def _end_stream(self) -> None:
+        pass
+
+    async def _render_error(self, error: SeedanceError) -> None:
+        await self.ws.send_text(_encode(socket_error(error, self.stream_id)).decode())
+
+
+async def _no_http(message: dict[str, Any]) -> None:
+    raise AssertionError("a socket's response call writes frames, not HTTP")

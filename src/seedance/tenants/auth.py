@@ -3,7 +3,8 @@
 A credential is an API key (``sd_<id>_<secret>``, see :mod:`seedance.tenants.keys`) or, when
 ``[auth.jwt]`` is configured, a JSON Web Token whose ``tenant`` claim names a tenant. It comes
 from ``Authorization: Bearer``, the ``api_key`` query parameter (browsers), or a
-``bearer.<token>`` WebSocket subprotocol entry.
+``bearer.<token>`` WebSocket subprotocol entry (``openai-insecure-api-key.<token>`` too, as
+OpenAI's browser clients send it to the Realtime API).
 
 Checking is cheap and comes first: an address whose credentials failed too often is refused
 before anything is checked; a key costs one SHA-256 and a constant-time comparison (also when
@@ -247,11 +248,18 @@ def _query_key(query: bytes) -> str | None:
     return values[0] if values else None
 
 
+#: Subprotocol entries that carry a credential: Seedance's, and the one OpenAI's browser
+#: clients send to the Realtime API.
+CREDENTIAL_SUBPROTOCOLS: Final = ("bearer.", "openai-insecure-api-key.")
+
+
 def subprotocol_key(subprotocols: Iterable[str]) -> str | None:
-    """The token of a ``bearer.<token>`` subprotocol entry, if any."""
+    """The token of a ``bearer.<token>`` (or ``openai-insecure-api-key.<token>``) subprotocol
+    entry, if any."""
     for entry in subprotocols:
-        if entry.startswith("bearer.") and len(entry) > len("bearer."):
-            return entry[len("bearer.") :]
+        for prefix in CREDENTIAL_SUBPROTOCOLS:
+            if entry.startswith(prefix) and len(entry) > len(prefix):
+                return entry[len(prefix) :]
     return None
 
 
