@@ -620,3 +620,40 @@ async def test_the_cluster_bench_times_a_resume_on_another_node(
     first, second = nodes(make_server, 2, redis_server, engines=lambda: slow_engine(200))
     elapsed_ms = await drop_and_resume(first.infer_url, second.infer_url, "bench")
     assert 0 < elapsed_ms < 1000
+
+
+async def test_responses_continue_and_resume_on_another_node(
+    redis_server: RedisServer, make_server: Callable[..., RunningServer]
+) -> None:
+    """The Responses API in a cluster: ``previous_response_id`` reads the conversation from
+    Redis on any node, and a background response's events resume there by sequence number."""
+    import openai
+
+    first, second = nodes(make_server, 2, redis_server, engines=lambda: slow_engine(200))
+    one = openai.AsyncOpenAI(base_url=f"{first.http_url}/v1", api_key="x", max_retries=0)
+    other = openai.AsyncOpenAI(base_url=f"{second.http_url}/v1", api_key="x", max_retries=0)
+    opening = await one.responses.create(model="synthetic", input="hello", max_output_tokens=8)
+    follow = await other.responses.create(
+        model="synthetic", input="and then", previous_response_id=opening.id, max_output_tokens=8
+    )
+    assert follow.usage is not None and opening.usage is not None
+    assert follow.usage.input_tokens > opening.usage.total_tokens  # the conversation came along
+    stream = await one.responses.create(
+        model="synthetic", input="a story", max_output_tokens=100, background=True, stream=True
+    )
+    seen = []
+    async for event in stream:
+        seen.append(event)
+        if event.sequence_number >= 20:
+            break
+    await stream.close()
+    rest = await other.responses.retrieve(
+        seen[0].response.id, stream=True, starting_after=seen[-1].sequence_number
+    )
+    seen += [event async for event in rest]
+    numbers = [event.sequence_number for event in seen]
+    assert numbers == sorted(set(numbers)) and seen[-1].type == "response.incomplete"
+    text = "".join(e.delta for e in seen if e.type == "response.output_text.delta")
+    assert text == seen[-1].response.output_text and seen[-1].response.usage.output_tokens == 100
+    await one.close()
+    await other.close()
