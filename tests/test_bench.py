@@ -494,3 +494,20 @@ def test_the_browser_suite_times_each_appended_window(tmp_path: Path) -> None:
         assert cells[0] == f"{window} tokens ({rtt} ms)" and int(cells[1]) >= 4
         assert cells[3] == f"< {target} ms"
         assert f"main thread per appended window of {window} tokens" in report
+
+
+@pytest.mark.parametrize("way", ["v2", "realtime", "responses", "responses-new"])
+def test_the_openai_suite_times_each_way_to_ask(server: RunningServer, way: str) -> None:
+    # Suite 13's client, one way at a time, against a synthetic server.
+    out = subprocess.run(
+        [
+            *(sys.executable, "-m", "seedance.bench.openai_suite", server.http_url),
+            *("synthetic", way, "5", "--max-tokens", "4"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    times = json.loads(out.stdout)
+    assert len(times) == 5 and all(0 < t < 5000 for t in times)

@@ -41,7 +41,16 @@ from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from seedance.bench.metrics import percentile
-from seedance.bench.suites import CLIENT_CORE, Contender, fmt, pin_to, seedance, servers, verdict
+from seedance.bench.suites import (
+    CLIENT_CORE,
+    Contender,
+    cpu,
+    fmt,
+    pin_to,
+    seedance,
+    servers,
+    verdict,
+)
 
 if TYPE_CHECKING:
     from seedance.bench.suites import Report
@@ -526,7 +535,7 @@ def _section(
             ),
             "- The QoS class changes nothing here: neither server queues a request, so there "
             "is nothing for a priority to reorder.",
-            f"- {_cpu()}",
+            f"- CPU: {cpu()}",
             "",
             "```",
             *(c.display().replace(incident_at, f"START+{at}") for c in contenders),
@@ -542,27 +551,6 @@ def _errors(f: Figures) -> str:
     if not f.errors:
         return "none"
     return ", ".join(f"{n} {code}" for code, n in f.errors.most_common())
-
-
-def _cpu() -> str:
-    """The CPU, with AMD's family when the model name says no more than "AMD EPYC" (as in
-    a KVM guest)."""
-    fields: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                key, _, value = line.partition(":")
-                fields.setdefault(key.strip(), value.strip())
-                if not line.strip():
-                    break
-    except OSError:
-        return "CPU: unknown"
-    name = fields.get("model name", "unknown")
-    family, model = fields.get("cpu family", "?"), fields.get("model", "?")
-    zen = {"23": "Zen or Zen 2", "25": "Zen 3 or Zen 4", "26": "Zen 5"}.get(family)
-    if fields.get("vendor_id") == "AuthenticAMD" and zen:
-        return f"CPU: {name} (family {family}, model {model}: {zen})"
-    return f"CPU: {name} (family {family}, model {model})"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -739,13 +739,29 @@ def _commands(contenders: Sequence[Contender], loads: Sequence[Load]) -> str:
     return "\n".join(lines)
 
 
+def cpu() -> str:
+    """The CPU's name, with AMD's family when the name says no more than "AMD EPYC" (as in a
+    KVM guest): ``AMD EPYC (family 26, model 2: Zen 5)``."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+                if not line.strip():
+                    break
+    except OSError:
+        return "unknown CPU"
+    name = fields.get("model name", "unknown CPU")
+    family, model = fields.get("cpu family", "?"), fields.get("model", "?")
+    zen = {"23": "Zen or Zen 2", "25": "Zen 3 or Zen 4", "26": "Zen 5"}.get(family)
+    if fields.get("vendor_id") == "AuthenticAMD" and zen:
+        return f"{name} (family {family}, model {model}: {zen})"
+    return f"{name} (family {family}, model {model})"
+
+
 def machine_lines() -> list[str]:
-    cpu = "unknown CPU"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+    cpu_name = cpu()
     versions = []
     for name in (
         "seedance",
@@ -765,7 +781,7 @@ def machine_lines() -> list[str]:
         kib = int(Path("/proc/meminfo").read_text().split()[1])
         mem = f", {kib / 1024 / 1024:.0f} GiB"
     return [
-        f"- machine: {cpu}, {_cores()} cores{mem}; {platform.system()} {platform.release()}",
+        f"- machine: {cpu_name}, {_cores()} cores{mem}; {platform.system()} {platform.release()}",
         f"- Python {platform.python_version()}; " + ", ".join(versions),
     ]
 
@@ -777,8 +793,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks.md"))
     parser.add_argument(
         "--suites",
-        default="1,2,3,4,5,6,7,8,9,10,11,12",
-        help="which suites to run (default all: 1-12)",
+        default="1,2,3,4,5,6,7,8,9,10,11,12,13",
+        help="which suites to run (default all: 1-13)",
     )
     args = parser.parse_args(argv)
     if _cores() < 2:
@@ -789,6 +805,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from seedance.bench.http_suite import http_suite
     from seedance.bench.llama_suite import llama_suite
     from seedance.bench.observability_suite import observability_suite
+    from seedance.bench.openai_suite import openai_suite
     from seedance.bench.qos_suite import qos_suite
     from seedance.bench.resume_suite import resume_suite
 
@@ -808,6 +825,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "10": functools.partial(cluster_suite, report),
         "11": functools.partial(qos_suite, report),
         "12": functools.partial(browser_suite, report),
+        "13": functools.partial(openai_suite, report),
     }
     for key in sorted(chosen, key=int):
         suites[key]()
