@@ -35,6 +35,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run(args)
     if args.command == "engines":
         return _engines()
+    if args.command == "models":
+        from seedance.models.cli import run as run_models
+
+        return run_models(args)
     if args.command == "keys":
         return _keys(args)
     if args.command == "audit":
@@ -129,6 +133,10 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="accept a log without a seal at its end (a running or killed server's)",
     )
+
+    from seedance.models.cli import add_parser as add_models_parser
+
+    add_models_parser(commands)
 
     keys = commands.add_parser(
         "keys",

@@ -1,0 +1,310 @@
+"""The model registry: ``ROOT/NAME/VERSION/`` holding a model's files, its manifest and the
+manifest's signature, and which version of each name is promoted.
+
+The manifest (``manifest.json``) is an in-toto Statement, as the OpenSSF model-signing format
+has it: one subject per file of the model (its path in the directory, its SHA-256, its size),
+and Seedance's predicate: the model's name, its semantic version, the git commit it was built
+from, the engine and its options, and the limits a request must meet (context length,
+``max_tokens``, sampling ranges). ``manifest.sig`` is a DSSE envelope of the manifest's exact
+bytes signed with Ed25519 (:mod:`seedance.models.signing`).
+
+:func:`verify` checks a version before any engine reads a byte of it, and refuses, with the
+reason: a signature that does not verify (``bad_signature``), a key that is not trusted
+(``unknown_key``), a file the manifest does not list (``extra_file``), one it lists that is
+missing (``missing_file``) or differs from what was signed (``changed_file``), a symlink that
+leads out of the directory (``symlink_escape``), a version lower than the one served
+(``rollback``), and a manifest that is not one (``bad_manifest``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import msgspec
+
+from seedance.models.signing import SignatureError, TrustedKey, load_private, sign
+from seedance.models.signing import verify as verify_envelope
+
+MANIFEST: Final = "manifest.json"
+SIGNATURE: Final = "manifest.sig"
+PROMOTED: Final = "PROMOTED"  # ROOT/NAME/PROMOTED: the version served by default
+STATEMENT_TYPE: Final = "https://in-toto.io/Statement/v1"
+PREDICATE_TYPE: Final = "https://seedance.dev/model-manifest/v1"
+_SEMVER: Final = re.compile(
+    r"(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)(?:-([0-9A-Za-z.-]+))?(?:\+[0-9A-Za-z.-]+)?"
+)
+_NAME: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+_HASH_CHUNK: Final = 1 << 20
+
+
+class Digest(msgspec.Struct):
+    sha256: str
+
+
+class Subject(msgspec.Struct):
+    name: str  # the file's path in the version's directory, with "/"
+    digest: Digest
+    annotations: dict[str, int] = {}  # {"size": bytes}
+
+
+class Limits(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What a request to this model must meet (beyond what the engine allows)."""
+
+    context_length: int | None = None
+    max_tokens: int | None = None
+    temperature: tuple[float, float] | None = None
+    top_p: tuple[float, float] | None = None
+
+
+class Predicate(msgspec.Struct):
+    name: str
+    version: str
+    git_commit: str
+    engine: str
+    engine_options: dict[str, str | int | float | bool] = {}
+    limits: Limits = Limits()
+    created_at: str = ""
+
+
+class Statement(msgspec.Struct):
+    _type: str = msgspec.field(name="_type")
+    subject: list[Subject] = []
+    predicateType: str = PREDICATE_TYPE
+    predicate: Predicate | None = None
+
+
+class ModelRefused(Exception):
+    """A model version that must not be loaded; ``reason`` names the rule it broke."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+        self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class VerifiedModel:
+    """A version that passed :func:`verify`: what the engine may now read."""
+
+    path: Path
+    manifest: Predicate
+    files: tuple[Subject, ...]
+    key: TrustedKey
+    manifest_sha256: str
+
+    @property
+    def name(self) -> str:
+        return self.manifest.name
+
+    @property
+    def version(self) -> str:
+        return self.manifest.version
+
+    def file(self, suffix: str) -> Path | None:
+        """The first listed file whose name ends with ``suffix`` (``.gguf``, say)."""
+        for subject in self.files:
+            if subject.name.endswith(suffix):
+                return self.path / subject.name
+        return None
+
+
+def semver(text: str) -> tuple[int, int, int, tuple[Any, ...]]:
+    """A semantic version's order key (a pre-release sorts before its release)."""
+    match = _SEMVER.fullmatch(text)
+    if match is None:
+        raise ValueError(f"not a semantic version (MAJOR.MINOR.PATCH): {text!r}")
+    major, minor, patch, pre = match.groups()
+    pre_key: tuple[Any, ...] = (1,)
+    if pre:
+        pre_key = (0, *((0, int(p)) if p.isdigit() else (1, p) for p in pre.split(".")))
+    return int(major), int(minor), int(patch), pre_key
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as source:
+        while chunk := source.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+# --------------------------------------------------------------------------- signing (CI)
+
+
+def sign_version(
+    directory: Path,
+    key: Path,
+    *,
+    name: str,
+    version: str,
+    git_commit: str,
+    engine: str,
+    engine_options: dict[str, str | int | float | bool] | None = None,
+    limits: Limits | None = None,
+) -> Path:
+    """Write ``manifest.json`` (every file of ``directory``, hashed) and ``manifest.sig``
+    (signed with the private key at ``key``); returns the manifest's path."""
+    if not _NAME.fullmatch(name):
+        raise ValueError(f"name: 1-64 letters, digits, '_.-', got {name!r}")
+    semver(version)
+    subjects = []
+    for path in sorted(_files(directory)):
+        relative = path.relative_to(directory).as_posix()
+        if relative in (MANIFEST, SIGNATURE):
+            continue
+        subjects.append(Subject(relative, Digest(file_sha256(path)), {"size": path.stat().st_size}))
+    if not subjects:
+        raise ValueError(f"{directory}: no file to sign")
+    statement = Statement(
+        _type=STATEMENT_TYPE,
+        subject=subjects,
+        predicate=Predicate(
+            name=name,
+            version=version,
+            git_commit=git_commit,
+            engine=engine,
+            engine_options=engine_options or {},
+            limits=limits or Limits(),
+            created_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        ),
+    )
+    payload = msgspec.json.format(msgspec.json.encode(statement), indent=2) + b"\n"
+    manifest = directory / MANIFEST
+    manifest.write_bytes(payload)
+    (directory / SIGNATURE).write_bytes(sign(payload, load_private(key)))
+    return manifest
+
+
+def _files(directory: Path) -> list[Path]:
+    found = []
+    for root, dirs, files in os.walk(directory, followlinks=False):
+        dirs.sort()
+        base = Path(root)
+        found += [base / name for name in files]
+        found += [base / name for name in dirs if (base / name).is_symlink()]
+    return found
+
+
+# --------------------------------------------------------------------------- verifying
+
+
+def verify(
+    directory: Path, trusted: dict[str, TrustedKey], *, served: str | None = None
+) -> VerifiedModel:
+    """Check a version (see the module); ``served``: the version served now, which a new one
+    may not be lower than."""
+    root = directory.resolve()
+    try:
+        envelope = (root / SIGNATURE).read_bytes()
+        manifest_bytes = (root / MANIFEST).read_bytes()
+    except OSError as exc:
+        raise ModelRefused(
+            "bad_signature", f"{directory}: no manifest or signature ({exc.strerror})"
+        ) from None
+    try:
+        payload, key = verify_envelope(envelope, trusted)
+    except SignatureError as exc:
+        raise ModelRefused(exc.reason, exc.message) from None
+    if payload != manifest_bytes:
+        raise ModelRefused(
+            "bad_signature", f"{MANIFEST} differs from what {SIGNATURE} signed: it was changed"
+        )
+    try:
+        statement = msgspec.json.decode(payload, type=Statement)
+    except msgspec.DecodeError as exc:
+        raise ModelRefused("bad_manifest", f"{MANIFEST}: {exc}") from None
+    predicate = statement.predicate
+    if (
+        statement._type != STATEMENT_TYPE
+        or statement.predicateType != PREDICATE_TYPE
+        or predicate is None
+    ):
+        raise ModelRefused("bad_manifest", f"{MANIFEST}: not a Seedance model statement")
+    try:
+        order = semver(predicate.version)
+    except ValueError as exc:
+        raise ModelRefused("bad_manifest", f"{MANIFEST}: version: {exc}") from None
+    if served is not None and order < semver(served):
+        raise ModelRefused(
+            "rollback",
+            f"{predicate.name} {predicate.version} is older than the version served "
+            f"({served}); a rollback is a promote of that version, not a new manifest",
+        )
+    listed = {subject.name: subject for subject in statement.subject}
+    for path in _files(root):
+        relative = path.relative_to(root).as_posix()
+        if path.is_symlink():
+            target = path.resolve()
+            if root not in target.parents:
+                raise ModelRefused(
+                    "symlink_escape", f"{relative} links out of the directory (to {target})"
+                )
+        if relative not in listed and relative not in (MANIFEST, SIGNATURE):
+            raise ModelRefused("extra_file", f"{relative} is not in the signed manifest")
+    for name, subject in listed.items():
+        path = root / name
+        if ".." in Path(name).parts or Path(name).is_absolute():
+            raise ModelRefused("bad_manifest", f"{MANIFEST}: subject {name!r} is not inside")
+        if not path.is_file():
+            raise ModelRefused("missing_file", f"{name} is in the manifest but not on disk")
+        size = subject.annotations.get("size")
+        if size is not None and path.stat().st_size != size:
+            raise ModelRefused("changed_file", f"{name} is not the file that was signed (size)")
+        if file_sha256(path) != subject.digest.sha256:
+            raise ModelRefused("changed_file", f"{name} is not the file that was signed (SHA-256)")
+    return VerifiedModel(
+        path=root,
+        manifest=predicate,
+        files=tuple(statement.subject),
+        key=key,
+        manifest_sha256=hashlib.sha256(payload).hexdigest(),
+    )
+
+
+# --------------------------------------------------------------------------- the registry
+
+
+class Registry:
+    """A directory of models: ``NAME/VERSION/`` and ``NAME/PROMOTED``."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def names(self) -> list[str]:
+        if not self.root.is_dir():
+            return []
+        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and _NAME.fullmatch(p.name))
+
+    def versions(self, name: str) -> list[str]:
+        """The versions of ``name`` on disk, oldest first (directories named by a semver)."""
+        folder = self.root / name
+        if not folder.is_dir():
+            return []
+        found = [p.name for p in folder.iterdir() if p.is_dir() and _SEMVER.fullmatch(p.name)]
+        return sorted(found, key=semver)
+
+    def promoted(self, name: str) -> str | None:
+        """The promoted version of ``name``, else its newest."""
+        pointer = self.root / name / PROMOTED
+        if pointer.is_file():
+            return pointer.read_text().strip() or None
+        versions = self.versions(name)
+        return versions[-1] if versions else None
+
+    def promote(self, name: str, version: str) -> None:
+        """Serve ``version`` of ``name`` by default (promote a canary, or roll back)."""
+        if version not in self.versions(name):
+            raise ValueError(f"no version {version} of {name} in {self.root}")
+        pointer = self.root / name / PROMOTED
+        temporary = pointer.with_suffix(".tmp")
+        temporary.write_text(version + "\n")
+        temporary.replace(pointer)  # atomically: a reader sees the old or the new
+
+    def path(self, name: str, version: str) -> Path:
+        return self.root / name / version

@@ -1,0 +1,204 @@
+"""The model registry (``seedance.models``): manifests signed with real Ed25519 keys over real
+files, and every reason a version is refused before an engine reads a byte of it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from seedance.models.registry import (
+    MANIFEST,
+    SIGNATURE,
+    Limits,
+    ModelRefused,
+    Registry,
+    semver,
+    sign_version,
+    verify,
+)
+from seedance.models.signing import TrustedKey, keygen, load_trusted
+
+
+@pytest.fixture
+def keys(tmp_path: Path) -> dict[str, Path]:
+    """Two signing keys: ``ci`` (trusted) and ``other`` (not); their ``.pub`` beside them."""
+    made = {}
+    for name in ("ci", "other"):
+        private = tmp_path / f"{name}.key"
+        keygen(private)
+        made[name] = private
+    return made
+
+
+def make_version(
+    root: Path, key: Path, version: str = "1.0.0", name: str = "tiny", **files: bytes
+) -> Path:
+    folder = root / name / version
+    folder.mkdir(parents=True)
+    for relative, data in (
+        files or {"weights.bin": os.urandom(50_000), "sub/config.json": b"{}"}
+    ).items():
+        path = folder / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    sign_version(
+        folder,
+        key,
+        name=name,
+        version=version,
+        git_commit="0123abcd",
+        engine="synthetic",
+        engine_options={"tokens_per_s": 100},
+        limits=Limits(context_length=2048, max_tokens=128, temperature=(0.0, 1.5)),
+    )
+    return folder
+
+
+def trusted(keys: dict[str, Path], *names: str) -> dict[str, TrustedKey]:
+    return load_trusted([keys[n].with_name(keys[n].name + ".pub") for n in names])
+
+
+def test_a_signed_version_verifies_with_its_manifest(tmp_path: Path, keys: dict[str, Path]) -> None:
+    folder = make_version(tmp_path / "registry", keys["ci"])
+    model = verify(folder, trusted(keys, "ci"))
+    assert (model.name, model.version, model.manifest.git_commit) == ("tiny", "1.0.0", "0123abcd")
+    assert model.manifest.engine == "synthetic" and model.manifest.engine_options == {
+        "tokens_per_s": 100
+    }
+    assert model.manifest.limits == Limits(
+        context_length=2048, max_tokens=128, temperature=(0.0, 1.5)
+    )
+    assert sorted(s.name for s in model.files) == ["sub/config.json", "weights.bin"]
+    assert model.file(".bin") == folder.resolve() / "weights.bin"
+    # A rotation: the old and the new key trusted at once.
+    assert verify(folder, trusted(keys, "other", "ci")).key.id == model.key.id
+
+
+Change = Callable[[Path, dict[str, Path]], None]
+
+
+def _extra(folder: Path, keys: dict[str, Path]) -> None:
+    (folder / "sub" / "loot.py").write_text("print('hi')")
+
+
+def _missing(folder: Path, keys: dict[str, Path]) -> None:
+    (folder / "sub" / "config.json").unlink()
+
+
+def _changed(folder: Path, keys: dict[str, Path]) -> None:
+    data = bytearray((folder / "weights.bin").read_bytes())
+    data[100] ^= 0xFF  # same size, one byte flipped
+    (folder / "weights.bin").write_bytes(bytes(data))
+
+
+def _symlink_out(folder: Path, keys: dict[str, Path]) -> None:
+    (folder / "sub" / "config.json").unlink()
+    os.symlink("/etc/hostname", folder / "sub" / "config.json")
+
+
+def _manifest_edited(folder: Path, keys: dict[str, Path]) -> None:
+    text = (folder / MANIFEST).read_text().replace('"0123abcd"', '"ffffffff"')
+    (folder / MANIFEST).write_text(text)
+
+
+def _signature_forged(folder: Path, keys: dict[str, Path]) -> None:
+    sig = (folder / SIGNATURE).read_text()
+    head, _, tail = sig.partition('"sig": "')
+    (folder / SIGNATURE).write_text(head + '"sig": "' + ("A" if tail[0] != "A" else "B") + tail[1:])
+
+
+def _resigned_by_other(folder: Path, keys: dict[str, Path]) -> None:
+    sign_version(
+        folder, keys["other"], name="tiny", version="1.0.0", git_commit="x", engine="synthetic"
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "reason", "says"),
+    [
+        (_extra, "extra_file", "sub/loot.py is not in the signed manifest"),
+        (_missing, "missing_file", "sub/config.json is in the manifest but not on disk"),
+        (_changed, "changed_file", "weights.bin is not the file that was signed (SHA-256)"),
+        (_symlink_out, "symlink_escape", "sub/config.json links out of the directory"),
+        (_manifest_edited, "bad_signature", "manifest.json differs from what manifest.sig signed"),
+        (_signature_forged, "bad_signature", "does not verify"),
+        (_resigned_by_other, "unknown_key", "none of them trusted"),
+    ],
+)
+def test_each_refusal_says_why(
+    tmp_path: Path, keys: dict[str, Path], change: Change, reason: str, says: str
+) -> None:
+    folder = make_version(tmp_path / "registry", keys["ci"])
+    change(folder, keys)
+    with pytest.raises(ModelRefused) as refused:
+        verify(folder, trusted(keys, "ci"))
+    assert refused.value.reason == reason and says in refused.value.message
+
+
+def test_a_version_below_the_served_one_is_a_rollback(
+    tmp_path: Path, keys: dict[str, Path]
+) -> None:
+    root = tmp_path / "registry"
+    older = make_version(root, keys["ci"], "1.2.0-rc.1")
+    with pytest.raises(
+        ModelRefused, match=r"rollback: tiny 1\.2\.0-rc\.1 is older than the version served"
+    ):
+        verify(older, trusted(keys, "ci"), served="1.2.0")
+    assert verify(older, trusted(keys, "ci"), served="1.1.9").version == "1.2.0-rc.1"
+    assert semver("1.2.0-rc.1") < semver("1.2.0-rc.2") < semver("1.2.0") < semver("1.10.0")
+    with pytest.raises(ValueError, match="not a semantic version"):
+        semver("1.2")
+
+
+def test_the_registry_lists_and_promotes(tmp_path: Path, keys: dict[str, Path]) -> None:
+    root = tmp_path / "registry"
+    for version in ("1.0.0", "1.10.0", "1.9.0"):
+        make_version(root, keys["ci"], version)
+    registry = Registry(root)
+    assert registry.names() == ["tiny"] and registry.versions("tiny") == [
+        "1.0.0",
+        "1.9.0",
+        "1.10.0",
+    ]
+    assert registry.promoted("tiny") == "1.10.0"  # none promoted: the newest
+    registry.promote("tiny", "1.9.0")
+    assert registry.promoted("tiny") == "1.9.0"
+    with pytest.raises(ValueError, match=r"no version 2\.0\.0 of tiny"):
+        registry.promote("tiny", "2.0.0")
+
+
+def test_the_command_line_signs_verifies_lists_and_promotes(tmp_path: Path) -> None:
+    def seedance(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "seedance.cli", "models", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    key = tmp_path / "ci.key"
+    made = seedance("keygen", str(key))
+    assert made.returncode == 0 and "key id " in made.stdout
+    assert oct(key.stat().st_mode & 0o777) == "0o600"
+    folder = tmp_path / "registry" / "tiny" / "2.0.0"
+    folder.mkdir(parents=True)
+    (folder / "model.gguf").write_bytes(b"GGUF" + os.urandom(1000))
+    signed = seedance(
+        *("sign", str(folder), "--key", str(key), "--name", "tiny", "--version", "2.0.0"),
+        *("--commit", "deadbeef", "--engine", "llamacpp", "--option", "n_ctx=4096"),
+    )
+    assert signed.returncode == 0, signed.stderr
+    pub = str(key) + ".pub"
+    ok = seedance("verify", str(folder), "--trust", pub)
+    assert ok.returncode == 0 and "ok: tiny 2.0.0 (commit deadbeef, engine llamacpp)" in ok.stdout
+    (folder / "model.gguf").write_bytes(b"GGUF" + os.urandom(1000))
+    bad = seedance("verify", str(folder), "--trust", pub)
+    assert bad.returncode == 1 and "refused (changed_file)" in bad.stderr
+    listed = seedance("list", str(tmp_path / "registry"), "--trust", pub)
+    assert "* tiny 2.0.0  REFUSED (changed_file" in listed.stdout
+    assert seedance("promote", str(tmp_path / "registry"), "tiny", "2.0.0").returncode == 0
