@@ -3,14 +3,21 @@ files, and every reason a version is refused before an engine reads a byte of it
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import pytest
 
+from seedance.client import connect
+from seedance.config import load_access
+from seedance.engines.local import default_model_path
 from seedance.models.registry import (
     MANIFEST,
     SIGNATURE,
@@ -22,6 +29,8 @@ from seedance.models.registry import (
     verify,
 )
 from seedance.models.signing import TrustedKey, keygen, load_trusted
+from seedance.tenants.keys import add_key
+from tests.support.servers import RunningServer, serve_fails
 
 
 @pytest.fixture
@@ -202,3 +211,152 @@ def test_the_command_line_signs_verifies_lists_and_promotes(tmp_path: Path) -> N
     listed = seedance("list", str(tmp_path / "registry"), "--trust", pub)
     assert "* tiny 2.0.0  REFUSED (changed_file" in listed.stdout
     assert seedance("promote", str(tmp_path / "registry"), "tiny", "2.0.0").returncode == 0
+
+
+# --------------------------------------------------------------------------- serving from it
+
+
+def registry_server(
+    make_server: Callable[..., RunningServer], root: Path, keys: dict[str, Path], **fields: object
+) -> RunningServer:
+    trust = (str(keys["ci"]) + ".pub",)
+    return make_server(model_registry=str(root), model_trust=trust, **fields)
+
+
+def admin_config(tmp_path: Path) -> tuple[Path, str]:
+    path = tmp_path / "seedance.toml"
+    return path, add_key(path, "ops", role="admin").key
+
+
+async def test_a_registry_model_is_verified_served_reloaded_and_refused_with_reasons(
+    tmp_path: Path, keys: dict[str, Path], make_server: Callable[..., RunningServer]
+) -> None:
+    root = tmp_path / "registry"
+    make_version(root, keys["ci"], "1.0.0")
+    config, admin = admin_config(tmp_path)
+    audit_file = tmp_path / "audit.jsonl"
+    server = registry_server(
+        make_server,
+        root,
+        keys,
+        model="tiny",
+        model_watch_s=0,
+        config_file=str(config),
+        access=load_access(config),
+        audit_file=str(audit_file),
+    )
+    headers = {"Authorization": f"Bearer {admin}"}
+
+    async def version_of_a_reply() -> str:
+        async with connect(server.url, api_key=admin) as session:
+            return (await session.complete("hi", max_tokens=3)).model_version or ""
+
+    async with httpx.AsyncClient(base_url=server.http_url, headers=headers) as http:
+        ready = await http.get("/healthz", params={"check": "model+signature"})
+        assert ready.status_code == 200 and ready.json()["models"] == {"tiny": "1.0.0"}
+        assert (await http.get("/healthz", params={"check": "initial-load"})).status_code == 200
+        assert (await http.get("/healthz", params={"check": "nope"})).status_code == 400
+        assert await version_of_a_reply() == "1.0.0"
+        unchanged = (await http.post("/admin/models/reload")).json()
+        assert unchanged["outcome"] == "unchanged" and unchanged["version"] == "1.0.0"
+
+        make_version(root, keys["ci"], "1.1.0")
+        loaded = (await http.post("/admin/models/reload")).json()
+        assert loaded == {
+            "model": "tiny",
+            "outcome": "loaded",
+            "version": "1.1.0",
+            "reason": None,
+            "message": None,
+        }
+        assert await version_of_a_reply() == "1.1.0"
+
+        _changed(make_version(root, keys["ci"], "1.2.0"), keys)  # tampered after signing
+        refused = (await http.post("/admin/models/reload")).json()
+        assert refused["outcome"] == "refused" and refused["reason"] == "changed_file"
+        assert refused["version"] == "1.1.0" and "weights.bin" in refused["message"]
+        assert await version_of_a_reply() == "1.1.0"  # the running version goes on
+        ready = await http.get("/healthz", params={"check": "model+signature"})
+        assert ready.status_code == 200 and ready.json()["models"] == {"tiny": "1.1.0"}
+
+        Registry(root).promote("tiny", "1.0.0")  # a rollback is a promote
+        back = (await http.post("/admin/models/reload")).json()
+        assert back["outcome"] == "loaded" and back["version"] == "1.0.0"
+    server.stop()
+    records = [json.loads(line) for line in audit_file.read_text().splitlines()]
+    events = [(r["action"], r["version"], r.get("reason")) for r in records if r["kind"] == "model"]
+    assert events == [
+        ("loaded", "1.0.0", None),
+        ("loaded", "1.1.0", None),
+        ("retired", "1.0.0", None),
+        ("refused", "1.2.0", "changed_file"),
+        ("loaded", "1.0.0", None),
+        ("retired", "1.1.0", None),
+    ]
+
+
+def test_a_refused_version_stops_the_start_with_its_reason(
+    tmp_path: Path, keys: dict[str, Path]
+) -> None:
+    root = tmp_path / "registry"
+    _extra(make_version(root, keys["ci"], "1.0.0"), keys)
+    trust = str(keys["ci"]) + ".pub"
+    stderr = serve_fails("--model-registry", str(root), "--model-trust", trust, "--model", "tiny")
+    assert (
+        "model tiny 1.0.0 refused (extra_file): sub/loot.py is not in the signed manifest" in stderr
+    )
+    stderr = serve_fails("--model-registry", str(root), "--model", "tiny")
+    assert "--model-registry needs --model-trust" in stderr
+
+
+@pytest.mark.model
+async def test_a_new_version_is_swapped_in_while_8_streams_run_on_the_old_one(
+    tmp_path: Path, keys: dict[str, Path], make_server: Callable[..., RunningServer]
+) -> None:
+    """The embedded model, twice in the registry: eight streams start on 1.0.0, 1.1.0 is
+    promoted and swapped in by the watcher while they run, and every stream ends on the
+    version it started with; a request after the swap gets 1.1.0."""
+    gguf = default_model_path()
+    root = tmp_path / "registry"
+    for version in ("1.0.0", "1.1.0"):
+        folder = root / "smollm2" / version
+        folder.mkdir(parents=True)
+        try:
+            os.link(gguf, folder / gguf.name)
+        except OSError:
+            shutil.copyfile(gguf, folder / gguf.name)
+        sign_version(
+            folder,
+            keys["ci"],
+            name="smollm2",
+            version=version,
+            git_commit="0123abcd",
+            engine="llamacpp",
+            # repack fixed: "auto" would measure both layouts while the streams run.
+            engine_options={"parallel": 8, "n_ctx": 8 * 512, "threads": 2, "repack": "on"},
+        )
+    Registry(root).promote("smollm2", "1.0.0")
+    server = registry_server(make_server, root, keys, model="smollm2", model_watch_s=0.2)
+
+    async def stream(i: int) -> str:
+        async with connect(server.url) as session:
+            reply = session.generate(f"Count to twenty, story {i}.", max_tokens=60, temperature=0)
+            async for _ in reply:
+                pass
+            assert reply.done is not None and reply.done.usage.completion_tokens > 0
+            return reply.done.model_version or ""
+
+    running = [asyncio.create_task(stream(i)) for i in range(8)]
+    await asyncio.sleep(0.5)  # all eight admitted on 1.0.0
+    old_engine = server.state.models["smollm2"].engine
+    Registry(root).promote("smollm2", "1.1.0")
+    versions = await asyncio.gather(*running)
+    assert versions == ["1.0.0"] * 8
+    for _ in range(100):
+        if server.state.models["smollm2"].version == "1.1.0":
+            break
+        await asyncio.sleep(0.1)
+    async with connect(server.url) as session:
+        after = await session.complete("Hello", max_tokens=4)
+    assert after.model_version == "1.1.0"
+    assert server.state.models["smollm2"].engine is not old_engine

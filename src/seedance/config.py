@@ -75,6 +75,9 @@ class ServerConfig:
     resume_max_bytes: int = 64 * 1024 * 1024
     allowed_origins: tuple[str, ...] = ()
     no_playground: bool = False
+    model_registry: str | None = None
+    model_trust: tuple[str, ...] = ()
+    model_watch_s: float = 5.0
     labels: tuple[tuple[str, str], ...] = ()
     audit_file: str | None = None
     audit_fsync: str = "record"
@@ -135,6 +138,11 @@ def boolean(text: str) -> bool:
     if value in ("0", "false", "no", "off", ""):
         return False
     raise ValueError(f"not a boolean: {text!r}")
+
+
+def _paths(text: str) -> tuple[str, ...]:
+    """One path or several, separated by commas."""
+    return tuple(p.strip() for p in text.split(",") if p.strip())
 
 
 def urls(text: str) -> tuple[str, ...]:
@@ -424,6 +432,29 @@ OPTIONS: tuple[Option, ...] = (
         _origins,
         "browser origins allowed on /v2/infer, comma-separated (https://app.example.com); a "
         "handshake from another origin is refused with forbidden (none set: any origin)",
+    ),
+    Option(
+        "model_registry",
+        "--model-registry",
+        str,
+        "serve --model from this registry of signed models (NAME/VERSION/, docs/models.md): "
+        "its promoted version, verified before it loads and at every reload",
+    ),
+    Option(
+        "model_trust",
+        "--model-trust",
+        _paths,
+        "public keys (PEM, comma-separated) whose signatures a registry's models must carry; "
+        "several for a rotation",
+    ),
+    Option(
+        "model_watch_s",
+        "--model-watch-s",
+        float,
+        "how often the registry is checked for a newly promoted version, seconds (0: only "
+        "POST /admin/models/reload)",
+        non_negative,
+        "0 or more",
     ),
     Option(
         "no_playground",
@@ -744,7 +775,7 @@ def _convert(opt: Option, raw: Any, source: str) -> Any:
             if not all(isinstance(v, str) for v in raw.values()):
                 raise TypeError(raw)
             value = tuple((str(k), v) for k, v in raw.items())
-        elif opt.parse in (urls, _origins) and isinstance(raw, list):
+        elif opt.parse in (urls, _origins, _paths) and isinstance(raw, list):
             if not all(isinstance(u, str) for u in raw):
                 raise TypeError(raw)
             value = opt.parse(",".join(raw))

@@ -195,10 +195,15 @@ def _files(directory: Path) -> list[Path]:
 
 
 def verify(
-    directory: Path, trusted: dict[str, TrustedKey], *, served: str | None = None
+    directory: Path,
+    trusted: dict[str, TrustedKey],
+    *,
+    served: str | None = None,
+    expected: tuple[str, str] | None = None,
 ) -> VerifiedModel:
     """Check a version (see the module); ``served``: the version served now, which a new one
-    may not be lower than."""
+    may not be lower than; ``expected``: the name and version the registry's directories say
+    (an older signed manifest put in a newer version's place is a ``rollback``)."""
     root = directory.resolve()
     try:
         envelope = (root / SIGNATURE).read_bytes()
@@ -230,6 +235,21 @@ def verify(
         order = semver(predicate.version)
     except ValueError as exc:
         raise ModelRefused("bad_manifest", f"{MANIFEST}: version: {exc}") from None
+    if expected is not None:
+        name, version = expected
+        if predicate.name != name:
+            raise ModelRefused(
+                "bad_manifest", f"the manifest names {predicate.name!r}, its directory {name!r}"
+            )
+        if predicate.version != version:
+            why = "rollback" if order < semver(version) else "bad_manifest"
+            raise ModelRefused(
+                why,
+                f"the manifest says version {predicate.version}, its directory {version}: an "
+                "older signed manifest in a newer version's place"
+                if why == "rollback"
+                else f"the manifest says version {predicate.version}, its directory {version}",
+            )
     if served is not None and order < semver(served):
         raise ModelRefused(
             "rollback",

@@ -177,6 +177,8 @@ class DoneFrame(_ServerFrame, tag="done"):
     usage: Usage
     timing: Timing
     text: str | None = None
+    #: The version of the model that wrote the reply (a registry's models; else absent).
+    model_version: str | None = None
 
 
 class ErrorBody(msgspec.Struct, omit_defaults=True):

@@ -39,6 +39,23 @@ logger = logging.getLogger(__name__)
 
 
 def admin_routes(state: ServerState) -> list[Route]:
+    async def reload_models(request: Request) -> Response:
+        """Serve the registry's promoted version now (see seedance.models.serving)."""
+        _admin(state, request)
+        manager = state.model_manager
+        if manager is None:
+            raise NotFound("this server serves no model registry (--model-registry)")
+        done = await manager.reload()
+        return _json(
+            {
+                "model": done.model,
+                "outcome": done.outcome,
+                "version": done.version,
+                "reason": done.reason,
+                "message": done.message,
+            }
+        )
+
     async def tenants(request: Request) -> Response:
         _admin(state, request)
         access = state.access.authenticator.access
@@ -130,6 +147,7 @@ def admin_routes(state: ServerState) -> list[Route]:
     return [
         Route("/admin/tenants", tenants),
         Route("/admin/runtime", runtime),
+        Route("/admin/models/reload", reload_models, methods=["POST"]),
         Route("/admin/keys/{key_id}/revoke", revoke, methods=["POST"]),
         Route("/admin/sessions/{tenant}/{session_id}", end_session, methods=["DELETE"]),
     ]

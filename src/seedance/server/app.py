@@ -23,14 +23,14 @@ from seedance.engines.base import Engine
 from seedance.engines.registry import create_engine
 from seedance.observability.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from seedance.observability.tracing import Tracing
-from seedance.protocol.errors import UpgradeRequired
+from seedance.protocol.errors import InvalidRequest, UpgradeRequired
 from seedance.server.admin import admin_routes
 from seedance.server.endpoint import InferEndpoint
 from seedance.server.errors import EXCEPTION_HANDLERS
 from seedance.server.openai_api import OpenAIEndpoint, StreamsEndpoint, authenticate_http
 from seedance.server.realtime import RealtimeEndpoint
 from seedance.server.responses_api import ResponseEndpoint, ResponsesEndpoint, ResponsesSocket
-from seedance.server.state import ServerState
+from seedance.server.state import ServedModel, ServerState
 from seedance.server.web import web_routes
 from seedance.sessions.store import SessionStore
 from seedance.tenants.policy import may_use
@@ -69,6 +69,11 @@ class SeedanceApp(Starlette):
         await super().__call__(scope, receive, send)
 
 
+def _versions(state: ServerState) -> dict[str, str | None]:
+    """Each served model's version (a registry's), for the probes."""
+    return {name: model.version or None for name, model in state.models.items()}
+
+
 def create_app(
     config: ServerConfig | None = None,
     *,
@@ -79,14 +84,35 @@ def create_app(
     """Build the app. ``engines`` defaults to the one ``config.engine`` names, ``tracing``
     to what the config and the ``OTEL_*`` variables ask for."""
     config = config or ServerConfig()
+    manager = None
+    if engines is None and config.model_registry is not None:
+        from seedance.models.serving import ModelManager
+
+        manager = ModelManager(config)
+        engine, verified = manager.initial()  # verified before the engine reads a byte
+        engines = [engine]
     state = ServerState(config, engines or [create_engine(config)], sessions, tracing)
+    if manager is not None:
+        engine = state.models[manager.name].engine
+        served = ServedModel.of(config, engine, verified.version, verified.manifest_sha256)
+        state.models[manager.name] = served
+        state.model_manager = manager
 
     async def healthz(request: Request) -> Response:
+        """Liveness, plain; ``?check=initial-load`` (startup: the models are loaded) and
+        ``?check=model+signature`` (readiness: loaded, verified, not draining)."""
+        check = request.query_params.get("check", "")
+        if check == "initial-load":
+            return json_response({"status": "ok", "models": _versions(state)})
+        if check and check.replace(" ", "+") != "model+signature":
+            raise InvalidRequest(f"check: 'initial-load' or 'model+signature', not {check!r}")
         if state.draining:
             return json_response({"status": "draining"}, 503)
         ok, detail = state.healthy()
         if not ok:
             return json_response({"status": "unhealthy", "detail": detail}, 503)
+        if check:
+            return json_response({"status": "ok", "models": _versions(state)})
         return json_response({"status": "ok"})
 
     async def metrics(request: Request) -> Response:
@@ -114,9 +140,20 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await state.start()
+        if manager is not None:
+            manager.start(state)
+            served = state.models[manager.name]
+            manager.audit(
+                "loaded",
+                served.version,
+                key=verified.key.id,
+                manifest_sha256=served.manifest_sha256,
+            )
         try:
             yield
         finally:
+            if manager is not None:
+                await manager.close()
             await state.close()
 
     infer = InferEndpoint(state)

@@ -573,7 +573,7 @@ class Generation:
             request_id=self.request_id,
             trace_id=self.trace_id,
             model=model.name,
-            model_version=model.engine.info.version,
+            model_version=model.version or model.engine.info.version,
             engine=model.engine.info.engine,
             prompt_tokens=self.prompt_tokens,
             completion_tokens=self.completion_tokens,
@@ -657,6 +657,7 @@ class Generation:
             ),
             timing=self._timing(),
             text=text,
+            model_version=self.requester.model.version or None,
         )
 
     def _log(self, outcome: str) -> None:

@@ -30,6 +30,7 @@ from seedance.tenants.usage import Usage
 
 if TYPE_CHECKING:
     from seedance.cluster.node import ClusterNode
+    from seedance.models.serving import ModelManager
     from seedance.protocol.messages import DoneFrame, ErrorFrame
     from seedance.server.connection import Connection
     from seedance.server.openai_api import HttpCall
@@ -45,12 +46,34 @@ DRAIN_TICK_S = 0.02
 
 @dataclass(frozen=True)
 class ServedModel:
-    """A model name bound to its engine, admission queue and frame limits."""
+    """A model name bound to its engine, admission queue and frame limits (and, from a
+    registry, its version and the hash of its signed manifest)."""
 
     name: str
     engine: Engine
     admission: Admission
     limits: FrameLimits
+    version: str = ""
+    manifest_sha256: str = ""
+
+    @classmethod
+    def of(
+        cls, config: ServerConfig, engine: Engine, version: str = "", manifest: str = ""
+    ) -> ServedModel:
+        info = engine.info
+        return cls(
+            name=info.name,
+            engine=engine,
+            admission=Admission(
+                max_running=config.max_running or engine.max_concurrency,
+                max_waiting=config.max_waiting,
+            ),
+            limits=FrameLimits(
+                max_frame_bytes=config.max_frame_bytes, max_tokens=info.max_output_tokens
+            ),
+            version=version,
+            manifest_sha256=manifest,
+        )
 
 
 class ServerState:
@@ -69,18 +92,7 @@ class ServerState:
             info = engine.info
             if info.name in self.models:
                 raise ConfigError(f"two engines serve the model name {info.name!r}")
-            self.models[info.name] = ServedModel(
-                name=info.name,
-                engine=engine,
-                admission=Admission(
-                    max_running=config.max_running or engine.max_concurrency,
-                    max_waiting=config.max_waiting,
-                ),
-                limits=FrameLimits(
-                    max_frame_bytes=config.max_frame_bytes,
-                    max_tokens=info.max_output_tokens,
-                ),
-            )
+            self.models[info.name] = ServedModel.of(config, engine)
         self.default_model = engines[0].info.name
         #: The cluster mode (``--redis``): None keeps everything in this process.
         self.cluster: ClusterNode | None = None
@@ -117,6 +129,8 @@ class ServerState:
         )
         if self.cluster is not None:  # the stream logs go to Redis at the frames' pace
             self.cluster.streams.replicator.merger = self.merger
+        #: The registry a model is served from (``--model-registry``), and its reloads.
+        self.model_manager: ModelManager | None = None
         self.draining = False
         self.hurry = False  # shutting down without waiting for running generations
         self._started = False

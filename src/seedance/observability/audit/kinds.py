@@ -90,6 +90,18 @@ class KeysRevoked(AuditRecord, kw_only=True):
     keys: list[str]
 
 
+class ModelEvent(AuditRecord, kw_only=True):
+    """A model version of the registry loaded, refused (with the reason), or retired."""
+
+    kind: Literal["model"] = "model"
+    action: Literal["loaded", "refused", "retired"]
+    model: str
+    version: str
+    reason: str | UnsetType = UNSET
+    key: str | UnsetType = UNSET  # the id of the key that signed it
+    manifest_sha256: str | UnsetType = UNSET
+
+
 class Start(AuditRecord, kw_only=True):
     """The server opened the log."""
 

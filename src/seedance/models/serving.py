@@ -1,0 +1,256 @@
+"""Serving a registry's model: verified at start and at every reload, swapped without
+dropping a stream.
+
+At start the promoted version of ``--model`` is verified (:func:`~seedance.models.registry.
+verify`) before its engine reads a byte; a refusal stops the start with the reason. A reload
+(``POST /admin/models/reload``, or the watcher every ``--model-watch-s`` seconds when the
+promoted version changed) verifies the new version, loads it beside the old one, warms it
+with one generation, then swaps it in atomically: requests admitted from then on go to it,
+requests in flight finish on the old one, which is closed once the last has ended. One reload
+at a time, so never more than two versions in memory. A refused or failed reload leaves the
+running version serving; every outcome is logged and written to the audit log.
+
+Sessions that move to the new version are prefilled again from their text: each version has
+its engine, so no session is given another model's KV cache.
+
+A version lower than the one served is refused (``rollback``) when it comes as the newest
+version; an operator rolls back by promoting the older version (``seedance models promote``),
+which is then loaded like any other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from seedance.config import ConfigError, ServerConfig
+from seedance.engines.base import Engine, GenerationRequest, SamplingParams
+from seedance.engines.registry import create_engine, engine_spec
+from seedance.models.registry import PROMOTED, ModelRefused, Registry, VerifiedModel, verify
+from seedance.models.signing import TrustedKey, load_trusted
+from seedance.observability.audit import kinds as audit
+from seedance.protocol.messages import ChatMessage, RequestId
+
+if TYPE_CHECKING:
+    from seedance.server.state import ServedModel, ServerState
+
+logger = logging.getLogger(__name__)
+
+Outcome = Literal["loaded", "unchanged", "refused", "failed"]
+RETIRE_POLL_S = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class Reload:
+    """What a reload of one model did."""
+
+    model: str
+    outcome: Outcome
+    version: str  # the version served after it
+    reason: str | None = None
+    message: str | None = None
+
+
+class ModelManager:
+    """The registry a server serves from, and its reloads."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        assert config.model_registry is not None
+        if not config.model_trust:
+            raise ConfigError("--model-registry needs --model-trust (the signers' public keys)")
+        self.config = config
+        self.registry = Registry(Path(config.model_registry))
+        try:
+            self.trusted: dict[str, TrustedKey] = load_trusted(
+                [Path(p) for p in config.model_trust]
+            )
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"--model-trust: {exc}") from None
+        names = self.registry.names()
+        self.name = config.model or (names[0] if len(names) == 1 else "")
+        if self.name not in names:
+            listed = ", ".join(names) or "none"
+            raise ConfigError(
+                f"--model: name one of the registry's models ({listed}) in {self.registry.root}"
+            )
+        self._lock = asyncio.Lock()
+        self._watcher: asyncio.Task[None] | None = None
+        self.state: ServerState | None = None
+        self.reloads = 0
+
+    # ---------------------------------------------------------------- loading
+
+    def initial(self) -> tuple[Engine, VerifiedModel]:
+        """The promoted version, verified, and its engine (not started)."""
+        version = self.registry.promoted(self.name)
+        if version is None:
+            raise ConfigError(f"model {self.name}: no version in {self.registry.root}")
+        try:
+            verified = verify(
+                self.registry.path(self.name, version),
+                self.trusted,
+                expected=(self.name, version),
+            )
+        except ModelRefused as exc:
+            raise ConfigError(
+                f"model {self.name} {version} refused ({exc.reason}): {exc.message}"
+            ) from None
+        logger.info(
+            "model %s %s verified (key %s, manifest sha256 %s)",
+            self.name,
+            version,
+            verified.key.id,
+            verified.manifest_sha256[:16],
+        )
+        return self.engine_for(verified), verified
+
+    def engine_for(self, verified: VerifiedModel) -> Engine:
+        """An engine over the verified files, with the manifest's engine and options."""
+        manifest = verified.manifest
+        spec = engine_spec(manifest.engine)
+        known = {f.name for f in dataclasses.fields(spec.options)}
+        unknown = sorted(set(manifest.engine_options) - known)
+        if unknown:
+            raise ConfigError(
+                f"model {manifest.name} {manifest.version}: engine option(s) {', '.join(unknown)} "
+                f"are not {manifest.engine}'s"
+            )
+        weights = verified.file(".gguf")
+        config = dataclasses.replace(
+            self.config,
+            engine=manifest.engine,
+            model=manifest.name,
+            model_path=str(weights if weights is not None else verified.path),
+            engine_options=spec.options(**manifest.engine_options),
+        )
+        return create_engine(config)
+
+    def audit(self, action: Any, version: str, **fields: Any) -> None:
+        if self.state is not None:
+            record = audit.ModelEvent(action=action, model=self.name, version=version, **fields)
+            self.state.audit_submit(lambda: record)
+
+    # ---------------------------------------------------------------- reloading
+
+    async def reload(self) -> Reload:
+        """Serve the promoted version if it is not the one served (see the module)."""
+        state = self.state
+        assert state is not None
+        async with self._lock:
+            current = state.models[self.name]
+            version = self.registry.promoted(self.name)
+            if version is None or version == current.version:
+                return Reload(self.name, "unchanged", current.version)
+            explicit = (self.registry.root / self.name / PROMOTED).is_file()
+            path = self.registry.path(self.name, version)
+            try:
+                verified = await asyncio.to_thread(
+                    functools.partial(
+                        verify,
+                        path,
+                        self.trusted,
+                        served=None if explicit else current.version,
+                        expected=(self.name, version),
+                    )
+                )
+            except ModelRefused as exc:
+                logger.warning(
+                    "model %s %s refused (%s): %s; %s goes on serving",
+                    self.name,
+                    version,
+                    exc.reason,
+                    exc.message,
+                    current.version,
+                )
+                self.audit("refused", version, reason=exc.reason)
+                return Reload(self.name, "refused", current.version, exc.reason, exc.message)
+            try:
+                engine = await asyncio.to_thread(self.engine_for, verified)
+                await engine.start()
+                try:
+                    await warm(engine)
+                except BaseException:
+                    await engine.close()
+                    raise
+            except Exception as exc:
+                logger.exception(
+                    "model %s %s failed to load; %s goes on serving",
+                    self.name,
+                    version,
+                    current.version,
+                )
+                self.audit("refused", version, reason="load_failed")
+                return Reload(self.name, "failed", current.version, "load_failed", str(exc))
+            from seedance.server.state import ServedModel
+
+            new = ServedModel.of(self.config, engine, verified.version, verified.manifest_sha256)
+            state.models[self.name] = new  # from now on, new requests go to it
+            self.reloads += 1
+            logger.info(
+                "model %s %s serving (was %s); the old version ends its requests",
+                self.name,
+                verified.version,
+                current.version,
+            )
+            self.audit(
+                "loaded",
+                verified.version,
+                key=verified.key.id,
+                manifest_sha256=verified.manifest_sha256,
+            )
+            await self._retire(current)
+            return Reload(self.name, "loaded", verified.version)
+
+    async def _retire(self, old: ServedModel) -> None:
+        """Close ``old`` once no generation uses it (in flight or waiting for admission)."""
+        state = self.state
+        assert state is not None
+        # Polled: generations end from many places, and a retire may wait a tick more.
+        while any(g.requester.model is old for g in list(state.generations.values())):  # noqa: ASYNC110
+            await asyncio.sleep(RETIRE_POLL_S)
+        await old.engine.close()
+        logger.info("model %s %s retired", old.name, old.version)
+        self.audit("retired", old.version)
+
+    # ---------------------------------------------------------------- watching
+
+    def start(self, state: ServerState) -> None:
+        self.state = state
+        if self.config.model_watch_s > 0 and self._watcher is None:
+            self._watcher = asyncio.create_task(self._watch(), name="model-watch")
+
+    async def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            await asyncio.gather(self._watcher, return_exceptions=True)
+            self._watcher = None
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.model_watch_s)
+            try:
+                await self.reload()
+            except Exception:  # the next round tries again; never silently
+                logger.exception("model %s: the registry watch failed", self.name)
+
+
+async def warm(engine: Engine) -> None:
+    """One generation of one token: the model answers before it is swapped in."""
+    messages = (ChatMessage("user", "Hello"),)
+    request = GenerationRequest(
+        request_id=RequestId("warm-up"),
+        messages=messages,
+        params=SamplingParams(max_tokens=1, temperature=0.0),
+        prompt_tokens=engine.prompt_tokens(messages),
+    )
+    stream = engine.generate(request)
+    try:
+        async for _ in stream:
+            pass
+    finally:
+        await stream.aclose()
