@@ -257,22 +257,25 @@ async def test_a_registry_model_is_verified_served_reloaded_and_refused_with_rea
         assert (await http.get("/healthz", params={"check": "initial-load"})).status_code == 200
         assert (await http.get("/healthz", params={"check": "nope"})).status_code == 400
         assert await version_of_a_reply() == "1.0.0"
-        unchanged = (await http.post("/admin/models/reload")).json()
+        unchanged = (await http.post("/admin/models/reload")).json()["reloads"][0]
         assert unchanged["outcome"] == "unchanged" and unchanged["version"] == "1.0.0"
 
         make_version(root, keys["ci"], "1.1.0")
-        loaded = (await http.post("/admin/models/reload")).json()
-        assert loaded == {
+        stable, canary = (await http.post("/admin/models/reload")).json()["reloads"]
+        assert stable == {
             "model": "tiny",
+            "role": "stable",
             "outcome": "loaded",
             "version": "1.1.0",
+            "share": None,
             "reason": None,
             "message": None,
         }
+        assert canary["role"] == "canary" and canary["outcome"] == "unchanged"
         assert await version_of_a_reply() == "1.1.0"
 
         _changed(make_version(root, keys["ci"], "1.2.0"), keys)  # tampered after signing
-        refused = (await http.post("/admin/models/reload")).json()
+        refused = (await http.post("/admin/models/reload")).json()["reloads"][0]
         assert refused["outcome"] == "refused" and refused["reason"] == "changed_file"
         assert refused["version"] == "1.1.0" and "weights.bin" in refused["message"]
         assert await version_of_a_reply() == "1.1.0"  # the running version goes on
@@ -280,7 +283,7 @@ async def test_a_registry_model_is_verified_served_reloaded_and_refused_with_rea
         assert ready.status_code == 200 and ready.json()["models"] == {"tiny": "1.1.0"}
 
         Registry(root).promote("tiny", "1.0.0")  # a rollback is a promote
-        back = (await http.post("/admin/models/reload")).json()
+        back = (await http.post("/admin/models/reload")).json()["reloads"][0]
         assert back["outcome"] == "loaded" and back["version"] == "1.0.0"
     server.stop()
     records = [json.loads(line) for line in audit_file.read_text().splitlines()]
@@ -360,3 +363,37 @@ async def test_a_new_version_is_swapped_in_while_8_streams_run_on_the_old_one(
         after = await session.complete("Hello", max_tokens=4)
     assert after.model_version == "1.1.0"
     assert server.state.models["smollm2"].engine is not old_engine
+
+
+async def test_a_canary_takes_its_share_of_sessions_sticky_then_is_promoted(
+    tmp_path: Path, keys: dict[str, Path], make_server: Callable[..., RunningServer]
+) -> None:
+    root = tmp_path / "registry"
+    make_version(root, keys["ci"], "1.0.0")
+    make_version(root, keys["ci"], "1.1.0")
+    registry = Registry(root)
+    registry.promote("tiny", "1.0.0")
+    registry.set_canary("tiny", "1.1.0", 0.2)
+    server = registry_server(make_server, root, keys, model="tiny", model_watch_s=0.1)
+    for _ in range(100):
+        if "tiny" in server.state.canaries:
+            break
+        await asyncio.sleep(0.05)
+    gate = asyncio.Semaphore(25)
+
+    async def version(session_id: str) -> str:
+        async with gate, connect(server.url, session_id=session_id) as session:
+            return (await session.complete("x", max_tokens=1)).model_version or ""
+
+    ids = [f"canary-{i}" for i in range(2000)]
+    first = await asyncio.gather(*(version(i) for i in ids))
+    share = first.count("1.1.0") / len(ids)
+    assert set(first) == {"1.0.0", "1.1.0"} and 0.15 <= share <= 0.25, share
+    again = await asyncio.gather(*(version(i) for i in ids[:200]))  # sticky per session
+    assert again == first[:200]
+    registry.promote("tiny", "1.1.0")  # the canary becomes the stable version
+    for _ in range(100):
+        if server.state.models["tiny"].version == "1.1.0" and not server.state.canaries:
+            break
+        await asyncio.sleep(0.05)
+    assert await asyncio.gather(*(version(i) for i in ids[:50])) == ["1.1.0"] * 50

@@ -793,8 +793,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks.md"))
     parser.add_argument(
         "--suites",
-        default="1,2,3,4,5,6,7,8,9,10,11,12,13",
-        help="which suites to run (default all: 1-13)",
+        default="1,2,3,4,5,6,7,8,9,10,11,12,13,14",
+        help="which suites to run (default all: 1-14)",
     )
     args = parser.parse_args(argv)
     if _cores() < 2:
@@ -807,6 +807,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from seedance.bench.observability_suite import observability_suite
     from seedance.bench.openai_suite import openai_suite
     from seedance.bench.qos_suite import qos_suite
+    from seedance.bench.reload_suite import reload_suite
     from seedance.bench.resume_suite import resume_suite
 
     report = Report(args.quick, args.rounds, args.out)
@@ -826,6 +827,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "11": functools.partial(qos_suite, report),
         "12": functools.partial(browser_suite, report),
         "13": functools.partial(openai_suite, report),
+        "14": functools.partial(reload_suite, report),
     }
     for key in sorted(chosen, key=int):
         suites[key]()

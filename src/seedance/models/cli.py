@@ -53,9 +53,16 @@ def add_parser(commands: Any) -> None:
         )
     checking.add_argument("--served", help="the version served now (a lower one is refused)")
     promoting = actions.add_parser("promote", help="serve VERSION of NAME by default")
-    promoting.add_argument("root", type=Path, metavar="REGISTRY")
-    promoting.add_argument("name", metavar="NAME")
+    canary = actions.add_parser(
+        "canary", help="give VERSION of NAME a share of the sessions (--off: no canary)"
+    )
+    for command in (promoting, canary):
+        command.add_argument("root", type=Path, metavar="REGISTRY")
+        command.add_argument("name", metavar="NAME")
     promoting.add_argument("version", metavar="VERSION")
+    canary.add_argument("version", metavar="VERSION", nargs="?")
+    canary.add_argument("--share", type=float, default=0.1, help="the share (default 0.1)")
+    canary.add_argument("--off", action="store_true", help="remove the canary")
 
 
 def _option(text: str) -> tuple[str, str | int | float | bool]:
@@ -99,6 +106,14 @@ def run(args: argparse.Namespace) -> int:
     if command == "promote":
         Registry(args.root).promote(args.name, args.version)
         print(f"{args.name}: {args.version} promoted")
+        return 0
+    if command == "canary":
+        if args.off or args.version is None:
+            Registry(args.root).set_canary(args.name, None)
+            print(f"{args.name}: no canary")
+        else:
+            Registry(args.root).set_canary(args.name, args.version, args.share)
+            print(f"{args.name}: {args.version} takes {args.share:g} of the sessions")
         return 0
     trusted = load_trusted(args.trust)
     if command == "verify":

@@ -34,6 +34,7 @@ from seedance.models.signing import verify as verify_envelope
 MANIFEST: Final = "manifest.json"
 SIGNATURE: Final = "manifest.sig"
 PROMOTED: Final = "PROMOTED"  # ROOT/NAME/PROMOTED: the version served by default
+CANARY: Final = "CANARY"  # ROOT/NAME/CANARY: "VERSION SHARE", a version for a share of sessions
 STATEMENT_TYPE: Final = "https://in-toto.io/Statement/v1"
 PREDICATE_TYPE: Final = "https://seedance.dev/model-manifest/v1"
 _SEMVER: Final = re.compile(
@@ -318,13 +319,42 @@ class Registry:
         return versions[-1] if versions else None
 
     def promote(self, name: str, version: str) -> None:
-        """Serve ``version`` of ``name`` by default (promote a canary, or roll back)."""
+        """Serve ``version`` of ``name`` by default (promote a canary, or roll back); a canary
+        of that version is one no more."""
         if version not in self.versions(name):
             raise ValueError(f"no version {version} of {name} in {self.root}")
-        pointer = self.root / name / PROMOTED
-        temporary = pointer.with_suffix(".tmp")
-        temporary.write_text(version + "\n")
-        temporary.replace(pointer)  # atomically: a reader sees the old or the new
+        canary = self.canary(name)
+        if canary is not None and canary[0] == version:
+            (self.root / name / CANARY).unlink()
+        self._write(name, PROMOTED, version)
+
+    def canary(self, name: str) -> tuple[str, float] | None:
+        """The canary of ``name``: its version and the share of sessions it takes."""
+        pointer = self.root / name / CANARY
+        if not pointer.is_file():
+            return None
+        version, _, share = pointer.read_text().strip().partition(" ")
+        try:
+            return version, float(share)
+        except ValueError:
+            return None
+
+    def set_canary(self, name: str, version: str | None, share: float = 0.0) -> None:
+        """Give ``version`` ``share`` of the sessions (0 < share < 1); None: no canary."""
+        if version is None:
+            (self.root / name / CANARY).unlink(missing_ok=True)
+            return
+        if version not in self.versions(name):
+            raise ValueError(f"no version {version} of {name} in {self.root}")
+        if not 0 < share < 1:
+            raise ValueError(f"share: between 0 and 1 (exclusive), got {share}")
+        self._write(name, CANARY, f"{version} {share:g}")
+
+    def _write(self, name: str, pointer: str, text: str) -> None:
+        path = self.root / name / pointer
+        temporary = path.with_suffix(".tmp")
+        temporary.write_text(text + "\n")
+        temporary.replace(path)  # atomically: a reader sees the old or the new
 
     def path(self, name: str, version: str) -> Path:
         return self.root / name / version

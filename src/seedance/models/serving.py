@@ -16,6 +16,12 @@ its engine, so no session is given another model's KV cache.
 A version lower than the one served is refused (``rollback``) when it comes as the newest
 version; an operator rolls back by promoting the older version (``seedance models promote``),
 which is then loaded like any other.
+
+**Canaries.** ``NAME/CANARY`` (``seedance models canary``) names a version and a share: it is
+loaded beside the stable version and takes that share of the sessions, by a hash of the session
+id (sticky: a session stays on the version it got, on every node). Promoting the canary makes it
+the stable version without loading anything; removing it retires it. Two versions at most: a
+new stable version other than the canary retires the canary first.
 """
 
 from __future__ import annotations
@@ -47,13 +53,15 @@ RETIRE_POLL_S = 0.05
 
 @dataclass(frozen=True, slots=True)
 class Reload:
-    """What a reload of one model did."""
+    """What a reload of one model (its stable version, or its canary) did."""
 
     model: str
     outcome: Outcome
-    version: str  # the version served after it
+    version: str  # the version served after it ("": no canary)
     reason: str | None = None
     message: str | None = None
+    role: str = "stable"
+    share: float | None = None  # a canary's
 
 
 class ModelManager:
@@ -137,74 +145,110 @@ class ModelManager:
 
     # ---------------------------------------------------------------- reloading
 
-    async def reload(self) -> Reload:
-        """Serve the promoted version if it is not the one served (see the module)."""
+    async def reload(self) -> list[Reload]:
+        """Serve the promoted version, and the canary the registry names (see the module)."""
+        async with self._lock:
+            return [await self._reload_stable(), await self._reload_canary()]
+
+    async def _reload_stable(self) -> Reload:
         state = self.state
         assert state is not None
-        async with self._lock:
-            current = state.models[self.name]
-            version = self.registry.promoted(self.name)
-            if version is None or version == current.version:
-                return Reload(self.name, "unchanged", current.version)
-            explicit = (self.registry.root / self.name / PROMOTED).is_file()
-            path = self.registry.path(self.name, version)
-            try:
-                verified = await asyncio.to_thread(
-                    functools.partial(
-                        verify,
-                        path,
-                        self.trusted,
-                        served=None if explicit else current.version,
-                        expected=(self.name, version),
-                    )
-                )
-            except ModelRefused as exc:
-                logger.warning(
-                    "model %s %s refused (%s): %s; %s goes on serving",
-                    self.name,
-                    version,
-                    exc.reason,
-                    exc.message,
-                    current.version,
-                )
-                self.audit("refused", version, reason=exc.reason)
-                return Reload(self.name, "refused", current.version, exc.reason, exc.message)
-            try:
-                engine = await asyncio.to_thread(self.engine_for, verified)
-                await engine.start()
-                try:
-                    await warm(engine)
-                except BaseException:
-                    await engine.close()
-                    raise
-            except Exception as exc:
-                logger.exception(
-                    "model %s %s failed to load; %s goes on serving",
-                    self.name,
-                    version,
-                    current.version,
-                )
-                self.audit("refused", version, reason="load_failed")
-                return Reload(self.name, "failed", current.version, "load_failed", str(exc))
-            from seedance.server.state import ServedModel
-
-            new = ServedModel.of(self.config, engine, verified.version, verified.manifest_sha256)
-            state.models[self.name] = new  # from now on, new requests go to it
-            self.reloads += 1
-            logger.info(
-                "model %s %s serving (was %s); the old version ends its requests",
-                self.name,
-                verified.version,
-                current.version,
-            )
-            self.audit(
-                "loaded",
-                verified.version,
-                key=verified.key.id,
-                manifest_sha256=verified.manifest_sha256,
-            )
+        current = state.models[self.name]
+        version = self.registry.promoted(self.name)
+        if version is None or version == current.version:
+            return Reload(self.name, "unchanged", current.version)
+        canary = state.canaries.get(self.name)
+        if canary is not None and canary[0].version == version:
+            # The canary promoted: it serves everyone now, no load needed.
+            del state.canaries[self.name]
+            state.models[self.name] = canary[0]
+            logger.info("model %s %s promoted from canary", self.name, version)
+            self.audit("loaded", version, manifest_sha256=canary[0].manifest_sha256)
             await self._retire(current)
-            return Reload(self.name, "loaded", verified.version)
+            return Reload(self.name, "loaded", version)
+        if canary is not None:  # never more than two versions: the canary goes first
+            del state.canaries[self.name]
+            await self._retire(canary[0])
+        explicit = (self.registry.root / self.name / PROMOTED).is_file()
+        served = None if explicit else current.version
+        loaded = await self._load(version, current.version, served)
+        if isinstance(loaded, Reload):
+            return loaded
+        state.models[self.name] = loaded  # from now on, new requests go to it
+        logger.info(
+            "model %s %s serving (was %s); the old version ends its requests",
+            self.name,
+            version,
+            current.version,
+        )
+        await self._retire(current)
+        return Reload(self.name, "loaded", version)
+
+    async def _reload_canary(self) -> Reload:
+        state = self.state
+        assert state is not None
+        wanted = self.registry.canary(self.name)
+        loaded = state.canaries.get(self.name)
+        stable = state.models[self.name].version
+        if wanted is None or wanted[0] == stable:
+            if loaded is not None:
+                del state.canaries[self.name]
+                await self._retire(loaded[0])
+            return Reload(self.name, "unchanged", "", role="canary")
+        version, share = wanted
+        if loaded is not None and loaded[0].version == version:
+            state.canaries[self.name] = (loaded[0], share)  # a new share only
+            return Reload(self.name, "unchanged", version, role="canary", share=share)
+        if loaded is not None:
+            del state.canaries[self.name]
+            await self._retire(loaded[0])
+        model = await self._load(version, stable, None, role="canary")
+        if isinstance(model, Reload):
+            return model
+        state.canaries[self.name] = (model, share)
+        logger.info("model %s %s canary for %g of the sessions", self.name, version, share)
+        return Reload(self.name, "loaded", version, role="canary", share=share)
+
+    async def _load(
+        self, version: str, current: str, served: str | None, role: str = "stable"
+    ) -> ServedModel | Reload:
+        """Verify, load and warm ``version``; a :class:`Reload` saying why when it is not."""
+        path = self.registry.path(self.name, version)
+        check = functools.partial(
+            verify, path, self.trusted, served=served, expected=(self.name, version)
+        )
+        try:
+            verified = await asyncio.to_thread(check)
+        except ModelRefused as exc:
+            logger.warning(
+                "model %s %s refused (%s): %s; %s goes on serving",
+                self.name,
+                version,
+                exc.reason,
+                exc.message,
+                current,
+            )
+            self.audit("refused", version, reason=exc.reason)
+            return Reload(self.name, "refused", current, exc.reason, exc.message, role)
+        try:
+            engine = await asyncio.to_thread(self.engine_for, verified)
+            await engine.start()
+            try:
+                await warm(engine)
+            except BaseException:
+                await engine.close()
+                raise
+        except Exception as exc:
+            logger.exception(
+                "model %s %s failed to load; %s goes on serving", self.name, version, current
+            )
+            self.audit("refused", version, reason="load_failed")
+            return Reload(self.name, "failed", current, "load_failed", str(exc), role)
+        from seedance.server.state import ServedModel
+
+        self.reloads += 1
+        self.audit("loaded", version, key=verified.key.id, manifest_sha256=verified.manifest_sha256)
+        return ServedModel.of(self.config, engine, verified.version, verified.manifest_sha256)
 
     async def _retire(self, old: ServedModel) -> None:
         """Close ``old`` once no generation uses it (in flight or waiting for admission)."""

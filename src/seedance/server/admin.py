@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 from msgspec import UNSET, UnsetType
@@ -35,6 +35,9 @@ from seedance.server.state import ServerState
 from seedance.tenants.auth import Principal
 from seedance.tenants.keys import KeyAlreadyRevoked, KeyNotFound
 
+if TYPE_CHECKING:
+    from seedance.models.serving import Reload
+
 logger = logging.getLogger(__name__)
 
 
@@ -45,16 +48,7 @@ def admin_routes(state: ServerState) -> list[Route]:
         manager = state.model_manager
         if manager is None:
             raise NotFound("this server serves no model registry (--model-registry)")
-        done = await manager.reload()
-        return _json(
-            {
-                "model": done.model,
-                "outcome": done.outcome,
-                "version": done.version,
-                "reason": done.reason,
-                "message": done.message,
-            }
-        )
+        return _json({"reloads": [_reload_json(r) for r in await manager.reload()]})
 
     async def tenants(request: Request) -> Response:
         _admin(state, request)
@@ -178,6 +172,18 @@ def _admin(state: ServerState, request: Request) -> Principal:
     if principal.role != "admin":
         raise Forbidden(f"credential {principal.credential} is not an admin's")
     return principal
+
+
+def _reload_json(done: Reload) -> dict[str, Any]:
+    return {
+        "model": done.model,
+        "role": done.role,
+        "outcome": done.outcome,
+        "version": done.version or None,
+        "share": done.share,
+        "reason": done.reason,
+        "message": done.message,
+    }
 
 
 def _json(body: Any) -> Response:

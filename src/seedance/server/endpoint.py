@@ -71,6 +71,7 @@ class InferEndpoint:
             session, created = await state.sessions.attach(
                 TenantId(principal.name), session_id, max_for_tenant=quotas.sessions
             )
+            model = state.resolve_model(model.name, session.session_id)  # a canary's share
         except SeedanceError as exc:
             if counted and principal is not None:
                 state.usage.close_connection(principal.name)

@@ -200,7 +200,7 @@ class HttpCall:
         tenant = self.principal.tenant
         limits = endpoint.limits.capped(tenant.quotas.max_tokens)
         self.request = request = endpoint._decode(body, limits)
-        self.model = model = state.resolve_model(request.model)
+        self.model = model = state.resolve_model(request.model, self.request_id)
         check_model(self.principal, model.name, state.models)
         message = request.generate
         if model.limits.max_tokens < message.max_tokens:

@@ -79,6 +79,7 @@ class RealtimeEndpoint:
             session, _ = await state.sessions.attach(
                 TenantId(principal.name), None, max_for_tenant=quotas.sessions
             )
+            model = state.resolve_model(model.name, session.session_id)  # a canary's share
         except SeedanceError as exc:
             if counted:
                 state.usage.close_connection(principal.name)

@@ -308,7 +308,9 @@ class ResponseCall(HttpCall):
         principal = self.principal
         quotas = principal.tenant.quotas
         request = decode_responses(body, limits.capped(quotas.max_tokens))
-        self.model = model = state.resolve_model(request.model)
+        # A canary's share: by the conversation it continues, else by the response.
+        sticky = request.previous_response_id or self.request_id
+        self.model = model = state.resolve_model(request.model, sticky)
         check_model(principal, model.name, state.models)
         message = request.generate
         if model.limits.max_tokens < message.max_tokens:

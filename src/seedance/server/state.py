@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -42,6 +43,12 @@ logger = logging.getLogger(__name__)
 #: On shutdown, idle connections are closed over this long (at most the drain timeout).
 DRAIN_STAGGER_S = 2.0
 DRAIN_TICK_S = 0.02
+
+
+def share_of(key: str) -> float:
+    """Where ``key`` falls in [0, 1): the same for a key on every node and every run."""
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64
 
 
 @dataclass(frozen=True)
@@ -131,6 +138,8 @@ class ServerState:
             self.cluster.streams.replicator.merger = self.merger
         #: The registry a model is served from (``--model-registry``), and its reloads.
         self.model_manager: ModelManager | None = None
+        #: Canary versions by model name, with the share of sessions they take.
+        self.canaries: dict[str, tuple[ServedModel, float]] = {}
         self.draining = False
         self.hurry = False  # shutting down without waiting for running generations
         self._started = False
@@ -143,11 +152,16 @@ class ServerState:
         gpu = open_gpu_memory()
         self.metrics.add_collector(lambda: state_metrics(self, gpu))
 
-    def resolve_model(self, name: str | None) -> ServedModel:
+    def resolve_model(self, name: str | None, sticky: str | None = None) -> ServedModel:
+        """The served model ``name`` (None: the default); with a canary of it (a registry's),
+        the canary for the share of ``sticky`` keys (a session id) it takes."""
         model = self.models.get(name or self.default_model)
         if model is None:
             served = ", ".join(sorted(self.models))
             raise ModelNotFound(f"model {name!r} is not served here; served models: {served}")
+        canary = self.canaries.get(model.name)
+        if canary is not None and sticky is not None and share_of(sticky) < canary[1]:
+            return canary[0]
         return model
 
     def count_refusal(self, model: ServedModel, tenant: str, code: str) -> None:
