@@ -65,3 +65,80 @@ async def test_rules_dashboard_and_docs_use_only_exported_metrics(server: Runnin
     documented = used_metrics((ROOT / "docs" / "observability.md").read_text())
     assert families <= documented
     assert documented <= exported
+
+
+# --------------------------------------------------------------------------- Kubernetes
+
+K8S = ROOT / "deploy" / "k8s"
+CHART = ROOT / "deploy" / "helm" / "seedance"
+KUBERNETES_VERSIONS = ("1.30.0", "1.34.0")
+#: What the chart's templates may hold: a value, nothing more (see values.yaml).
+_PLACEHOLDER = re.compile(r"\{\{\s*\.(Values|Release|Chart)((?:\.[A-Za-z_]\w*)+)\s*\}\}")
+
+
+def render_chart(chart: Path, release: str = "seedance") -> list[dict[str, object]]:
+    """The chart's manifests as ``helm template RELEASE CHART`` renders them (its templates
+    substitute values only, which this checks, so a substitution renders them exactly)."""
+    import yaml
+
+    values = yaml.safe_load((chart / "values.yaml").read_text())
+    meta = yaml.safe_load((chart / "Chart.yaml").read_text())
+    scopes: dict[str, object] = {
+        "Values": values,
+        "Release": {"Name": release},
+        "Chart": {
+            "Name": meta["name"],
+            "Version": meta["version"],
+            "AppVersion": meta["appVersion"],
+        },
+    }
+
+    def value(match: re.Match[str]) -> str:
+        found: object = scopes[match.group(1)]
+        for part in match.group(2).strip(".").split("."):
+            assert isinstance(found, dict) and part in found, f"no value {match.group(0)}"
+            found = found[part]
+        return str(found)
+
+    documents = []
+    for template in sorted((chart / "templates").glob("*.yaml")):
+        text = template.read_text()
+        rendered = _PLACEHOLDER.sub(value, text)
+        assert "{{" not in rendered, f"{template.name}: a template beyond a value substitution"
+        documents += [d for d in yaml.safe_load_all(rendered) if d]
+    return documents
+
+
+def manifests() -> list[dict[str, object]]:
+    import yaml
+
+    return [d for p in sorted(K8S.glob("*.yaml")) for d in yaml.safe_load_all(p.read_text()) if d]
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_the_kubernetes_manifests_and_the_chart_validate_against_the_schemas(version: str) -> None:
+    import kubernetes_validate
+
+    documents = manifests()
+    kinds = sorted(str(d["kind"]) for d in documents)
+    assert kinds == ["Deployment", "HorizontalPodAutoscaler", "PodDisruptionBudget", "Service"]
+    for document in [*documents, *render_chart(CHART, "seedance"), *render_chart(CHART, "other")]:
+        kubernetes_validate.validate(document, version, strict=True)
+
+
+def test_the_chart_with_its_defaults_renders_the_plain_manifests() -> None:
+    def by_kind(documents: list[dict[str, object]]) -> dict[str, object]:
+        return {str(d["kind"]): d for d in documents}
+
+    assert by_kind(render_chart(CHART)) == by_kind(manifests())
+
+
+def test_the_deployment_probes_are_the_servers_checks() -> None:
+    deployment = next(d for d in manifests() if d["kind"] == "Deployment")
+    container = deployment["spec"]["template"]["spec"]["containers"][0]  # type: ignore[index]
+    assert container["startupProbe"]["httpGet"]["path"] == "/healthz?check=initial-load"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/healthz?check=model+signature"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]  # type: ignore[index]
+    drain = next(a for a in container["args"] if a.startswith("--drain-timeout="))
+    assert grace > int(drain.split("=")[1]) + 5  # the preStop pause, then the drain
