@@ -31,6 +31,7 @@ from seedance.models.registry import (
 from seedance.models.signing import TrustedKey, keygen, load_trusted
 from seedance.tenants.keys import add_key
 from tests.support.servers import RunningServer, serve_fails
+from tests.test_metrics import scrape, value
 
 
 @pytest.fixture
@@ -397,3 +398,11 @@ async def test_a_canary_takes_its_share_of_sessions_sticky_then_is_promoted(
             break
         await asyncio.sleep(0.05)
     assert await asyncio.gather(*(version(i) for i in ids[:50])) == ["1.1.0"] * 50
+    samples, _ = scrape(server)  # the two versions, side by side on the dashboard
+    ended = "seedance_model_version_requests_total"
+    old = value(samples, ended, model="tiny", version="1.0.0", outcome="length")
+    new = value(samples, ended, model="tiny", version="1.1.0", outcome="length")
+    assert old == first.count("1.0.0") + again.count("1.0.0")
+    assert new == first.count("1.1.0") + again.count("1.1.0") + 50
+    ttft = "seedance_model_version_time_to_first_token_seconds_count"
+    assert value(samples, ttft, model="tiny", version="1.1.0") == new

@@ -135,6 +135,18 @@ class Metrics:
             buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0),
             registry=r,
         )
+        # Per version of a registry's model (a canary beside its stable version).
+        self.version_ttft = histogram(
+            "seedance_model_version_time_to_first_token_seconds",
+            "Time to first token by model and version (models served from a registry).",
+            labels=("model", "version"),
+        )
+        self.version_requests = Counter(
+            "seedance_model_version_requests",
+            "Requests ended by model, version and outcome (models served from a registry).",
+            ["model", "version", "outcome"],
+            registry=r,
+        )
         self._slatags: set[str] = set()
 
     def slatag(self, tag: str | None) -> str:
@@ -260,6 +272,7 @@ class RequestMeter:
         "_metrics",
         "_slo",
         "_tokens",
+        "_version",
         "first_token",
         "last_token",
         "received",
@@ -275,9 +288,12 @@ class RequestMeter:
         received: float,
         record: list[tuple[float, int]] | None = None,
         qos: QoS | None = None,
+        version: str = "",
     ) -> None:
         self._metrics = metrics
         self._labels = (model, engine, tenant)
+        #: The model and version labels (None: not a registry's model).
+        self._version = (model, version) if version else None
         #: The SLA tag and class labels (None: no QoS asked).
         self._slo: tuple[str, str] | None = None
         if qos is not None:
@@ -307,6 +323,8 @@ class RequestMeter:
             self._metrics.ttft.labels(*self._labels).observe(now - self.received)
             if self._slo is not None:
                 self._metrics.slo_ttft.labels(*self._slo).observe(now - self.received)
+            if self._version is not None:
+                self._metrics.version_ttft.labels(*self._version).observe(now - self.received)
         elif count > 0:
             itl, gap = self._itl, (now - last) / count
             itl.counts[bisect_left(LATENCY_BUCKETS, gap)] += count
@@ -320,3 +338,5 @@ class RequestMeter:
         self._metrics.requests.labels(*self._labels, outcome).inc()
         if self._slo is not None:
             self._metrics.slo_requests.labels(*self._slo, outcome).inc()
+        if self._version is not None:
+            self._metrics.version_requests.labels(*self._version, outcome).inc()

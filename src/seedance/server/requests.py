@@ -312,6 +312,7 @@ class Generation:
             received,
             self.trace.token_times,
             qos,
+            model.version,
         )
         self.error: SeedanceError | None = None
         #: Its hold on the session and the tenant's quotas in the cluster (cluster mode).
