@@ -29,8 +29,10 @@ from seedance.client import connect
 from seedance.engines.llamacpp.native import backend_cwd
 from seedance.engines.local import default_model_path
 from seedance.engines.openai_upstream import OpenAIUpstreamEngine
+from seedance.engines.routing import LatencyWindow, Upstream, choose
 from seedance.engines.synthetic import SyntheticEngine
 from seedance.protocol.errors import SeedanceError
+from seedance.protocol.qos import QoS
 from tests.support.servers import RunningServer, asgi_server
 
 
@@ -246,3 +248,86 @@ def test_no_upstream_answering_at_startup_is_a_clear_error() -> None:
     with pytest.raises(ConfigError) as info:
         OpenAIUpstreamEngine((f"http://127.0.0.1:{free_port()}/v1",), timeout_s=1)
     assert "--upstream-model" in info.value.message
+
+
+# --------------------------------------------------------------------------- routing
+
+
+def window_of(*ttft_s: float) -> LatencyWindow:
+    window = LatencyWindow()
+    for t in ttft_s:
+        window.add(t)
+    return window
+
+
+def test_routing_ranks_by_expected_wait_within_the_requests_class() -> None:
+    fast = Upstream.parse("http://fast/v1")
+    slow = Upstream.parse("http://slow/v1")
+    gold = Upstream.parse("http://gold/v1#critical+high")
+    assert gold.classes == {"critical", "high"} and not fast.classes
+    fast.ttft, slow.ttft, gold.ttft = (
+        window_of(*[0.02] * 20),
+        window_of(*[0.2] * 20),
+        window_of(*[0.5] * 20),
+    )
+    ups = [fast, slow, gold]
+    assert choose(ups, "critical") is gold  # the upstreams kept for a class, however slow
+    assert choose(ups, None) is fast and choose(ups, "low") is fast  # the general ones
+    fast.in_flight = 12  # 0.02 x 13 > 0.2 x 1
+    assert choose(ups, "normal") is slow
+    slow.waiting = 5  # read from its /metrics
+    assert choose(ups, "normal") is fast
+    fast.in_flight, fast.kv_use = 0, 0.99  # counted as 0.95: 0.02 / 0.05 = 0.4 < 0.2 x 6
+    assert choose(ups, "normal") is fast
+    fast.in_flight = 2  # 0.4 x 3 = 1.2 = 0.2 x 6: a tie goes to fewer requests served
+    slow.requests = 1
+    assert choose(ups, "normal") is fast
+    fast.in_flight = 3
+    assert choose(ups, "normal") is slow
+    gold.down_until = 1.0
+    assert choose(ups, "critical") is slow  # none kept for it up: the general ones
+    fast.down_until = slow.down_until = 1.0
+    gold.down_until = 0.0
+    assert choose(ups, "low") is gold  # none for it nor general: any that is up
+    fresh = Upstream.parse("http://new/v1")  # no figures: the median of the others'
+    assert choose([fresh], None) is fresh and fresh.ttft.p99() is None
+
+
+def test_an_upstreams_metrics_give_its_queue_and_kv_cache_use(server: RunningServer) -> None:
+    vllm = Upstream.parse("http://vllm:8000/v1")
+    assert vllm.metrics_url == "http://vllm:8000/metrics"
+    vllm.read_metrics(
+        "# TYPE vllm:num_requests_waiting gauge\n"
+        'vllm:num_requests_waiting{model_name="m"} 3.0\n'
+        "# TYPE vllm:kv_cache_usage_perc gauge\n"
+        'vllm:kv_cache_usage_perc{model_name="m"} 0.42\n'
+    )
+    assert (vllm.waiting, vllm.kv_use) == (3.0, 0.42)
+    seedance = Upstream.parse(f"{server.http_url}/v1")
+    with urllib.request.urlopen(seedance.metrics_url, timeout=5) as response:
+        seedance.read_metrics(response.read().decode())
+    assert seedance.waiting == 0 and seedance.kv_use is None  # the synthetic engine has no KV
+
+
+async def test_the_gateway_sends_requests_where_the_first_token_comes_sooner(
+    make_server: Callable[..., RunningServer],
+) -> None:
+    fast = make_server([SyntheticEngine(name="m", ttft_ms=5)])
+    slow = make_server([SyntheticEngine(name="m", ttft_ms=120)])
+    gold = make_server([SyntheticEngine(name="m", ttft_ms=60)])
+    server = gateway(
+        make_server,
+        f"{fast.http_url}/v1",
+        f"{slow.http_url}/v1",
+        f"{gold.http_url}/v1#critical",
+        metrics_s=0.2,
+    )
+    async with connect(server.url) as session:
+        for _ in range(60):
+            await session.complete("x", max_tokens=2)
+    served = [s.engine.stats.requests_started for s in (fast, slow, gold)]
+    assert served[0] >= 45, served  # once measured, the fast one takes nearly all
+    async with connect(server.url, qos=QoS("critical")) as session:
+        for _ in range(5):
+            await session.complete("x", max_tokens=2)
+    assert gold.engine.stats.requests_started == served[2] + 5

@@ -69,6 +69,9 @@ class GenerationRequest:
     params: SamplingParams
     prompt_tokens: int
     priority: int = 0
+    #: The QoS class it was asked with (``X-QoS-Priority``; None: none asked): gateway mode
+    #: routes by it.
+    qos_class: str | None = None
     raw: bool = False
     #: The reply so far, when a node of the cluster takes over a generation whose node died:
     #: the prompt ends with it and the engine goes on after it (``continuation_tokens``

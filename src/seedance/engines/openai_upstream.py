@@ -3,7 +3,9 @@
 Seedance adds its sessions, WebSocket protocol and controls in front of any server that speaks
 OpenAI's chat completions API (vLLM, TGI, llama.cpp's server, Ollama, another Seedance).
 
-- **Routing**: each request goes to the healthy upstream with the fewest requests in flight.
+- **Routing**: by SLA class and load (:mod:`seedance.engines.routing`): among the healthy
+  upstreams that serve the request's class, the one with the lowest expected wait (its p99
+  time to first token, times its requests in flight and waiting, over its free KV cache).
 - **Circuit breaking**: an upstream that fails (connection error, timeout before the first
   byte, HTTP 429 or 5xx, a broken stream) is left out for ``upstream_cooldown_s``, then probed
   (``GET /models``) until it answers, and only then used again.
@@ -30,9 +32,10 @@ from typing import TYPE_CHECKING, Any, Final
 import aiohttp
 import msgspec
 
-from seedance.config import ConfigError, Option, positive, urls
+from seedance.config import ConfigError, Option, non_negative, positive, urls
 from seedance.engines.base import Engine, EngineHealth, GenerationRequest, ModelInfo, TokenDelta
 from seedance.engines.registry import EngineSpec
+from seedance.engines.routing import Upstream, choose
 from seedance.protocol.errors import EngineError, InvalidRequest
 from seedance.protocol.messages import FinishReason
 from seedance.protocol.openai import decode_stream_chunk, sse_data
@@ -53,19 +56,6 @@ class UpstreamFailure(Exception):
     """The upstream, not the request, failed: fail over and cool it down."""
 
 
-@dataclass(slots=True, eq=False)
-class Upstream:
-    base_url: str
-    in_flight: int = 0
-    down_until: float = 0.0  # 0: up
-    failures: int = 0
-    requests: int = 0
-
-    @property
-    def up(self) -> bool:
-        return self.down_until == 0.0
-
-
 class OpenAIUpstreamEngine(Engine):
     message_overhead_tokens = 4
     reply_overhead_tokens = 3
@@ -79,13 +69,15 @@ class OpenAIUpstreamEngine(Engine):
         api_key: str | None = None,
         timeout_s: float = 30.0,
         cooldown_s: float = 10.0,
+        metrics_s: float = 5.0,
         max_concurrency: int = 1024,
     ) -> None:
         if not upstreams:
             raise ConfigError("the openai engine needs --upstream http://host:port/v1")
-        self.upstreams = [Upstream(u.rstrip("/")) for u in upstreams]
+        self.upstreams = [Upstream.parse(u) for u in upstreams]
         self.timeout_s = timeout_s
         self.cooldown_s = cooldown_s
+        self.metrics_s = metrics_s
         self.max_concurrency = max_concurrency
         self._headers = {"Content-Type": "application/json"}
         if api_key:
@@ -103,6 +95,7 @@ class OpenAIUpstreamEngine(Engine):
         )
         self._session: aiohttp.ClientSession | None = None
         self._prober: asyncio.Task[None] | None = None
+        self._scraper: asyncio.Task[None] | None = None
 
     @property
     def info(self) -> ModelInfo:
@@ -135,11 +128,14 @@ class OpenAIUpstreamEngine(Engine):
             timeout=aiohttp.ClientTimeout(total=None, connect=self.timeout_s),
         )
         self._prober = asyncio.create_task(self._probe_forever(), name="upstream-prober")
+        if self.metrics_s > 0:
+            self._scraper = asyncio.create_task(self._scrape_forever(), name="upstream-metrics")
 
     async def close(self) -> None:
-        if self._prober is not None:
-            self._prober.cancel()
-            await asyncio.gather(self._prober, return_exceptions=True)
+        for task in (self._prober, self._scraper):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if self._session is not None:
             await self._session.close()
 
@@ -154,11 +150,11 @@ class OpenAIUpstreamEngine(Engine):
 
     # -- upstream choice and health ----------------------------------------------------------
 
-    def _pick(self, exclude: Upstream | None) -> Upstream:
-        candidates = [u for u in self.upstreams if u.up and u is not exclude]
-        if not candidates:
+    def _pick(self, exclude: Upstream | None, service_class: str | None) -> Upstream:
+        upstream = choose((u for u in self.upstreams if u is not exclude), service_class)
+        if upstream is None:
             raise EngineError("no upstream is available; retry later")
-        return min(candidates, key=lambda u: (u.in_flight, u.requests))
+        return upstream
 
     def _failed(self, upstream: Upstream, why: str) -> None:
         upstream.failures += 1
@@ -167,6 +163,25 @@ class OpenAIUpstreamEngine(Engine):
                 "upstream %s is out for %.0f s: %s", upstream.base_url, self.cooldown_s, why
             )
         upstream.down_until = time.monotonic() + self.cooldown_s
+
+    async def _scrape_forever(self) -> None:
+        """Each upstream's queue and KV cache use, from its /metrics (see routing)."""
+        assert self._session is not None
+        while True:
+            for upstream in self.upstreams:
+                if not upstream.up:
+                    continue
+                try:
+                    async with self._session.get(
+                        upstream.metrics_url,
+                        headers=self._headers,
+                        timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+                    ) as response:
+                        if response.status == 200:
+                            upstream.read_metrics(await response.text())
+                except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+                    logger.debug("upstream %s: no metrics (%s)", upstream.base_url, exc)
+            await asyncio.sleep(self.metrics_s)
 
     async def _probe_forever(self) -> None:
         while True:
@@ -198,14 +213,17 @@ class OpenAIUpstreamEngine(Engine):
         path, body = self._body(request)
         tried: Upstream | None = None
         for attempt in (1, 2):
-            upstream = self._pick(exclude=tried)
+            upstream = self._pick(tried, request.qos_class)
             tried = upstream
             upstream.in_flight += 1
             upstream.requests += 1
             started = False
+            asked = time.monotonic()
             try:
                 async for delta in self._stream(upstream, path, body):
-                    started = True
+                    if not started:
+                        started = True
+                        upstream.ttft.add(time.monotonic() - asked)
                     yield delta
                 return
             except UpstreamFailure as exc:
@@ -303,6 +321,7 @@ class UpstreamOptions:
     model: str | None = None
     timeout_s: float = 30.0
     cooldown_s: float = 10.0
+    metrics_s: float = 5.0
 
 
 OPTIONS = (
@@ -310,7 +329,8 @@ OPTIONS = (
         "upstream",
         "--upstream",
         urls,
-        "base URL(s) of OpenAI-compatible servers, comma-separated (http://host:port/v1)",
+        "base URL(s) of OpenAI-compatible servers, comma-separated (http://host:port/v1); "
+        "#critical+high after one: the service classes it serves (none: every class)",
     ),
     Option("api_key", "--upstream-api-key", str, "bearer key sent to the upstreams"),
     Option(
@@ -336,6 +356,15 @@ OPTIONS = (
         positive,
         "positive",
     ),
+    Option(
+        "metrics_s",
+        "--upstream-metrics-s",
+        float,
+        "how often each upstream's /metrics is read for its queue and KV cache use, seconds "
+        "(0: never)",
+        non_negative,
+        "0 or more",
+    ),
 )
 
 
@@ -347,6 +376,7 @@ def create_engine(config: ServerConfig, options: UpstreamOptions) -> OpenAIUpstr
         api_key=options.api_key,
         timeout_s=options.timeout_s,
         cooldown_s=options.cooldown_s,
+        metrics_s=options.metrics_s,
     )
 
 

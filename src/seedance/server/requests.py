@@ -523,6 +523,7 @@ class Generation:
             params=params,
             prompt_tokens=self.prompt_tokens,
             priority=message.priority,
+            qos_class=self.qos.service_class if self.qos is not None else None,
             raw=prompt.raw,
             continuation="".join(log.texts) if already else "",
             continuation_tokens=already,
