@@ -406,3 +406,28 @@ async def test_a_canary_takes_its_share_of_sessions_sticky_then_is_promoted(
     assert new == first.count("1.1.0") + again.count("1.1.0") + 50
     ttft = "seedance_model_version_time_to_first_token_seconds_count"
     assert value(samples, ttft, model="tiny", version="1.1.0") == new
+
+
+async def test_a_server_serves_several_registry_models_and_reloads_each(
+    tmp_path: Path, keys: dict[str, Path], make_server: Callable[..., RunningServer]
+) -> None:
+    root = tmp_path / "registry"
+    make_version(root, keys["ci"], "1.0.0", name="tiny")
+    make_version(root, keys["ci"], "2.0.0", name="small")
+    server = registry_server(make_server, root, keys, model_watch_s=0.1)  # no --model: all
+    assert sorted(server.state.models) == ["small", "tiny"]
+
+    async def version_of(model: str) -> str:
+        async with connect(server.url, model=model) as session:
+            return (await session.complete("x", max_tokens=1)).model_version or ""
+
+    assert (await version_of("tiny"), await version_of("small")) == ("1.0.0", "2.0.0")
+    make_version(root, keys["ci"], "2.1.0", name="small")
+    for _ in range(100):
+        if server.state.models["small"].version == "2.1.0":
+            break
+        await asyncio.sleep(0.05)
+    assert (await version_of("tiny"), await version_of("small")) == ("1.0.0", "2.1.0")
+    async with httpx.AsyncClient(base_url=server.http_url) as http:
+        ready = (await http.get("/healthz", params={"check": "model+signature"})).json()
+    assert ready["models"] == {"tiny": "1.0.0", "small": "2.1.0"}

@@ -437,8 +437,9 @@ OPTIONS: tuple[Option, ...] = (
         "model_registry",
         "--model-registry",
         str,
-        "serve --model from this registry of signed models (NAME/VERSION/, docs/models.md): "
-        "its promoted version, verified before it loads and at every reload",
+        "serve models from this registry of signed models (NAME/VERSION/, docs/models.md): "
+        "--model's (comma-separated; absent: every one), each its promoted version, verified "
+        "before it loads and at every reload",
     ),
     Option(
         "model_trust",

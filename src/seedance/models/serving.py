@@ -80,11 +80,14 @@ class ModelManager:
         except (OSError, ValueError) as exc:
             raise ConfigError(f"--model-trust: {exc}") from None
         names = self.registry.names()
-        self.name = config.model or (names[0] if len(names) == 1 else "")
-        if self.name not in names:
+        #: The models served (the first is the default): --model's, comma-separated, else all.
+        self.names = [n.strip() for n in config.model.split(",")] if config.model else names
+        unknown = [n for n in self.names if n not in names]
+        if unknown or not self.names:
             listed = ", ".join(names) or "none"
             raise ConfigError(
-                f"--model: name one of the registry's models ({listed}) in {self.registry.root}"
+                f"--model: the registry's models ({listed}) in {self.registry.root}, not "
+                f"{', '.join(unknown) or 'none'}"
             )
         self._lock = asyncio.Lock()
         self._watcher: asyncio.Task[None] | None = None
@@ -93,24 +96,27 @@ class ModelManager:
 
     # ---------------------------------------------------------------- loading
 
-    def initial(self) -> tuple[Engine, VerifiedModel]:
-        """The promoted version, verified, and its engine (not started)."""
-        version = self.registry.promoted(self.name)
+    def initial(self) -> list[tuple[Engine, VerifiedModel]]:
+        """Each model's promoted version, verified, and its engine (not started)."""
+        return [self._initial(name) for name in self.names]
+
+    def _initial(self, name: str) -> tuple[Engine, VerifiedModel]:
+        version = self.registry.promoted(name)
         if version is None:
-            raise ConfigError(f"model {self.name}: no version in {self.registry.root}")
+            raise ConfigError(f"model {name}: no version in {self.registry.root}")
         try:
             verified = verify(
-                self.registry.path(self.name, version),
+                self.registry.path(name, version),
                 self.trusted,
-                expected=(self.name, version),
+                expected=(name, version),
             )
         except ModelRefused as exc:
             raise ConfigError(
-                f"model {self.name} {version} refused ({exc.reason}): {exc.message}"
+                f"model {name} {version} refused ({exc.reason}): {exc.message}"
             ) from None
         logger.info(
             "model %s %s verified (key %s, manifest sha256 %s)",
-            self.name,
+            name,
             version,
             verified.key.id,
             verified.manifest_sha256[:16],
@@ -138,9 +144,9 @@ class ModelManager:
         )
         return create_engine(config)
 
-    def audit(self, action: Any, version: str, **fields: Any) -> None:
+    def audit(self, name: str, action: Any, version: str, **fields: Any) -> None:
         if self.state is not None:
-            record = audit.ModelEvent(action=action, model=self.name, version=version, **fields)
+            record = audit.ModelEvent(action=action, model=name, version=version, **fields)
             self.state.audit_submit(lambda: record)
 
     # ---------------------------------------------------------------- reloading
@@ -148,88 +154,91 @@ class ModelManager:
     async def reload(self) -> list[Reload]:
         """Serve the promoted version, and the canary the registry names (see the module)."""
         async with self._lock:
-            return [await self._reload_stable(), await self._reload_canary()]
+            done = []
+            for name in self.names:
+                done += [await self._reload_stable(name), await self._reload_canary(name)]
+            return done
 
-    async def _reload_stable(self) -> Reload:
+    async def _reload_stable(self, name: str) -> Reload:
         state = self.state
         assert state is not None
-        current = state.models[self.name]
-        version = self.registry.promoted(self.name)
+        current = state.models[name]
+        version = self.registry.promoted(name)
         if version is None or version == current.version:
-            return Reload(self.name, "unchanged", current.version)
-        canary = state.canaries.get(self.name)
+            return Reload(name, "unchanged", current.version)
+        canary = state.canaries.get(name)
         if canary is not None and canary[0].version == version:
             # The canary promoted: it serves everyone now, no load needed.
-            del state.canaries[self.name]
-            state.models[self.name] = canary[0]
-            logger.info("model %s %s promoted from canary", self.name, version)
-            self.audit("loaded", version, manifest_sha256=canary[0].manifest_sha256)
+            del state.canaries[name]
+            state.models[name] = canary[0]
+            logger.info("model %s %s promoted from canary", name, version)
+            self.audit(name, "loaded", version, manifest_sha256=canary[0].manifest_sha256)
             await self._retire(current)
-            return Reload(self.name, "loaded", version)
+            return Reload(name, "loaded", version)
         if canary is not None:  # never more than two versions: the canary goes first
-            del state.canaries[self.name]
+            del state.canaries[name]
             await self._retire(canary[0])
-        explicit = (self.registry.root / self.name / PROMOTED).is_file()
+        explicit = (self.registry.root / name / PROMOTED).is_file()
         served = None if explicit else current.version
-        loaded = await self._load(version, current.version, served)
+        loaded = await self._load(name, version, current.version, served)
         if isinstance(loaded, Reload):
             return loaded
-        state.models[self.name] = loaded  # from now on, new requests go to it
+        state.models[name] = loaded  # from now on, new requests go to it
         logger.info(
             "model %s %s serving (was %s); the old version ends its requests",
-            self.name,
+            name,
             version,
             current.version,
         )
         await self._retire(current)
-        return Reload(self.name, "loaded", version)
+        return Reload(name, "loaded", version)
 
-    async def _reload_canary(self) -> Reload:
+    async def _reload_canary(self, name: str) -> Reload:
         state = self.state
         assert state is not None
-        wanted = self.registry.canary(self.name)
-        loaded = state.canaries.get(self.name)
-        stable = state.models[self.name].version
+        wanted = self.registry.canary(name)
+        loaded = state.canaries.get(name)
+        stable = state.models[name].version
         if wanted is None or wanted[0] == stable:
             if loaded is not None:
-                del state.canaries[self.name]
+                del state.canaries[name]
                 await self._retire(loaded[0])
-            return Reload(self.name, "unchanged", "", role="canary")
+            return Reload(name, "unchanged", "", role="canary")
         version, share = wanted
         if loaded is not None and loaded[0].version == version:
-            state.canaries[self.name] = (loaded[0], share)  # a new share only
-            return Reload(self.name, "unchanged", version, role="canary", share=share)
+            state.canaries[name] = (loaded[0], share)  # a new share only
+            return Reload(name, "unchanged", version, role="canary", share=share)
         if loaded is not None:
-            del state.canaries[self.name]
+            del state.canaries[name]
             await self._retire(loaded[0])
-        model = await self._load(version, stable, None, role="canary")
+        model = await self._load(name, version, stable, None, role="canary")
         if isinstance(model, Reload):
             return model
-        state.canaries[self.name] = (model, share)
-        logger.info("model %s %s canary for %g of the sessions", self.name, version, share)
-        return Reload(self.name, "loaded", version, role="canary", share=share)
+        state.canaries[name] = (model, share)
+        logger.info("model %s %s canary for %g of the sessions", name, version, share)
+        return Reload(name, "loaded", version, role="canary", share=share)
 
     async def _load(
-        self, version: str, current: str, served: str | None, role: str = "stable"
+        self, name: str, version: str, current: str, served: str | None, role: str = "stable"
     ) -> ServedModel | Reload:
         """Verify, load and warm ``version``; a :class:`Reload` saying why when it is not."""
-        path = self.registry.path(self.name, version)
+        path = self.registry.path(name, version)
         check = functools.partial(
-            verify, path, self.trusted, served=served, expected=(self.name, version)
+            verify, path, self.trusted, served=served, expected=(name, version)
         )
         try:
             verified = await asyncio.to_thread(check)
         except ModelRefused as exc:
             logger.warning(
                 "model %s %s refused (%s): %s; %s goes on serving",
-                self.name,
+                name,
                 version,
                 exc.reason,
                 exc.message,
                 current,
             )
-            self.audit("refused", version, reason=exc.reason)
-            return Reload(self.name, "refused", current, exc.reason, exc.message, role)
+            self.audit(name, "refused", version, reason=exc.reason)
+            return Reload(name, "refused", current, exc.reason, exc.message, role)
         try:
             engine = await asyncio.to_thread(self.engine_for, verified)
             await engine.start()
@@ -240,14 +249,16 @@ class ModelManager:
                 raise
         except Exception as exc:
             logger.exception(
-                "model %s %s failed to load; %s goes on serving", self.name, version, current
+                "model %s %s failed to load; %s goes on serving", name, version, current
             )
-            self.audit("refused", version, reason="load_failed")
-            return Reload(self.name, "failed", current, "load_failed", str(exc), role)
+            self.audit(name, "refused", version, reason="load_failed")
+            return Reload(name, "failed", current, "load_failed", str(exc), role)
         from seedance.server.state import ServedModel
 
         self.reloads += 1
-        self.audit("loaded", version, key=verified.key.id, manifest_sha256=verified.manifest_sha256)
+        self.audit(
+            name, "loaded", version, key=verified.key.id, manifest_sha256=verified.manifest_sha256
+        )
         return ServedModel.of(self.config, engine, verified.version, verified.manifest_sha256)
 
     async def _retire(self, old: ServedModel) -> None:
@@ -259,7 +270,7 @@ class ModelManager:
             await asyncio.sleep(RETIRE_POLL_S)
         await old.engine.close()
         logger.info("model %s %s retired", old.name, old.version)
-        self.audit("retired", old.version)
+        self.audit(old.name, "retired", old.version)
 
     # ---------------------------------------------------------------- watching
 
@@ -280,7 +291,7 @@ class ModelManager:
             try:
                 await self.reload()
             except Exception:  # the next round tries again; never silently
-                logger.exception("model %s: the registry watch failed", self.name)
+                logger.exception("the model registry's watch failed; it tries again")
 
 
 async def warm(engine: Engine) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from starlette.applications import Starlette
@@ -34,6 +34,9 @@ from seedance.server.state import ServedModel, ServerState
 from seedance.server.web import web_routes
 from seedance.sessions.store import SessionStore
 from seedance.tenants.policy import may_use
+
+if TYPE_CHECKING:
+    from seedance.models.registry import VerifiedModel
 
 _STARTED = int(time.time())
 
@@ -85,18 +88,19 @@ def create_app(
     to what the config and the ``OTEL_*`` variables ask for."""
     config = config or ServerConfig()
     manager = None
+    verified: dict[str, VerifiedModel] = {}
     if engines is None and config.model_registry is not None:
         from seedance.models.serving import ModelManager
 
         manager = ModelManager(config)
-        engine, verified = manager.initial()  # verified before the engine reads a byte
-        engines = [engine]
+        loaded = manager.initial()  # verified before an engine reads a byte
+        engines = [engine for engine, _ in loaded]
+        verified = {model.name: model for _, model in loaded}
     state = ServerState(config, engines or [create_engine(config)], sessions, tracing)
-    if manager is not None:
-        engine = state.models[manager.name].engine
-        served = ServedModel.of(config, engine, verified.version, verified.manifest_sha256)
-        state.models[manager.name] = served
-        state.model_manager = manager
+    for name, model in verified.items():
+        engine = state.models[name].engine
+        state.models[name] = ServedModel.of(config, engine, model.version, model.manifest_sha256)
+    state.model_manager = manager
 
     async def healthz(request: Request) -> Response:
         """Liveness, plain; ``?check=initial-load`` (startup: the models are loaded) and
@@ -142,13 +146,9 @@ def create_app(
         await state.start()
         if manager is not None:
             manager.start(state)
-            served = state.models[manager.name]
-            manager.audit(
-                "loaded",
-                served.version,
-                key=verified.key.id,
-                manifest_sha256=served.manifest_sha256,
-            )
+            for name, model in verified.items():
+                key, sha = model.key.id, model.manifest_sha256
+                manager.audit(name, "loaded", model.version, key=key, manifest_sha256=sha)
         try:
             yield
         finally:
