@@ -30,7 +30,7 @@ from seedance.models.registry import (
 )
 from seedance.models.signing import TrustedKey, keygen, load_trusted
 from seedance.tenants.keys import add_key
-from tests.support.servers import RunningServer, serve_fails
+from tests.support.servers import RunningServer, ServerProcess, serve_fails
 from tests.test_metrics import scrape, value
 
 
@@ -431,3 +431,34 @@ async def test_a_server_serves_several_registry_models_and_reloads_each(
     async with httpx.AsyncClient(base_url=server.http_url) as http:
         ready = (await http.get("/healthz", params={"check": "model+signature"})).json()
     assert ready["models"] == {"tiny": "1.0.0", "small": "2.1.0"}
+
+
+@pytest.mark.subprocess
+async def test_readiness_fails_while_a_server_drains(
+    tmp_path: Path, keys: dict[str, Path], server_process: Callable[..., ServerProcess]
+) -> None:
+    """The probes of a registry server through its drain: ready while it serves, refused
+    (connection refused) once SIGTERM started the drain, which a running stream outlives."""
+    root = tmp_path / "registry"
+    folder = make_version(root, keys["ci"], "1.0.0")
+    manifest = json.loads((folder / MANIFEST).read_text())
+    assert manifest["predicate"]["engine_options"] == {"tokens_per_s": 100}
+    server = server_process(
+        *("--model-registry", str(root), "--model-trust", str(keys["ci"]) + ".pub"),
+        *("--model", "tiny", "--drain-timeout", "10"),
+    )
+    http = f"http://127.0.0.1:{server.port}"
+    async with httpx.AsyncClient(base_url=http) as client:
+        for check in ("initial-load", "model+signature"):
+            answer = await client.get("/healthz", params={"check": check})
+            assert answer.status_code == 200 and answer.json()["models"] == {"tiny": "1.0.0"}
+    async with connect(server.url) as session:
+        stream = session.generate("x", max_tokens=300)  # 3 s at 100 tokens/s
+        await stream.__anext__()
+        server.signal()
+        await server.logged("shutting down")
+        with pytest.raises(httpx.ConnectError):
+            async with httpx.AsyncClient(base_url=http) as client:
+                await client.get("/healthz", params={"check": "model+signature"})
+        done = await stream.collect()
+    assert done.finish_reason == "length" and done.model_version == "1.0.0"
