@@ -511,3 +511,27 @@ def test_the_openai_suite_times_each_way_to_ask(server: RunningServer, way: str)
     )
     times = json.loads(out.stdout)
     assert len(times) == 5 and all(0 < t < 5000 for t in times)
+
+
+@pytest.mark.model
+def test_the_reload_suite_reloads_five_times_under_load(tmp_path: Path) -> None:
+    # Suite 14 in its quick form: the embedded model reloaded five times while 4 sessions ask.
+    out = tmp_path / "benchmarks.md"
+    result = subprocess.run(
+        [
+            *(sys.executable, "-m", "seedance.bench.suites", "--quick", "--rounds", "1"),
+            *("--suites", "14", "--out", str(out)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    report = out.read_text()
+    assert "## 14. Reloading the model under load" in report
+    assert (
+        "| 14. Reload under load: 5 reloads, 0 errors, the last version serving | **met** |"
+        in report
+    )
+    during = next(line for line in report.splitlines() if line.startswith("| 5 reloads |"))
+    assert "1.5.0:" in during and "| 0 |" in during

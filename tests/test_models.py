@@ -258,6 +258,8 @@ async def test_a_registry_model_is_verified_served_reloaded_and_refused_with_rea
         assert (await http.get("/healthz", params={"check": "initial-load"})).status_code == 200
         assert (await http.get("/healthz", params={"check": "nope"})).status_code == 400
         assert await version_of_a_reply() == "1.0.0"
+        kept = await connect(server.url, api_key=admin)  # open across the reload below
+        assert (await kept.complete("hi", max_tokens=2)).model_version == "1.0.0"
         unchanged = (await http.post("/admin/models/reload")).json()["reloads"][0]
         assert unchanged["outcome"] == "unchanged" and unchanged["version"] == "1.0.0"
 
@@ -274,6 +276,9 @@ async def test_a_registry_model_is_verified_served_reloaded_and_refused_with_rea
         }
         assert canary["role"] == "canary" and canary["outcome"] == "unchanged"
         assert await version_of_a_reply() == "1.1.0"
+        # A connection's next request goes to the version served now.
+        assert (await kept.complete("hi", max_tokens=2)).model_version == "1.1.0"
+        await kept.close()
 
         _changed(make_version(root, keys["ci"], "1.2.0"), keys)  # tampered after signing
         refused = (await http.post("/admin/models/reload")).json()["reloads"][0]
@@ -350,7 +355,17 @@ async def test_a_new_version_is_swapped_in_while_8_streams_run_on_the_old_one(
             assert reply.done is not None and reply.done.usage.completion_tokens > 0
             return reply.done.model_version or ""
 
+    probes: list[tuple[int, str | None]] = []
+
+    async def probe() -> None:  # readiness all through the reload
+        async with httpx.AsyncClient(base_url=server.http_url) as http:
+            while True:
+                answer = await http.get("/healthz", params={"check": "model+signature"})
+                probes.append((answer.status_code, answer.json()["models"]["smollm2"]))
+                await asyncio.sleep(0.05)
+
     running = [asyncio.create_task(stream(i)) for i in range(8)]
+    probing = asyncio.create_task(probe())
     await asyncio.sleep(0.5)  # all eight admitted on 1.0.0
     old_engine = server.state.models["smollm2"].engine
     Registry(root).promote("smollm2", "1.1.0")
@@ -364,6 +379,10 @@ async def test_a_new_version_is_swapped_in_while_8_streams_run_on_the_old_one(
         after = await session.complete("Hello", max_tokens=4)
     assert after.model_version == "1.1.0"
     assert server.state.models["smollm2"].engine is not old_engine
+    probing.cancel()
+    await asyncio.gather(probing, return_exceptions=True)
+    assert {status for status, _ in probes} == {200}  # ready before, during and after
+    assert {version for _, version in probes} == {"1.0.0", "1.1.0"}
 
 
 async def test_a_canary_takes_its_share_of_sessions_sticky_then_is_promoted(

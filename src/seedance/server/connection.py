@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import secrets
@@ -434,6 +435,12 @@ class Connection:
         trace_parent = (
             Tracing.from_field(message.traceparent) if message.traceparent else self.trace_parent
         )
+        served = self.state.resolve_model(self.model.name, self.session.session_id)
+        if served is not self.model:  # a reload swapped a new version in since the last
+            self.model = served
+            self.limits = served.limits.capped(self.quotas.max_tokens)
+            # A new requester: a running generation keeps its own (and its version's engine).
+            self.requester = dataclasses.replace(self.requester, model=served)
         generation = admit(
             self.state, self.requester, message, request_id, received, trace_parent=trace_parent
         )

@@ -208,7 +208,8 @@ class Realtime:
 
     def start(self, params: ResponseParams) -> Generation:
         """Admit the response: a generation over the conversation so far."""
-        model = self.model
+        # The version served now (a reload may have swapped one in since the last response).
+        self.model = model = self.state.resolve_model(self.model.name, self.session.session_id)
         response_id = RequestId("resp_" + secrets.token_hex(12))
         fields: dict[str, Any] = {
             "messages": [],  # the items are in the session already
