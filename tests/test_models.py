@@ -481,3 +481,35 @@ async def test_readiness_fails_while_a_server_drains(
                 await client.get("/healthz", params={"check": "model+signature"})
         done = await stream.collect()
     assert done.finish_reason == "length" and done.model_version == "1.0.0"
+
+
+async def test_the_watcher_refuses_a_bad_version_once_and_a_reload_does_not_wait_for_streams(
+    tmp_path: Path, keys: dict[str, Path], make_server: Callable[..., RunningServer]
+) -> None:
+    root = tmp_path / "registry"
+    make_version(root, keys["ci"], "1.0.0")
+    audit_file = tmp_path / "audit.jsonl"
+    server = registry_server(
+        make_server, root, keys, model="tiny", model_watch_s=0.05, audit_file=str(audit_file)
+    )
+    async with connect(server.url) as session:
+        # A long reply on 1.0.0 runs through the reload: the swap does not wait for it.
+        long = session.generate("x", max_tokens=400, temperature=0)  # 4 s at 100 tokens/s
+        await long.__anext__()
+        make_version(root, keys["ci"], "1.1.0")
+        for _ in range(100):
+            if server.state.models["tiny"].version == "1.1.0":
+                break
+            await asyncio.sleep(0.05)
+        assert server.state.models["tiny"].version == "1.1.0"
+        assert not long.done  # still streaming, on the old version
+        done = await long.collect()
+    assert done.model_version == "1.0.0" and done.usage.completion_tokens == 400
+    _extra(make_version(root, keys["ci"], "1.2.0"), keys)
+    await asyncio.sleep(1.0)  # some twenty ticks of the watcher
+    server.stop()
+    records = [json.loads(line) for line in audit_file.read_text().splitlines()]
+    refused = [r for r in records if r["kind"] == "model" and r["action"] == "refused"]
+    assert len(refused) == 1 and refused[0]["reason"] == "extra_file"
+    retired = [r["version"] for r in records if r["kind"] == "model" and r["action"] == "retired"]
+    assert retired[0] == "1.0.0"

@@ -37,7 +37,14 @@ from typing import TYPE_CHECKING, Any, Literal
 from seedance.config import ConfigError, ServerConfig
 from seedance.engines.base import Engine, GenerationRequest, SamplingParams
 from seedance.engines.registry import create_engine, engine_spec
-from seedance.models.registry import PROMOTED, ModelRefused, Registry, VerifiedModel, verify
+from seedance.models.registry import (
+    PROMOTED,
+    SIGNATURE,
+    ModelRefused,
+    Registry,
+    VerifiedModel,
+    verify,
+)
 from seedance.models.signing import TrustedKey, load_trusted
 from seedance.observability.audit import kinds as audit
 from seedance.protocol.messages import ChatMessage, RequestId
@@ -91,6 +98,9 @@ class ModelManager:
             )
         self._lock = asyncio.Lock()
         self._watcher: asyncio.Task[None] | None = None
+        self._retiring: asyncio.Task[None] | None = None
+        #: Versions refused, by (name, version): their signature file's mtime, and the answer.
+        self._refused: dict[tuple[str, str], tuple[int, Reload]] = {}
         self.state: ServerState | None = None
         self.reloads = 0
 
@@ -173,11 +183,11 @@ class ModelManager:
             state.models[name] = canary[0]
             logger.info("model %s %s promoted from canary", name, version)
             self.audit(name, "loaded", version, manifest_sha256=canary[0].manifest_sha256)
-            await self._retire(current)
+            self._retire_later(current)
             return Reload(name, "loaded", version)
         if canary is not None:  # never more than two versions: the canary goes first
             del state.canaries[name]
-            await self._retire(canary[0])
+            self._retire_later(canary[0])
         explicit = (self.registry.root / name / PROMOTED).is_file()
         served = None if explicit else current.version
         loaded = await self._load(name, version, current.version, served)
@@ -190,7 +200,7 @@ class ModelManager:
             version,
             current.version,
         )
-        await self._retire(current)
+        self._retire_later(current)
         return Reload(name, "loaded", version)
 
     async def _reload_canary(self, name: str) -> Reload:
@@ -202,7 +212,7 @@ class ModelManager:
         if wanted is None or wanted[0] == stable:
             if loaded is not None:
                 del state.canaries[name]
-                await self._retire(loaded[0])
+                self._retire_later(loaded[0])
             return Reload(name, "unchanged", "", role="canary")
         version, share = wanted
         if loaded is not None and loaded[0].version == version:
@@ -210,7 +220,7 @@ class ModelManager:
             return Reload(name, "unchanged", version, role="canary", share=share)
         if loaded is not None:
             del state.canaries[name]
-            await self._retire(loaded[0])
+            self._retire_later(loaded[0])
         model = await self._load(name, version, stable, None, role="canary")
         if isinstance(model, Reload):
             return model
@@ -221,14 +231,26 @@ class ModelManager:
     async def _load(
         self, name: str, version: str, current: str, served: str | None, role: str = "stable"
     ) -> ServedModel | Reload:
-        """Verify, load and warm ``version``; a :class:`Reload` saying why when it is not."""
+        """Verify, load and warm ``version``; a :class:`Reload` saying why when it is not.
+        A version refused before is not checked again (nor logged, nor audited) until its
+        signature file changes."""
         path = self.registry.path(name, version)
+        try:
+            signed = (path / SIGNATURE).stat().st_mtime_ns
+        except OSError:
+            signed = 0
+        known = self._refused.get((name, version))
+        if known is not None and known[0] == signed:
+            return dataclasses.replace(known[1], version=current)
+        await self._settled()  # the previous old version is gone first: two at most
         check = functools.partial(
             verify, path, self.trusted, served=served, expected=(name, version)
         )
         try:
             verified = await asyncio.to_thread(check)
         except ModelRefused as exc:
+            refused = Reload(name, "refused", current, exc.reason, exc.message, role)
+            self._refused[(name, version)] = (signed, refused)
             logger.warning(
                 "model %s %s refused (%s): %s; %s goes on serving",
                 name,
@@ -238,7 +260,7 @@ class ModelManager:
                 current,
             )
             self.audit(name, "refused", version, reason=exc.reason)
-            return Reload(name, "refused", current, exc.reason, exc.message, role)
+            return refused
         try:
             engine = await asyncio.to_thread(self.engine_for, verified)
             await engine.start()
@@ -261,6 +283,22 @@ class ModelManager:
         )
         return ServedModel.of(self.config, engine, verified.version, verified.manifest_sha256)
 
+    def _retire_later(self, old: ServedModel) -> None:
+        """Retire ``old`` in the background (after the one retiring before it)."""
+        previous = self._retiring
+
+        async def retire() -> None:
+            if previous is not None:
+                await previous
+            await self._retire(old)
+
+        self._retiring = asyncio.create_task(retire(), name=f"retire-{old.name}-{old.version}")
+
+    async def _settled(self) -> None:
+        """Wait until the versions being retired are gone."""
+        if self._retiring is not None:
+            await asyncio.shield(self._retiring)
+
     async def _retire(self, old: ServedModel) -> None:
         """Close ``old`` once no generation uses it (in flight or waiting for admission)."""
         state = self.state
@@ -279,11 +317,17 @@ class ModelManager:
         if self.config.model_watch_s > 0 and self._watcher is None:
             self._watcher = asyncio.create_task(self._watch(), name="model-watch")
 
-    async def close(self) -> None:
+    async def stop(self) -> None:
+        """No more reloads (the server is stopping)."""
         if self._watcher is not None:
             self._watcher.cancel()
             await asyncio.gather(self._watcher, return_exceptions=True)
             self._watcher = None
+
+    async def close(self) -> None:
+        """After the server's own close (its generations are over): the old versions go."""
+        await self.stop()
+        await self._settled()
 
     async def _watch(self) -> None:
         while True:

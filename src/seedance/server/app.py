@@ -153,8 +153,10 @@ def create_app(
             yield
         finally:
             if manager is not None:
-                await manager.close()
+                await manager.stop()
             await state.close()
+            if manager is not None:
+                await manager.close()  # the versions being retired, once no request needs them
 
     infer = InferEndpoint(state)
     responses = ResponsesEndpoint(state)
