@@ -99,20 +99,7 @@ class OpenAIEndpoint:
             ("chatcmpl-" if self.kind == "chat" else "cmpl-") + secrets.token_hex(12)
         )
         call = HttpCall(self.state, request_id, scope, send, self)
-        bind_request(request_id, call.trace.trace_id)  # for this task and those it starts
-        try:
-            # The door first: a caller that is not let in costs no body read and no parse.
-            call.principal = authenticate_http(self.state, scope)
-            call.authenticated = True
-            body = await read_body(receive, self.state.config.max_frame_bytes)
-        except Disconnected:
-            call.ended()
-            return
-        except SeedanceError as exc:
-            await call.fail(exc)
-            call.ended()
-            return
-        await call.serve(call.run(body), receive)
+        await call.answer(receive, call.run)
 
 
 class HttpCall:
@@ -154,6 +141,24 @@ class HttpCall:
             self._span_attributes,
         )
         self._trace_header = (b"traceparent", self.trace.traceparent.encode())
+
+    async def answer(self, receive: Receive, run: Callable[[bytes], Awaitable[None]]) -> None:
+        """A POST: the caller checked, its body read, then ``run(body)`` served (:meth:`serve`);
+        a refusal or a client gone before is answered and reported here."""
+        bind_request(self.request_id, self.trace.trace_id)  # for this task and those it starts
+        try:
+            # The door first: a caller that is not let in costs no body read and no parse.
+            self.principal = authenticate_http(self.state, self.scope)
+            self.authenticated = True
+            body = await read_body(receive, self.state.config.max_frame_bytes)
+        except Disconnected:
+            self.ended()
+            return
+        except SeedanceError as exc:
+            await self.fail(exc)
+            self.ended()
+            return
+        await self.serve(run(body), receive)
 
     async def serve(self, work: Awaitable[None], receive: Receive) -> None:
         """Run ``work`` (the response) while watching for the client leaving, which stops it."""

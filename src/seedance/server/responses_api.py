@@ -24,10 +24,11 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Mapping
 from typing import Any, Final, cast
 
 import msgspec
+from starlette.datastructures import QueryParams
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from seedance.observability.logs import bind_request
@@ -54,14 +55,12 @@ from seedance.protocol.responses import (
 from seedance.server.openai_api import (
     JSON_HEADERS,
     SSE_HEADERS,
-    Disconnected,
     HttpCall,
     HttpFollower,
     Receive,
     Scope,
     Send,
     authenticate_http,
-    read_body,
 )
 from seedance.server.requests import Generation, Requester, admit, session_prompt
 from seedance.server.state import ServerState
@@ -106,19 +105,7 @@ class ResponsesEndpoint:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         response_id = RequestId("resp_" + secrets.token_hex(24))
         call = ResponseCall(self.state, response_id, scope, send, self)
-        bind_request(call.request_id, call.trace.trace_id)
-        try:
-            call.principal = authenticate_http(self.state, scope)
-            call.authenticated = True
-            body = await read_body(receive, self.state.config.max_frame_bytes)
-        except Disconnected:
-            call.ended()
-            return
-        except SeedanceError as exc:
-            await call.fail(exc)
-            call.ended()
-            return
-        await call.serve(call.create(body, self.limits), receive)
+        await call.answer(receive, lambda body: call.create(body, self.limits))
 
 
 class ResponseEndpoint:
@@ -148,7 +135,7 @@ class ResponseEndpoint:
         elif scope.get("method") == "DELETE":
             work = call.delete()
         else:
-            work = call.read(_query(scope))
+            work = call.read(QueryParams(scope.get("query_string", b"")))
         await call.serve(call.guarded(work), receive)
 
 
@@ -185,7 +172,7 @@ class ResponseCall(HttpCall):
         else:
             await self.whole(log, generation)
 
-    async def read(self, query: dict[str, str]) -> None:
+    async def read(self, query: Mapping[str, str]) -> None:
         log = await self._find()
         self.outcome = "retrieved"
         if query.get("stream", "false").lower() in ("true", "1"):
@@ -415,15 +402,6 @@ async def _logged(state: ServerState, tenant: str, response_id: str) -> StreamLo
     if log.meta is None or log.meta.get("api") != API:
         return None
     return log
-
-
-def _query(scope: Scope) -> dict[str, str]:
-    query: dict[str, str] = {}
-    for part in scope.get("query_string", b"").decode("latin-1").split("&"):
-        name, _, value = part.partition("=")
-        if name:
-            query[name] = value
-    return query
 
 
 # --------------------------------------------------------------------------- WebSocket mode
