@@ -16,7 +16,7 @@ import msgspec
 
 from seedance.protocol.codec import FrameLimits, validate_generate
 from seedance.protocol.errors import InvalidJSON, InvalidRequest, SeedanceError
-from seedance.protocol.messages import ChatMessage, Generate
+from seedance.protocol.messages import ChatMessage, DoneFrame, ErrorFrame, Generate
 
 #: ``max_tokens`` of ``/v1/completions`` when absent (OpenAI's default).
 COMPLETIONS_DEFAULT_MAX_TOKENS: Final = 16
@@ -225,6 +225,21 @@ async def sse_data(lines: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
         if data == b"[DONE]":
             return
         yield data
+
+
+# --------------------------------------------------------------------------- ended replies
+
+EndStatus = Literal["completed", "incomplete", "cancelled", "failed"]
+
+
+def end_status(end: DoneFrame | ErrorFrame | None) -> EndStatus:
+    """The status OpenAI's Responses and Realtime APIs give a reply that ended with ``end``
+    (None: aborted, its client gone)."""
+    if isinstance(end, ErrorFrame):
+        return "failed"
+    if end is None or end.finish_reason == "cancelled":
+        return "cancelled"
+    return "incomplete" if end.finish_reason == "length" else "completed"
 
 
 # --------------------------------------------------------------------------- errors

@@ -20,7 +20,7 @@ import msgspec
 
 from seedance.protocol.errors import InvalidJSON, InvalidRequest, SeedanceError
 from seedance.protocol.messages import ChatMessage, DoneFrame, ErrorFrame, Usage
-from seedance.protocol.openai import ROLES, error_body
+from seedance.protocol.openai import ROLES, end_status, error_body
 
 #: Client events about audio or items, which a text-only server refuses by name.
 UNSUPPORTED: Final = (
@@ -43,7 +43,7 @@ class Shape:
     text_delta: str
     text_done: str
     modalities: str  # the session's and the response's field
-    max_tokens: str  # the session's field
+    max_tokens: str  # the session's and a response's token limit field
     assistant_part: str
 
     @staticmethod
@@ -135,21 +135,25 @@ def update_session(config: SessionConfig, session: Any, shape: Shape, limit: int
             raise InvalidRequest(f"session.{name}: not supported (text sessions only)")
     if session.get("type", "realtime") != "realtime":
         raise InvalidRequest("session.type: only 'realtime' sessions (no transcription)")
-    check_modalities(session.get(shape.modalities), f"session.{shape.modalities}")
-    instructions = session.get("instructions", config.instructions)
+    return _settings(config, session, "session", shape, limit)
+
+
+def _settings(
+    base: SessionConfig, fields: dict[str, Any], where: str, shape: Shape, limit: int
+) -> SessionConfig:
+    """The modalities checked, and the instructions, temperature and token limit of
+    ``fields`` (the session's, or a response's) over ``base``'s."""
+    check_modalities(fields.get(shape.modalities), f"{where}.{shape.modalities}")
+    instructions = fields.get("instructions", base.instructions)
     if not isinstance(instructions, str):
-        raise InvalidRequest("session.instructions: a string")
-    return SessionConfig(
-        instructions=instructions,
-        temperature=temperature_of(session.get("temperature"), "session.temperature")
-        if "temperature" in session
-        else config.temperature,
-        max_output_tokens=max_tokens_of(
-            session.get(shape.max_tokens), f"session.{shape.max_tokens}", limit
-        )
-        if shape.max_tokens in session
-        else config.max_output_tokens,
-    )
+        raise InvalidRequest(f"{where}.instructions: a string")
+    temperature, max_tokens = base.temperature, base.max_output_tokens
+    if "temperature" in fields:
+        temperature = temperature_of(fields["temperature"], f"{where}.temperature")
+    if shape.max_tokens in fields:
+        name = f"{where}.{shape.max_tokens}"
+        max_tokens = max_tokens_of(fields[shape.max_tokens], name, limit)
+    return SessionConfig(instructions, temperature, max_tokens)
 
 
 def item_message(item: Any) -> ChatMessage:
@@ -190,31 +194,20 @@ def response_params(
         response = {}
     if not isinstance(response, dict):
         raise InvalidRequest("response: an object")
-    limit_name = "max_response_output_tokens" if shape.beta else "max_output_tokens"
-    known = {"instructions", "temperature", "metadata", "conversation", shape.modalities}
+    known = {"instructions", "temperature", "metadata", "conversation"}
     for name in response:
-        if name not in known and name != limit_name:
+        if name not in known | {shape.modalities, shape.max_tokens}:
             raise InvalidRequest(f"response.{name}: not supported (text responses only)")
     if response.get("conversation", "auto") != "auto":
         raise InvalidRequest("response.conversation: only 'auto' (the session's conversation)")
-    check_modalities(response.get(shape.modalities), f"response.{shape.modalities}")
     metadata = response.get("metadata")
     if metadata is not None and (
         not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values())
     ):
         raise InvalidRequest("response.metadata: string pairs")
-    instructions = response.get("instructions", config.instructions)
-    if not isinstance(instructions, str):
-        raise InvalidRequest("response.instructions: a string")
+    settings = _settings(config, response, "response", shape, limit)
     return ResponseParams(
-        instructions=instructions,
-        temperature=temperature_of(response.get("temperature"), "response.temperature")
-        if "temperature" in response
-        else config.temperature,
-        max_output_tokens=max_tokens_of(response.get(limit_name), f"response.{limit_name}", limit)
-        if limit_name in response
-        else config.max_output_tokens,
-        metadata=metadata,
+        settings.instructions, settings.temperature, settings.max_output_tokens, metadata
     )
 
 
@@ -316,14 +309,15 @@ class Events:
 
 def ended(end: DoneFrame | ErrorFrame | None) -> tuple[str, dict[str, Any] | None]:
     """A response's ``status`` and ``status_details`` from its log's end."""
+    status = end_status(end)
     if isinstance(end, ErrorFrame):
         error = {"type": "server_error", "code": end.error.code, "message": end.error.message}
-        return "failed", {"type": "failed", "error": error}
-    if end is None or end.finish_reason == "cancelled":
-        return "cancelled", {"type": "cancelled", "reason": "client_cancelled"}
-    if end.finish_reason == "length":
-        return "incomplete", {"type": "incomplete", "reason": "max_output_tokens"}
-    return "completed", None
+        return status, {"type": "failed", "error": error}
+    if status == "cancelled":
+        return status, {"type": "cancelled", "reason": "client_cancelled"}
+    if status == "incomplete":
+        return status, {"type": "incomplete", "reason": "max_output_tokens"}
+    return status, None
 
 
 def _usage(usage: Usage) -> dict[str, Any]:

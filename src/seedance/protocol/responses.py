@@ -24,7 +24,7 @@ import msgspec
 from seedance.protocol.codec import FrameLimits, validate_generate
 from seedance.protocol.errors import InvalidRequest
 from seedance.protocol.messages import ChatMessage, DoneFrame, ErrorFrame, Generate
-from seedance.protocol.openai import ROLES, decode_body
+from seedance.protocol.openai import ROLES, decode_body, end_status
 
 #: Sequence numbers of the events before the first token's.
 CREATED, IN_PROGRESS, ITEM_ADDED, PART_ADDED, FIRST_DELTA = 0, 1, 2, 3, 4
@@ -199,12 +199,7 @@ class Rendered:
     def status(self) -> Status:
         if not self.ended:
             return "in_progress" if self.started or not self.meta.get("background") else "queued"
-        end = self.end
-        if end is None:
-            return "cancelled"  # aborted: its client left before it ended
-        if isinstance(end, ErrorFrame):
-            return "failed"
-        return {"stop": "completed", "length": "incomplete"}.get(end.finish_reason, "cancelled")  # type: ignore[return-value]
+        return end_status(self.end)
 
     @property
     def message_id(self) -> str:
