@@ -55,6 +55,16 @@ def transformers_server() -> Iterator[RunningServer]:
     server.stop()
 
 
+@pytest.fixture(scope="module")
+def smollm() -> Iterator[RunningServer]:
+    """The embedded model on llama.cpp, two sequences of 2,048 tokens, for a module's tests."""
+    server = RunningServer(
+        server_config(engine="llamacpp", parallel=2, n_ctx=4096, threads=2), None
+    ).start()
+    yield server
+    server.stop()
+
+
 @pytest.fixture
 def server_process() -> Iterator[Callable[..., ServerProcess]]:
     procs: list[ServerProcess] = []

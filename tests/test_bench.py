@@ -217,23 +217,29 @@ def test_sample_definitions_follow_vllm() -> None:
     assert summary.output_tokens == 5 and summary.chunks == 3
 
 
-def test_make_bench_suite_writes_its_report(tmp_path: Path) -> None:
-    # The shortest real run of one suite: servers started, contenders in turn, report written.
+def quick_suite(tmp_path: Path, suite: int, timeout_s: float) -> tuple[str, str]:
+    """``make bench``'s suite ``suite`` in its quickest form (``--quick --rounds 1``): its
+    report, and what it printed on the way."""
     out = tmp_path / "benchmarks.md"
     result = subprocess.run(
         [
             *(sys.executable, "-m", "seedance.bench.suites", "--quick", "--rounds", "1"),
-            *("--suites", "4", "--out", str(out)),
+            *("--suites", str(suite), "--out", str(out)),
         ],
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=timeout_s,
     )
     assert result.returncode == 0, result.stderr
-    report = out.read_text()
+    return out.read_text(), result.stderr
+
+
+def test_make_bench_suite_writes_its_report(tmp_path: Path) -> None:
+    # The shortest real run of one suite: servers started, contenders in turn, report written.
+    report, progress = quick_suite(tmp_path, 4, timeout_s=180)
     assert "## 4. The design document's table" in report and "| 500 clients |" in report
     assert "## Machine and versions" in report and "websockets " in report
-    assert "[4 design table] 4/4" in result.stderr  # progress counter
+    assert "[4 design table] 4/4" in progress  # progress counter
 
 
 def test_compare_serves_another_revision_side_by_side(tmp_path: Path) -> None:
@@ -443,18 +449,7 @@ def test_the_resume_suite_clients_drop_and_resume_whole(make_server: Any) -> Non
 
 def test_the_qos_suite_puts_the_design_table_beside_its_own(tmp_path: Path) -> None:
     # Suite 11 in its quickest form: one 24 s period, A and B at once against faulty twins.
-    out = tmp_path / "benchmarks.md"
-    result = subprocess.run(
-        [
-            *(sys.executable, "-m", "seedance.bench.suites", "--quick", "--rounds", "1"),
-            *("--suites", "11", "--out", str(out)),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr
-    report = out.read_text()
+    report, _ = quick_suite(tmp_path, 11, timeout_s=120)
     assert "## 11. Client-side QoS: the design document's A/B table" in report
     assert "| 11. Client QoS: retries add at most 10% to B's calls | **met** |" in report
     cells = [
@@ -475,18 +470,7 @@ def test_the_qos_suite_puts_the_design_table_beside_its_own(tmp_path: Path) -> N
 def test_the_browser_suite_times_each_appended_window(tmp_path: Path) -> None:
     # Suite 12 in its quick form: headless Chromium, 4 replies of 1,024 tokens per window size.
     tool("chromium", "chromium")
-    out = tmp_path / "benchmarks.md"
-    result = subprocess.run(
-        [
-            *(sys.executable, "-m", "seedance.bench.suites", "--quick", "--rounds", "1"),
-            *("--suites", "12", "--out", str(out)),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert result.returncode == 0, result.stderr
-    report = out.read_text()
+    report, _ = quick_suite(tmp_path, 12, timeout_s=180)
     assert "## 12. Rendering in the browser" in report and "Headless Chromium 1" in report
     for window, rtt, target in ((128, 80, 16), (64, 160, 22), (32, 200, 12)):
         row = next(line for line in report.splitlines() if line.startswith(f"| {window} tokens"))
@@ -516,18 +500,7 @@ def test_the_openai_suite_times_each_way_to_ask(server: RunningServer, way: str)
 @pytest.mark.model
 def test_the_reload_suite_reloads_five_times_under_load(tmp_path: Path) -> None:
     # Suite 14 in its quick form: the embedded model reloaded five times while 4 sessions ask.
-    out = tmp_path / "benchmarks.md"
-    result = subprocess.run(
-        [
-            *(sys.executable, "-m", "seedance.bench.suites", "--quick", "--rounds", "1"),
-            *("--suites", "14", "--out", str(out)),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr
-    report = out.read_text()
+    report, _ = quick_suite(tmp_path, 14, timeout_s=300)
     assert "## 14. Reloading the model under load" in report
     assert (
         "| 14. Reload under load: 5 reloads, 0 errors, the last version serving | **met** |"

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -24,6 +23,7 @@ from seedance.models.registry import (
     Limits,
     ModelRefused,
     Registry,
+    place,
     semver,
     sign_version,
     verify,
@@ -330,10 +330,7 @@ async def test_a_new_version_is_swapped_in_while_8_streams_run_on_the_old_one(
     for version in ("1.0.0", "1.1.0"):
         folder = root / "smollm2" / version
         folder.mkdir(parents=True)
-        try:
-            os.link(gguf, folder / gguf.name)
-        except OSError:
-            shutil.copyfile(gguf, folder / gguf.name)
+        place(gguf, folder)
         sign_version(
             folder,
             keys["ci"],

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import typing
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,26 +19,17 @@ from websockets.asyncio.client import connect as ws_connect
 from seedance.config import load_access
 from seedance.engines.synthetic import SyntheticEngine
 from seedance.tenants.keys import add_key
-from tests.support.servers import RunningServer, server_config, slow_engine
+from tests.support.servers import RunningServer, slow_engine
+from tests.test_responses import client
 
 
 def clients(server: RunningServer) -> tuple[openai.AsyncOpenAI, openai.AsyncOpenAI]:
     """A GA client, and a beta one (which needs the ws:// base spelled out)."""
-    base = f"{server.http_url}/v1"
     ws_base = f"ws://127.0.0.1:{server.port}/v1"
-    return (
-        openai.AsyncOpenAI(base_url=base, api_key="none", max_retries=0),
-        openai.AsyncOpenAI(base_url=base, websocket_base_url=ws_base, api_key="none"),
+    beta = openai.AsyncOpenAI(
+        base_url=f"{server.http_url}/v1", websocket_base_url=ws_base, api_key="none"
     )
-
-
-@pytest.fixture(scope="module")
-def smollm() -> Iterator[RunningServer]:
-    server = RunningServer(
-        server_config(engine="llamacpp", parallel=2, n_ctx=4096, threads=2), None
-    ).start()
-    yield server
-    server.stop()
+    return client(server), beta
 
 
 USER = {"type": "message", "role": "user"}

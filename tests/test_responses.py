@@ -5,7 +5,7 @@ a test needs an exact reply."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -14,21 +14,12 @@ import pytest
 from openai.types import responses as types
 
 from seedance.engines.synthetic import SyntheticEngine
-from tests.support.servers import RunningServer, server_config, slow_engine
+from tests.support.servers import RunningServer, slow_engine
 from tests.test_openai_api import eventually
 
 
 def client(server: RunningServer) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{server.http_url}/v1", api_key="none", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def smollm() -> Iterator[RunningServer]:
-    server = RunningServer(
-        server_config(engine="llamacpp", parallel=2, n_ctx=4096, threads=2), None
-    ).start()
-    yield server
-    server.stop()
 
 
 # --------------------------------------------------------------------------- the embedded model

@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -42,7 +40,7 @@ MAX_TOKENS = 16
 def make_registry(root: Path) -> Path:
     """The embedded model, once per version, signed; returns the public key's path."""
     from seedance.engines.local import default_model_path
-    from seedance.models.registry import Registry, sign_version
+    from seedance.models.registry import Registry, place, sign_version
     from seedance.models.signing import keygen
 
     key = root / "bench.key"
@@ -51,10 +49,7 @@ def make_registry(root: Path) -> Path:
     for version in VERSIONS:
         folder = root / "registry" / "smollm2" / version
         folder.mkdir(parents=True)
-        try:
-            os.link(gguf, folder / gguf.name)
-        except OSError:
-            shutil.copyfile(gguf, folder / gguf.name)
+        place(gguf, folder)
         sign_version(
             folder,
             key,

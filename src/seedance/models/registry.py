@@ -22,6 +22,7 @@ import datetime
 import hashlib
 import os
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -136,6 +137,17 @@ def file_sha256(path: Path) -> str:
 
 
 # --------------------------------------------------------------------------- signing (CI)
+
+
+def place(source: Path, folder: Path) -> Path:
+    """``source`` into a version's directory: a hard link where the filesystem allows (no
+    second copy of the weights on disk), else a copy."""
+    target = folder / source.name
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copyfile(source, target)
+    return target
 
 
 def sign_version(
