@@ -258,8 +258,8 @@ _ERROR_TYPES: Final = {
 _encode_json = msgspec.json.Encoder().encode
 
 
-def error_body(error: SeedanceError) -> bytes:
-    """An error as the OpenAI API shapes it (``{"error": {"message", "type", ...}}``)."""
+def error_object(error: SeedanceError) -> dict[str, Any]:
+    """An error as the OpenAI API shapes it: ``{"message", "type", "param", "code"}``."""
     kind = _ERROR_TYPES.get(error.http_status, "server_error")
     body: dict[str, Any] = {
         "message": error.message,
@@ -269,4 +269,9 @@ def error_body(error: SeedanceError) -> bytes:
     }
     if error.reason is not None:  # history_lost: why
         body["reason"] = error.reason
-    return _encode_json({"error": body})
+    return body
+
+
+def error_body(error: SeedanceError) -> bytes:
+    """An HTTP error body as the OpenAI API shapes it (``{"error": {...}}``)."""
+    return _encode_json({"error": error_object(error)})

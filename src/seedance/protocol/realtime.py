@@ -20,7 +20,7 @@ import msgspec
 
 from seedance.protocol.errors import InvalidJSON, InvalidRequest, SeedanceError
 from seedance.protocol.messages import ChatMessage, DoneFrame, ErrorFrame, Usage
-from seedance.protocol.openai import ROLES, end_status, error_body
+from seedance.protocol.openai import ROLES, end_status, error_object
 
 #: Client events about audio or items, which a text-only server refuses by name.
 UNSUPPORTED: Final = (
@@ -244,7 +244,7 @@ class Events:
         return session
 
     def error(self, error: SeedanceError, client_event_id: str | None) -> dict[str, Any]:
-        body = msgspec.json.decode(error_body(error))["error"]
+        body = error_object(error)
         body["event_id"] = client_event_id
         body.pop("reason", None)
         return self.event("error", error=body)

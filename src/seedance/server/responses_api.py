@@ -43,7 +43,7 @@ from seedance.protocol.errors import (
     SessionBusy,
 )
 from seedance.protocol.messages import ChatMessage, RequestId, SessionId, TenantId
-from seedance.protocol.openai import error_body
+from seedance.protocol.openai import error_object
 from seedance.protocol.qos import qos_from_headers
 from seedance.protocol.responses import (
     FIRST_DELTA,
@@ -479,7 +479,7 @@ def _socket_event(text: str) -> dict[str, Any]:
 
 def socket_error(error: SeedanceError, stream_id: str | None = None) -> dict[str, Any]:
     """An error as the Responses API's WebSocket mode sends it (nested, with the status)."""
-    body = msgspec.json.decode(error_body(error))["error"]
+    body = error_object(error)
     return {
         "type": "error",
         "status": error.http_status,
