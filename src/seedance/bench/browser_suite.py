@@ -22,6 +22,7 @@ import statistics
 import sys
 from typing import TYPE_CHECKING, Any
 
+from seedance.bench.metrics import percentile
 from seedance.bench.suites import fmt, seedance, servers
 
 if TYPE_CHECKING:
@@ -123,11 +124,6 @@ def _http(server: Server) -> str:
     return f"http://127.0.0.1:{server.port}"
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 async def measure(http_url: str, replies: int, tokens: int) -> dict[str, Any]:
     from playwright.async_api import async_playwright
 
@@ -165,13 +161,13 @@ def table(found: dict[str, Any]) -> tuple[list[str], list[tuple[int, float, floa
     for window, rtt, target in WINDOWS:
         cell = found["results"][str(window)]
         worker, inline = cell["worker"], cell["inline"]
-        p95 = _percentile(worker, 0.95)
+        p95 = percentile(sorted(worker), 95)
         verdicts.append((window, p95, target))
         rows.append(
             f"| {window} tokens ({rtt} ms) | {len(worker)} "
             f"| {fmt(statistics.median(worker), 2)} / {fmt(p95, 2)} / {fmt(max(worker), 2)} "
             f"| < {target:g} ms | {fmt(statistics.median(inline), 2)} "
-            f"/ {fmt(_percentile(inline, 0.95), 2)} |"
+            f"/ {fmt(percentile(sorted(inline), 95), 2)} |"
         )
     return rows, verdicts
 

@@ -26,6 +26,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from seedance.bench.http_suite import _server
+from seedance.bench.metrics import percentile
 from seedance.bench.suites import (
     CLIENT_CORE,
     _cores,
@@ -145,11 +146,6 @@ async def run_way(base: str, model: str, way: str, n: int, max_tokens: int) -> l
     return await _responses(base, model, n, max_tokens, new=way == "responses-new")
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def openai_suite(report: Report) -> None:
     setups = [
         (
@@ -187,10 +183,10 @@ def openai_suite(report: Report) -> None:
                     results[way] += json.loads(out.stdout)[2:]  # the first two warm up
         commands.append(contender.display())
         base50 = statistics.median(results["v2"])
-        base99 = _percentile(results["v2"], 0.99)
+        base99 = percentile(sorted(results["v2"]), 99)
         for way, label in WAYS:
             times = results[way]
-            p50, p99 = statistics.median(times), _percentile(times, 0.99)
+            p50, p99 = statistics.median(times), percentile(sorted(times), 99)
             rows.append(
                 f"| {contender.label} | {label} | {fmt(p50, 3)} ({ratio(p50, base50)}) "
                 f"| {fmt(p99, 3)} ({ratio(p99, base99)}) | {len(times)} |"

@@ -27,6 +27,7 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from seedance.bench.metrics import percentile
 from seedance.bench.suites import Contender, fmt, machine_lines, servers
 
 if TYPE_CHECKING:
@@ -104,11 +105,6 @@ async def _clients(url: str, seconds: float, clients: int) -> list[dict[str, Any
     return out
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
-
-
 def reload_suite(report: Report) -> None:
     seconds = 40 if report.quick else 90
     with tempfile.TemporaryDirectory(prefix="seedance-reload-") as scratch:
@@ -161,7 +157,7 @@ def reload_suite(report: Report) -> None:
         versions = Counter(r["version"] for r in rs if r["ok"])
         rows.append(
             f"| {name} | {len(rs)} | {sum(errors.values())} | {fmt(statistics.median(ttft), 1)} "
-            f"| {fmt(_percentile(ttft, 0.99), 1)} | "
+            f"| {fmt(percentile(sorted(ttft), 99), 1)} | "
             + ", ".join(f"{v}: {n}" for v, n in sorted(versions.items()))
             + " |"
         )

@@ -24,6 +24,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from seedance.bench.metrics import percentile
 from seedance.bench.suites import CLIENT_CORE, fmt, pin_to, seedance, servers
 
 if TYPE_CHECKING:
@@ -85,11 +86,6 @@ async def _clients(url: str, trials: int, concurrency: int) -> list[dict[str, An
     return list(await asyncio.gather(*(one(i) for i in range(trials))))
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def resume_suite(report: Report) -> None:
     trials = 100 if report.quick else 400
     concurrency = 20
@@ -128,9 +124,9 @@ def resume_suite(report: Report) -> None:
                 "| | p50 ms | p99 ms |",
                 "|---|---|---|",
                 f"| resume latency | {fmt(statistics.median(resume), 2)} "
-                f"| {fmt(_percentile(resume, 0.99), 2)} |",
+                f"| {fmt(percentile(sorted(resume), 99), 2)} |",
                 f"| first token of a new request | {fmt(statistics.median(ttft), 2)} "
-                f"| {fmt(_percentile(ttft, 0.99), 2)} |",
+                f"| {fmt(percentile(sorted(ttft), 99), 2)} |",
                 "",
                 f"Replies that ended whole, every token once, in order: {whole} of {trials}.",
                 "",
