@@ -80,6 +80,12 @@ def _parser() -> argparse.ArgumentParser:
         help="credential (env SEEDANCE_API_KEY)",
     )
     chat.add_argument(
+        "--ca-file",
+        metavar="PEM",
+        default=os.environ.get("SEEDANCE_CA_FILE"),
+        help="wss:// URLs: trust these CAs instead of the system's (env SEEDANCE_CA_FILE)",
+    )
+    chat.add_argument(
         "--once", metavar="PROMPT", default=None, help="send one prompt, print the reply, exit"
     )
     chat.add_argument("--max-tokens", type=int, default=None)
@@ -298,7 +304,11 @@ async def _chat_main(args: argparse.Namespace) -> int:
     from seedance.client import connect
 
     async with connect(
-        args.url, session_id=args.session, model=args.model, api_key=args.api_key
+        args.url,
+        session_id=args.session,
+        model=args.model,
+        api_key=args.api_key,
+        ca_file=args.ca_file,
     ) as session:
         if args.verbose or args.once is None:
             state = (

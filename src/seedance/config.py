@@ -90,6 +90,15 @@ class ServerConfig:
     redis_url: str | None = None
     node_id: str | None = None
     lease_s: float = 5.0
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    tls_watch_s: float = 5.0
+    e2e_key: str | None = None
+    e2e_required: bool = False
+    e2e_rotate_s: float = 1800.0
+    e2e_rotate_bytes: int = 50 * 1024 * 1024
+    encrypt_at_rest: bool = False
     # Not settings of their own: the file the settings came from, and its [tenants] and
     # [auth] tables (None: no tenant, the server is open).
     config_file: str | None = None
@@ -557,6 +566,69 @@ OPTIONS: tuple[Option, ...] = (
         lambda v: v >= 0.5,
         "0.5 or more",
     ),
+    Option(
+        "tls_cert",
+        "--tls-cert",
+        str,
+        "serve wss:// and https:// on --port with this certificate chain (PEM; needs "
+        "--tls-key); TLS 1.2 or later, forward-secret AEAD ciphers only",
+    ),
+    Option("tls_key", "--tls-key", str, "the private key (PEM) of --tls-cert"),
+    Option(
+        "tls_client_ca",
+        "--tls-client-ca",
+        str,
+        "ask clients for a certificate issued by these CAs (PEM); a certificate presented and "
+        "verified authenticates its tenant (the tenant's tls_subjects), one without a match "
+        "still needs a key",
+    ),
+    Option(
+        "tls_watch_s",
+        "--tls-watch-s",
+        float,
+        "how often the certificate, key and client CA files are checked for a change, seconds; "
+        "a change is loaded for new connections without a restart (0: never)",
+        non_negative,
+        "0 or more",
+    ),
+    Option(
+        "e2e_key",
+        "--e2e-key",
+        str,
+        "offer end-to-end encryption of /v2/infer streams (docs/protocol.md, section 9): the "
+        "server's Ed25519 identity key (PEM), which signs each connection's key agreement and "
+        "which clients pin; unset: not offered",
+    ),
+    Option(
+        "e2e_required",
+        "--e2e-required",
+        boolean,
+        "refuse /v2/infer connections that do not ask for end-to-end encryption (needs --e2e-key)",
+    ),
+    Option(
+        "e2e_rotate_s",
+        "--e2e-rotate-s",
+        float,
+        "end-to-end encryption: move a direction's key to the next after it was used this many "
+        "seconds",
+        positive,
+        "positive",
+    ),
+    Option(
+        "e2e_rotate_bytes",
+        "--e2e-rotate-bytes",
+        int,
+        "end-to-end encryption: move a direction's key to the next after it sealed this many bytes",
+        positive,
+        "positive",
+    ),
+    Option(
+        "encrypt_at_rest",
+        "--encrypt-at-rest",
+        boolean,
+        "cluster mode: encrypt the conversations and stream logs kept in Redis (AES-256-GCM, "
+        "a key derived from --e2e-key, which every node then needs)",
+    ),
 )
 
 _BY_KEY = {opt.key: opt for opt in OPTIONS}
@@ -668,6 +740,7 @@ def load_config(
         if raw is not None:
             values[opt.field] = _convert(opt, raw, opt.flag)
     config = dataclasses.replace(ServerConfig(), **values)
+    _check_together(config)
     engine_flags = {
         key: raw
         for key, raw in flags.items()
@@ -675,6 +748,21 @@ def load_config(
     }
     options = _engine_options(config.engine, engine_tables, str(path), env, engine_flags)
     return dataclasses.replace(config, engine_options=options)
+
+
+def _check_together(config: ServerConfig) -> None:
+    """Settings that only make sense with another one."""
+    needs = (
+        ("tls_cert", "tls_key"),
+        ("tls_key", "tls_cert"),
+        ("tls_client_ca", "tls_cert"),
+        ("e2e_required", "e2e_key"),
+        ("encrypt_at_rest", "e2e_key"),
+    )
+    for name, needed in needs:
+        if getattr(config, name) and not getattr(config, needed):
+            flag, other = (f"--{n.replace('_', '-')}" for n in (name, needed))
+            raise ConfigError(f"{flag} needs {other}")
 
 
 def _engine_options(

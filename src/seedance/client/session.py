@@ -23,6 +23,7 @@ import asyncio
 import logging
 import random
 import secrets
+import ssl as ssl_module
 from collections import deque
 from collections.abc import Awaitable, Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
@@ -103,6 +104,20 @@ def infer_url(url: str, **params: str | None) -> str:
     if parts.query:
         query = f"{parts.query}&{query}" if query else parts.query
     return urlunsplit((parts.scheme, parts.netloc, path, query, ""))
+
+
+def tls_context(
+    url: str, ca_file: str | None, context: ssl_module.SSLContext | None
+) -> ssl_module.SSLContext | None:
+    """The TLS context for ``url``: ``context`` if given, else the system's CAs (``ca_file``'s
+    instead when given) for ``wss://``; None for ``ws://``."""
+    if context is not None:
+        return context
+    if not url.startswith("wss://"):
+        if ca_file is not None:
+            raise InvalidRequest("ca_file is for wss:// URLs")
+        return None
+    return ssl_module.create_default_context(cafile=ca_file)
 
 
 class Stream:
@@ -476,6 +491,8 @@ class connect:
     ``url`` is ``ws://host:port`` (``/v2/infer`` is added) or a full ``/v2/infer`` URL.
     ``reconnect``: how the session comes back after a dropped connection (None: it does not).
     ``qos``: the quality of service of every request (the ``X-QoS-Priority`` header).
+    ``wss://`` URLs are verified against the system's CAs, or ``ca_file``'s (PEM), or as
+    ``ssl`` (an :class:`ssl.SSLContext`, for a client certificate) says.
     """
 
     def __init__(
@@ -489,6 +506,8 @@ class connect:
         max_frame_bytes: int | None = 64 * 1024 * 1024,
         reconnect: Reconnect | None = Reconnect(),
         qos: QoS | str | None = None,
+        ca_file: str | None = None,
+        ssl: ssl_module.SSLContext | None = None,
     ) -> None:
         self.base_url = url
         self.model = model
@@ -498,6 +517,7 @@ class connect:
         self.max_frame_bytes = max_frame_bytes
         self.reconnect = reconnect
         self.qos = qos.header() if isinstance(qos, QoS) else qos
+        self.ssl = tls_context(url, ca_file, ssl)
         self._session: ClientSession | None = None
 
     async def _handshake(self, url: str) -> tuple[ClientConnection, SessionFrame]:
@@ -513,6 +533,7 @@ class connect:
                 ping_interval=None,  # the protocol's heartbeat keeps the connection alive
                 max_size=self.max_frame_bytes,
                 compression=None,
+                ssl=self.ssl,
             )
         except InvalidHandshake as exc:  # cut, or answered by something else than a server
             raise ConnectionClosed(1006, f"the WebSocket handshake failed: {exc}") from exc
