@@ -86,6 +86,13 @@ def _parser() -> argparse.ArgumentParser:
         help="wss:// URLs: trust these CAs instead of the system's (env SEEDANCE_CA_FILE)",
     )
     chat.add_argument(
+        "--e2e",
+        metavar="IDENTITY",
+        default=os.environ.get("SEEDANCE_E2E"),
+        help="encrypt the stream end to end with the server whose identity is this Ed25519 "
+        "public key (a PEM file, or its base64url form; env SEEDANCE_E2E)",
+    )
+    chat.add_argument(
         "--once", metavar="PROMPT", default=None, help="send one prompt, print the reply, exit"
     )
     chat.add_argument("--max-tokens", type=int, default=None)
@@ -309,6 +316,7 @@ async def _chat_main(args: argparse.Namespace) -> int:
         model=args.model,
         api_key=args.api_key,
         ca_file=args.ca_file,
+        e2e=args.e2e,
     ) as session:
         if args.verbose or args.once is None:
             state = (
@@ -317,6 +325,11 @@ async def _chat_main(args: argparse.Namespace) -> int:
                 else (f"re-attached, {session.info.context_turns} turns of context")
             )
             print(f"session {session.session_id} ({state}), model {session.model}", file=sys.stderr)
+            if session.info.e2e is not None:
+                print(
+                    f"end-to-end encrypted, server measurement {session.info.e2e.measurement}",
+                    file=sys.stderr,
+                )
         if args.once is not None:
             await _reply(session, args.once, args)
             return 0

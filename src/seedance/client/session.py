@@ -31,14 +31,17 @@ from types import TracebackType
 from typing import Any
 from urllib.parse import urlencode, urlsplit, urlunsplit
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed as WsConnectionClosed
 from websockets.exceptions import InvalidHandshake
 
 from seedance.protocol.codec import decode_server_text, encode_client_message
+from seedance.protocol.e2e import SEALED, Channel, ClientHandshake, load_pinned
 from seedance.protocol.errors import (
     ConnectionClosed,
+    EncryptionFailed,
     InvalidRequest,
     SeedanceError,
     error_from_wire,
@@ -187,7 +190,19 @@ class Stream:
         await self._session.cancel(self.request_id)
 
 
-Opener = Callable[[str], Awaitable[tuple[ClientConnection, SessionFrame]]]
+@dataclass(frozen=True, slots=True)
+class Opened:
+    """A connection as the handshake left it: the socket, the ``session`` frame, and the
+    end-to-end encryption agreed (None: none asked for)."""
+
+    ws: ClientConnection
+    info: SessionFrame
+    channel: Channel | None = None
+
+
+Opener = Callable[[str], Awaitable[Opened]]
+#: A pinned server identity (see :func:`seedance.protocol.e2e.load_pinned`).
+PinnedKey = str | bytes | Ed25519PublicKey
 
 
 class ClientSession:
@@ -195,13 +210,16 @@ class ClientSession:
 
     def __init__(
         self,
-        ws: ClientConnection,
-        info: SessionFrame,
+        opened: Opened,
         reopen: Opener | None = None,
         reconnect: Reconnect | None = None,
     ) -> None:
-        self._ws = ws
-        self.info = info
+        self._ws = opened.ws
+        self.info = opened.info
+        #: End-to-end encryption of this connection (None: not asked for); a new one per
+        #: reconnect. Frames are sealed in the order they are sent (``_send_lock``).
+        self.channel = opened.channel
+        self._send_lock = asyncio.Lock()
         self._reopen = reopen
         self._reconnect_policy = reconnect if reopen is not None else None
         self._rng = random.Random()
@@ -352,7 +370,12 @@ class ClientSession:
                 raise self._error or self._closed
             ws = self._ws
             try:
-                await ws.send(data)
+                channel = self.channel
+                if channel is None or isinstance(data, bytes):
+                    await ws.send(data)
+                else:
+                    async with self._send_lock:  # sealed in the order sent
+                        await ws.send(channel.seal_frame(data))
                 return
             except WsConnectionClosed:
                 if self._ws is ws:  # the reader reconnects, or gives up and closes
@@ -384,16 +407,26 @@ class ClientSession:
         try:
             async for data in ws:
                 if isinstance(data, bytes):
-                    await self._on_binary(data)
-                    continue
+                    if self.channel is None or data[:1] != bytes((SEALED,)):
+                        await self._on_binary(data)
+                        continue
+                    data = self.channel.open(data)
+                elif self.channel is not None:
+                    raise EncryptionFailed(
+                        "plaintext", "the server sent a text frame on an encrypted connection"
+                    )
                 frame = decode_server_text(data)
                 if frame is not None:
                     self._on_frame(frame)
         except WsConnectionClosed:
             pass
-        except SeedanceError as exc:  # the server broke the protocol
+        except SeedanceError as exc:  # the server broke the protocol, or a frame was forged
             self._error = exc
-            await ws.close(1002, "protocol error")
+            if isinstance(exc, EncryptionFailed):
+                logger.warning("end-to-end encryption failed (%s): %s", exc.reason, exc.message)
+                await ws.close(exc.close_code or 1002, exc.code)
+            else:
+                await ws.close(1002, "protocol error")
 
     def _closed_by_us(self) -> bool:
         return self._closing
@@ -419,18 +452,20 @@ class ClientSession:
             if self._closed_by_us():  # close() during the wait
                 return False
             try:
-                ws, info = await reopen(self.session_id)
+                opened = await reopen(self.session_id)
             except (OSError, TimeoutError, SeedanceError) as exc:
                 logger.info("reconnect %d/%d failed: %r", attempt, policy.attempts, exc)
                 continue
-            self._ws, self.info = ws, info
+            ws, self.info, self.channel = opened.ws, opened.info, opened.channel
+            self._ws = ws
             self.reconnects += 1
             for stream in [s for s in self._streams.values() if s._on_wire]:
-                resume = Resume(
-                    request_id=stream.request_id, after_seq=stream.last_seq, epoch=epoch
+                resume = encode_client_message(
+                    Resume(request_id=stream.request_id, after_seq=stream.last_seq, epoch=epoch)
                 )
                 try:
-                    await ws.send(encode_client_message(resume))
+                    async with self._send_lock:
+                        await ws.send(resume if self.channel is None else self.channel.seal(resume))
                 except WsConnectionClosed:
                     break  # dropped again: the next round of reading notices
             self._connected.set()
@@ -493,6 +528,9 @@ class connect:
     ``qos``: the quality of service of every request (the ``X-QoS-Priority`` header).
     ``wss://`` URLs are verified against the system's CAs, or ``ca_file``'s (PEM), or as
     ``ssl`` (an :class:`ssl.SSLContext`, for a client certificate) says.
+    ``e2e``: encrypt every frame end to end with a server whose identity is this key (or one of
+    these keys): an Ed25519 public key, its PEM (bytes or a file's path), or its base64url
+    form; a server that does not prove it is refused (docs/protocol.md, section 9).
     """
 
     def __init__(
@@ -508,6 +546,7 @@ class connect:
         qos: QoS | str | None = None,
         ca_file: str | None = None,
         ssl: ssl_module.SSLContext | None = None,
+        e2e: PinnedKey | Sequence[PinnedKey] | None = None,
     ) -> None:
         self.base_url = url
         self.model = model
@@ -518,9 +557,17 @@ class connect:
         self.reconnect = reconnect
         self.qos = qos.header() if isinstance(qos, QoS) else qos
         self.ssl = tls_context(url, ca_file, ssl)
+        keys: Sequence[PinnedKey] = (
+            [] if e2e is None else [e2e] if isinstance(e2e, str | bytes | Ed25519PublicKey) else e2e
+        )
+        self.pinned = [load_pinned(k) for k in keys] if e2e is not None else None
         self._session: ClientSession | None = None
 
-    async def _handshake(self, url: str) -> tuple[ClientConnection, SessionFrame]:
+    async def _handshake(self, url: str) -> Opened:
+        agreement = None
+        if self.pinned is not None:  # a fresh ephemeral key for every connection
+            agreement = ClientHandshake(self.pinned)
+            url += ("&" if "?" in url else "?") + "e2e=" + agreement.param
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         if self.qos is not None:
             headers["X-QoS-Priority"] = self.qos
@@ -546,21 +593,21 @@ class connect:
                 )
             if not isinstance(frame, SessionFrame):
                 raise InvalidRequest("the server did not open a session")
+            channel = None if agreement is None else agreement.finish(frame.e2e, frame.session_id)
         except WsConnectionClosed:
             raise ConnectionClosed(ws.close_code or 1006, ws.close_reason or "") from None
         except BaseException:
             await ws.close()
             raise
-        return ws, frame
+        return Opened(ws, frame, channel)
 
-    async def _reopen(self, session_id: str) -> tuple[ClientConnection, SessionFrame]:
+    async def _reopen(self, session_id: str) -> Opened:
         return await self._handshake(
             infer_url(self.base_url, session_id=session_id, model=self.model)
         )
 
     async def _open(self) -> ClientSession:
-        ws, frame = await self._handshake(self.url)
-        return ClientSession(ws, frame, self._reopen, self.reconnect)
+        return ClientSession(await self._handshake(self.url), self._reopen, self.reconnect)
 
     def __await__(self) -> Generator[Any, None, ClientSession]:
         return self._open().__await__()

@@ -19,6 +19,7 @@ the OpenAI-compatible API::
     ├── EngineError                     engine_error        (retryable)         HTTP 503
     ├── InternalError                   internal_error                          HTTP 500
     ├── HistoryLost                     history_lost        (with a reason)     HTTP 410
+    ├── EncryptionFailed                encryption_failed   closes 4400 (with a reason)
     ├── NotFound                        not_found           (admin API only)    HTTP 404
     ├── Conflict                        conflict            (admin API only)    HTTP 409
     ├── UpgradeRequired                 upgrade_required    (HTTP only)         HTTP 426
@@ -42,6 +43,7 @@ CLOSE_UNAUTHORIZED = 4401
 CLOSE_FORBIDDEN = 4403
 CLOSE_NOT_FOUND = 4404
 CLOSE_IDLE_TIMEOUT = 4408
+CLOSE_ENCRYPTION_FAILED = 4400
 CLOSE_QUOTA_EXCEEDED = 4429
 
 
@@ -114,6 +116,40 @@ class HistoryLost(SeedanceError):
 class ContextOverflow(SeedanceError):
     code = "context_overflow"
     http_status = 400
+
+
+class EncryptionFailed(SeedanceError):
+    """End-to-end encryption failed (docs/protocol.md, section 9); ``reason`` says why. The
+    connection closes (4400) and nothing of the frame reaches the application.
+
+    - ``plaintext``: a text frame on a connection that agreed to encrypt everything;
+    - ``malformed``: not a sealed frame (too short, a bad length);
+    - ``unknown_key``: its key epoch is neither the current one nor the next;
+    - ``replayed``: its counter was seen before; ``reordered``: a frame before it is missing;
+    - ``bad_tag``: authentication failed (the ciphertext, the tag, the header or the additional
+      data changed, or it was sealed for another session or connection);
+    - ``mismatch``: the header's request id or seq is not the frame's own;
+    - ``handshake``: the server's offer did not verify (identity not pinned, bad signature).
+    """
+
+    code = "encryption_failed"
+    close_code = CLOSE_ENCRYPTION_FAILED
+    connect_close_code = CLOSE_ENCRYPTION_FAILED
+    http_status = 400
+    REASONS: ClassVar[tuple[str, ...]] = (
+        "plaintext",
+        "malformed",
+        "unknown_key",
+        "replayed",
+        "reordered",
+        "bad_tag",
+        "mismatch",
+        "handshake",
+    )
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class ModelNotFound(SeedanceError):
@@ -211,6 +247,7 @@ ERRORS_BY_CODE: dict[str, type[SeedanceError]] = {
         SessionBusy,
         ContextOverflow,
         HistoryLost,
+        EncryptionFailed,
         ModelNotFound,
         Unauthorized,
         Forbidden,
@@ -235,6 +272,8 @@ def error_from_wire(
     cls = ERRORS_BY_CODE.get(code, SeedanceError)
     if cls is HistoryLost:
         return HistoryLost(reason or "", message, request_id=request_id)
+    if cls is EncryptionFailed:
+        return EncryptionFailed(reason or "", message)
     err = cls(message, request_id=request_id, retry_after_s=retry_after_s)
     if cls is SeedanceError:
         err.code = code  # type: ignore[misc]  # keep the server's code visible to the caller

@@ -10,6 +10,8 @@ from typing import Any, Literal, NewType
 
 import msgspec
 
+from seedance.protocol.e2e import Offer
+
 SessionId = NewType("SessionId", str)
 RequestId = NewType("RequestId", str)
 TenantId = NewType("TenantId", str)
@@ -136,6 +138,8 @@ class SessionFrame(_ServerFrame, tag="session"):
     #: Changes whenever the server lost the session's stream log (a restart, in memory).
     epoch: str = ""
     active: ActiveStream | None = None
+    #: The server's half of end-to-end encryption, when the client asked for it.
+    e2e: Offer | None = None
 
 
 class StartFrame(_ServerFrame, tag="start"):

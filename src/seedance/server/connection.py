@@ -27,11 +27,13 @@ from seedance.protocol.codec import (
     encode_error,
     encode_frame,
 )
+from seedance.protocol.e2e import SEALED, Channel
 from seedance.protocol.errors import (
     CLOSE_GOING_AWAY,
     CLOSE_IDLE_TIMEOUT,
     CLOSE_INTERNAL_ERROR,
     CLOSE_NORMAL,
+    EncryptionFailed,
     InternalError,
     InvalidRequest,
     SeedanceError,
@@ -68,6 +70,10 @@ logger = logging.getLogger(__name__)
 
 # How long a close may wait for queued frames before the socket is dropped.
 CLOSE_FLUSH_TIMEOUT_S = 5.0
+
+
+def new_connection_id() -> str:
+    return "c-" + secrets.token_hex(4)
 
 
 class Follower:
@@ -125,6 +131,9 @@ class Connection:
         trace_parent: Context | None = None,
         principal: Principal = OPEN_PRINCIPAL,
         qos: QoS | None = None,
+        *,
+        connection_id: str | None = None,
+        channel: Channel | None = None,
     ) -> None:
         self.state = state
         self.principal = principal
@@ -137,7 +146,7 @@ class Connection:
         self.session = session
         self.model = model
         self.peer = peer
-        self.id = "c-" + secrets.token_hex(4)
+        self.id = connection_id or new_connection_id()
         #: The client's trace context from the handshake: the parent of requests' spans.
         self.trace_parent = trace_parent
         self.trace = state.tracing.connection(trace_parent, self._span_attributes)
@@ -150,6 +159,12 @@ class Connection:
             on_failure=self._on_writer_failure,
             merger=state.merger,
         )
+        #: End-to-end encryption (None: the client did not ask for it): every frame after the
+        #: ``session`` frame is sealed (heartbeats excepted), every inbound one must be.
+        self.channel = channel
+        self._opened: str | bytes | None = None  # a frame opened on the direct path, then deferred
+        if channel is not None:
+            self.out.seal = channel.seal_frame
         self._loop = asyncio.get_running_loop()
         self.opened_at = self._loop.time()
         self.last_inbound = self.opened_at
@@ -219,12 +234,17 @@ class Connection:
             return False
         self.last_inbound = self._loop.time()
         try:
-            if not is_text:
+            text: str | bytes | None = data if is_text else None
+            if self.channel is not None:
+                text = self._open(data, is_text)
+            if text is None:
                 self._on_binary(data)
                 return True
-            message = decode_client_text(data, self.limits)
+            message = decode_client_text(text, self.limits)
             if isinstance(message, EndSession | Resume):  # they await the stores
                 self._deferred = 1
+                if self.channel is not None:
+                    self._opened = text  # opening it again would be a replay
                 return False
             self._on_sync_message(message)
         except Exception as exc:
@@ -234,10 +254,14 @@ class Connection:
     async def _dispatch(self, data: str | bytes) -> None:
         """The queued path: one message from the ASGI queue."""
         try:
-            if isinstance(data, bytes):
-                self._on_binary(data)
+            text: str | bytes | None = data if isinstance(data, str) else None
+            if self.channel is not None:
+                opened, self._opened = self._opened, None
+                text = opened if opened is not None else self._open(data, text is not None)
+            if text is None:
+                self._on_binary(data)  # type: ignore[arg-type]
                 return
-            message = decode_client_text(data, self.limits)
+            message = decode_client_text(text, self.limits)
             if isinstance(message, EndSession):
                 await self._end_session()
             elif isinstance(message, Resume):
@@ -247,8 +271,27 @@ class Connection:
         except Exception as exc:
             self._on_error(exc)
 
+    def _open(self, data: str | bytes, is_text: bool) -> str | None:
+        """An inbound frame of an encrypted connection: a sealed frame's text, None for a
+        heartbeat; anything else fails the connection."""
+        assert self.channel is not None
+        if is_text or not isinstance(data, bytes):
+            raise EncryptionFailed(
+                "plaintext", "this connection encrypts every frame: a text frame was refused"
+            )
+        if data[:1] != bytes((SEALED,)):
+            return None  # a heartbeat, or a frame the binary path refuses
+        return self.channel.open(data)
+
     def fail(self, error: SeedanceError) -> None:
         """Send ``error``; close the connection if the error closes it."""
+        if isinstance(error, EncryptionFailed) and not self._closing:
+            logger.warning(
+                "conn %s: end-to-end encryption failed (%s): %s; closing",
+                self.id,
+                error.reason,
+                error.message,
+            )
         self.out.put(encode_error(error))
         if error.close_code is not None:
             self.close(error.close_code, error.code)

@@ -10,7 +10,14 @@ from urllib.parse import parse_qs
 from seedance import SERVER_NAME
 from seedance.observability.tracing import Tracing
 from seedance.protocol.codec import encode_error, encode_frame, validate_session_id
-from seedance.protocol.errors import CLOSE_GOING_AWAY, Overloaded, SeedanceError
+from seedance.protocol.e2e import parse_client_key
+from seedance.protocol.errors import (
+    CLOSE_GOING_AWAY,
+    Forbidden,
+    InvalidRequest,
+    Overloaded,
+    SeedanceError,
+)
 from seedance.protocol.messages import (
     SUBPROTOCOL,
     ActiveStream,
@@ -19,7 +26,7 @@ from seedance.protocol.messages import (
     TenantId,
 )
 from seedance.protocol.qos import qos_from_headers
-from seedance.server.connection import Connection
+from seedance.server.connection import Connection, new_connection_id
 from seedance.server.state import ServerState
 from seedance.server.transport import AsgiWebSocket
 from seedance.tenants.auth import peer_of, refusal_record
@@ -63,6 +70,7 @@ class InferEndpoint:
             model = state.resolve_model(_param(params, "model"))
             check_model(principal, model.name, state.models)
             qos = qos_from_headers(scope.get("headers", ()))
+            client_key = _e2e_param(state, params)
             raw_id = _param(params, "session_id")
             session_id = SessionId(validate_session_id(raw_id)) if raw_id is not None else None
             quotas = principal.tenant.quotas
@@ -85,6 +93,13 @@ class InferEndpoint:
             await ws.close(exc.connect_close_code, exc.code)
             return
         try:
+            connection_id = new_connection_id()
+            channel = offer = None
+            if client_key is not None:
+                assert state.confidential is not None
+                channel, offer = state.confidential.accept(
+                    client_key, session.session_id, principal.name, connection_id
+                )
             await ws.accept(subprotocol)
             config = state.config
             streams = state.streams
@@ -110,11 +125,23 @@ class InferEndpoint:
                         server=SERVER_NAME,
                         epoch=epoch,
                         active=active,
+                        e2e=offer,
                     )
                 )
             )
             parent = Tracing.from_headers(scope.get("headers", ()))
-            connection = Connection(state, ws, session, model, peer, parent, principal, qos)
+            connection = Connection(
+                state,
+                ws,
+                session,
+                model,
+                peer,
+                parent,
+                principal,
+                qos,
+                connection_id=connection_id,
+                channel=channel,
+            )
             state.connections.add(connection)
             try:
                 await connection.run()
@@ -126,6 +153,26 @@ class InferEndpoint:
             assert principal is not None
             state.usage.close_connection(principal.name)
             await state.sessions.detach(session)
+
+
+def _e2e_param(state: ServerState, params: dict[str, list[str]]) -> str | None:
+    """The client's key for end-to-end encryption (checked), or None when it asks for none;
+    refused where the server does not offer it, or requires it and the client did not ask."""
+    client_key = _param(params, "e2e")
+    confidential = state.confidential
+    if client_key is None:
+        if confidential is not None and confidential.required:
+            raise Forbidden(
+                "this server requires end-to-end encryption: connect with e2e=<your X25519 "
+                "public key> (docs/protocol.md, section 9)"
+            )
+        return None
+    if confidential is None:
+        raise InvalidRequest(
+            "this server does not offer end-to-end encryption (its --e2e-key is not set)"
+        )
+    parse_client_key(client_key)
+    return client_key
 
 
 def _param(params: dict[str, list[str]], name: str) -> str | None:

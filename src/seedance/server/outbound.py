@@ -220,6 +220,8 @@ class Outbound:
         self._close: tuple[int, str] | None = None
         self._task: asyncio.Task[None] | None = None
         self._more: asyncio.Future[None] | None = None  # the idle ASGI writer waits on it
+        #: End-to-end encryption: each frame is sealed as it is written, in the order written.
+        self.seal: Callable[[OutFrame], OutFrame] | None = None
 
     def _wake_writer(self) -> None:
         if self._task is None:
@@ -268,12 +270,14 @@ class Outbound:
 
     def _write_now(self, frame: OutFrame) -> None:
         assert self._direct is not None
-        soon = self._soon
+        soon, seal = self._soon, self.seal
         if soon is None:
-            self._direct.write_frames((frame,))  # false: closing, and the frame is moot
+            # false: closing, and the frame is moot
+            self._direct.write_frames((frame if seal is None else seal(frame),))
         else:
             self._soon = None
-            self._direct.write_frames((soon, frame))
+            frames = (soon, frame) if seal is None else (seal(soon), seal(frame))
+            self._direct.write_frames(frames)
 
     def token_stream(self, request_id: str) -> TokenStream:
         """The token frames of request ``request_id`` on this connection (its :meth:`TokenStream.
@@ -373,6 +377,8 @@ class Outbound:
             else:
                 frames.append(item)
                 size += len(item) + FRAME_OVERHEAD_BYTES
+        if self.seal is not None:
+            frames = [self.seal(frame) for frame in frames]
         return frames, size
 
     def _written(self, size: int) -> None:

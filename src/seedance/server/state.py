@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from seedance.cluster.node import ClusterNode
     from seedance.models.serving import ModelManager
     from seedance.protocol.messages import DoneFrame, ErrorFrame
+    from seedance.server.confidential import Confidential
     from seedance.server.connection import Connection
     from seedance.server.openai_api import HttpCall
     from seedance.server.requests import Generation
@@ -147,10 +148,20 @@ class ServerState:
         self.access = Access(config)
         self.usage = Usage(shared=self.cluster is not None)
         self.audit = audit_log(config)
+        #: End-to-end encryption of streams (``--e2e-key``; None: not offered).
+        self.confidential: Confidential | None = None
+        if config.e2e_key is not None:
+            from seedance.server.confidential import Confidential
+
+            self.confidential = Confidential(config, self._served_versions, self.audit_submit)
         self.access.on_revoked = self._close_revoked
         self.tracing = tracing or Tracing.from_config(config)
         gpu = open_gpu_memory()
         self.metrics.add_collector(lambda: state_metrics(self, gpu))
+
+    def _served_versions(self) -> list[ServedModel]:
+        """Every model version serving now: the stable ones and the canaries."""
+        return [*self.models.values(), *(canary for canary, _ in self.canaries.values())]
 
     def resolve_model(self, name: str | None, sticky: str | None = None) -> ServedModel:
         """The served model ``name`` (None: the default); with a canary of it (a registry's),

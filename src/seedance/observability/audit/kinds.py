@@ -102,6 +102,23 @@ class ModelEvent(AuditRecord, kw_only=True):
     manifest_sha256: str | UnsetType = UNSET
 
 
+class StreamKey(AuditRecord, kw_only=True):
+    """A key of an end-to-end encrypted connection: agreed at its start (epoch 0, no old key)
+    or rotated to (the next epoch, the old key's hash). Keys are named by their SHA-256."""
+
+    kind: Literal["stream_key"] = "stream_key"
+    action: Literal["agreed", "rotated"]
+    tenant: str
+    connection: str
+    session: str
+    direction: Literal["client_to_server", "server_to_client"]
+    epoch_id: int
+    old_key_hash: str | None
+    new_key_hash: str
+    measurement: str  # what served the stream (seedance.server.confidential)
+    identity: str  # the id of the server identity that signed the agreement
+
+
 class Start(AuditRecord, kw_only=True):
     """The server opened the log."""
 

@@ -3,7 +3,9 @@
 Reports the first record that is broken (edited: its hash; removed or reordered: ``seq`` and
 ``prev``; a cut-off line), a checkpoint whose signature fails (with ``--public-key``), or a log
 that ends without its seal (records removed from the end, or a server that was killed or is
-still running: ``--allow-unsealed`` accepts that). Otherwise ``ok`` with the count.
+still running: ``--allow-unsealed`` accepts that), or a broken chain of stream keys (a rotation
+record whose epoch or old key does not follow the connection's key before it). Otherwise
+``ok`` with the counts.
 """
 
 from __future__ import annotations
@@ -33,6 +35,46 @@ class _Broken(Exception):
     pass
 
 
+class _KeyChains:
+    """The keys of each end-to-end encrypted connection and direction, as ``stream_key``
+    records give them: agreed at epoch 0, then each rotation the next epoch, from the key
+    before it."""
+
+    def __init__(self) -> None:
+        self._last: dict[tuple[str, str, str], tuple[int, str]] = {}
+        self.agreed = 0
+        self.rotations = 0
+
+    def check(self, record: dict[str, Any], where: str) -> None:
+        chain = (
+            str(record.get("connection")),
+            str(record.get("session")),
+            str(record.get("direction")),
+        )
+        epoch, old, new = (
+            record.get("epoch_id"),
+            record.get("old_key_hash"),
+            record.get("new_key_hash"),
+        )
+        name = f"{where}: stream key of connection {chain[0]} ({chain[2]}), epoch {epoch}"
+        if not isinstance(new, str) or not isinstance(epoch, int):
+            raise _Broken(f"{name}: not a stream key record")
+        if record.get("action") == "agreed":
+            if epoch != 0 or old is not None:
+                raise _Broken(f"{name}: an agreed key must be epoch 0 without an old key")
+            self.agreed += 1
+        else:
+            last = self._last.get(chain)
+            if last is None:
+                raise _Broken(f"{name}: rotated from a key that was never agreed")
+            if epoch != last[0] + 1:
+                raise _Broken(f"{name}: follows epoch {last[0]}: a rotation is missing")
+            if old != last[1]:
+                raise _Broken(f"{name}: its old key is not the key of epoch {last[0]}")
+            self.rotations += 1
+        self._last[chain] = (epoch, new)
+
+
 def log_files(path: Path) -> list[Path]:
     """The live file and its rotated siblings (``FILE.<time>``), oldest first."""
     rotated = sorted(p for p in path.parent.glob(path.name + ".*") if p.is_file())
@@ -49,6 +91,7 @@ def verify(
     last: dict[str, Any] | None = None
     checkpoints = signed = 0
     vouched = 0  # records covered by the last signature checked
+    keys = _KeyChains()
     try:
         for file in files:
             data = file.read_bytes()
@@ -79,6 +122,8 @@ def verify(
                     raise _Broken(f"{where}: seq {seq} does not follow the record before it")
                 if digest(record) != record.get("hash"):
                     raise _Broken(f"{where}: seq {seq} was altered (its hash does not match)")
+                if record.get("kind") == "stream_key":
+                    keys.check(record, where)
                 if record.get("kind") in CHECKPOINTS:
                     checkpoints += 1
                     signature = record.get("signature")
@@ -98,6 +143,8 @@ def verify(
         f"{signed} signature(s) verified" if public_key is not None else "signatures not checked"
     )
     summary = f"{count} records in {len(files)} file(s), {checkpoints} checkpoint(s), {signatures}"
+    if keys.agreed:
+        summary += f", {keys.agreed} stream key(s) agreed and {keys.rotations} rotation(s) chained"
     if not sealed:
         message = (
             f"the log ends at seq {count - 1} without a seal: the server is running or was "
