@@ -76,6 +76,10 @@ SERVER_METHODS = {
     "handle_exit": ["sig", "frame"],
 }
 
+#: uvicorn.Config's, for runner.py (it serves TLS with a context of its own: ``ssl``).
+CONFIG_ATTRIBUTES = ["ssl"]
+CONFIG_METHODS: dict[str, list[str]] = {"load": []}
+
 
 def _assigned(cls: type, name: str) -> bool:
     source = inspect.getsource(cls)
@@ -88,6 +92,7 @@ def _assigned(cls: type, name: str) -> bool:
         (WebSocketsSansIOProtocol, WS_ATTRIBUTES, "seedance/server/uvicorn_ws.py"),
         (H11Protocol, HTTP_ATTRIBUTES, "seedance/server/handshake.py"),
         (Server, SERVER_ATTRIBUTES, "seedance/server/runner.py"),
+        (uvicorn.Config, CONFIG_ATTRIBUTES, "seedance/server/runner.py"),
     ],
 )
 def test_the_attributes_are_there(cls: type, attributes: list[str], user: str) -> None:
@@ -104,6 +109,7 @@ def test_the_attributes_are_there(cls: type, attributes: list[str], user: str) -
         (WebSocketsSansIOProtocol, WS_METHODS, "seedance/server/uvicorn_ws.py"),
         (H11Protocol, HTTP_METHODS, "seedance/server/handshake.py"),
         (Server, SERVER_METHODS, "seedance/server/runner.py"),
+        (uvicorn.Config, CONFIG_METHODS, "seedance/server/runner.py"),
     ],
 )
 def test_the_methods_are_there(cls: type, methods: dict[str, list[str]], user: str) -> None:

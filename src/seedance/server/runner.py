@@ -20,7 +20,9 @@ import contextlib
 import gc
 import logging
 import socket
+import ssl
 from types import FrameType
+from typing import Any
 
 import uvicorn
 from starlette.applications import Starlette
@@ -30,20 +32,40 @@ from seedance.config import ServerConfig
 from seedance.server.app import create_app
 from seedance.server.handshake import HandshakeLimits, http_protocol
 from seedance.server.state import ServerState
+from seedance.server.tls import ServerTls
 from seedance.server.uvicorn_ws import websocket_protocol
 
 logger = logging.getLogger("seedance")
 
 
+class SeedanceConfig(uvicorn.Config):
+    """uvicorn's configuration, serving TLS with a context of ours (:mod:`seedance.server.tls`):
+    uvicorn builds its own from file names and settings, and takes a ready context only from
+    0.47 (``ssl_context_factory``)."""
+
+    def __init__(self, *args: Any, tls: ssl.SSLContext | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tls = tls
+
+    def load(self) -> None:
+        super().load()
+        if self.tls is not None:
+            self.ssl = self.tls
+
+
 class SeedanceServer(uvicorn.Server):
     """uvicorn's server with a drain before its own shutdown, and a main loop that starts the
-    shutdown as soon as it is asked for (uvicorn's polls every 100 ms)."""
+    shutdown as soon as it is asked for (uvicorn's polls every 100 ms). With ``tls``, it
+    serves ``wss://`` and ``https://`` and watches the certificates while it runs."""
 
-    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+    def __init__(
+        self, config: uvicorn.Config, state: ServerState, tls: ServerTls | None = None
+    ) -> None:
         self._wake: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         super().__init__(config)
         self.state = state
+        self.tls = tls
 
     @property
     def should_exit(self) -> bool:
@@ -71,18 +93,24 @@ class SeedanceServer(uvicorn.Server):
         # out of the collector's scans, so a full collection costs in proportion to traffic.
         gc.freeze()
         if self.started:
+            ws, http = ("wss", "https") if self.tls is not None else ("ws", "http")
             for host, port in self.bound_addresses():
                 logger.info(
-                    "Seedance %s serving model %s (engine %s): connect to ws://%s:%d/v2/infer "
-                    "(health: http://%s:%d/healthz)",
+                    "Seedance %s serving model %s (engine %s): connect to %s://%s:%d/v2/infer "
+                    "(health: %s://%s:%d/healthz)",
                     __version__,
                     self.state.default_model,
                     self.state.models[self.state.default_model].engine.info.engine,
+                    ws,
                     host,
                     port,
+                    http,
                     host,
                     port,
                 )
+            if self.tls is not None:
+                logger.info("TLS: %s", self.tls.describe())
+                self.tls.start()
             access = self.state.access
             (logger.warning if access.open else logger.info)("access: %s", access.describe())
 
@@ -118,6 +146,8 @@ class SeedanceServer(uvicorn.Server):
             await asyncio.wait({drain}, timeout=0.1)
         await asyncio.gather(drain, return_exceptions=True)
         await self._close_connections(sockets)
+        if self.tls is not None:
+            await self.tls.close()
         logger.info("stopped")
 
     async def _close_connections(self, sockets: list[socket.socket] | None) -> None:
@@ -146,11 +176,14 @@ class SeedanceServer(uvicorn.Server):
 
 
 def build_server(config: ServerConfig, app: Starlette | None = None) -> SeedanceServer:
-    """The server for ``config``, serving ``app`` (default: ``create_app(config)``)."""
+    """The server for ``config``, serving ``app`` (default: ``create_app(config)``);
+    :class:`ConfigError` when its TLS files do not load."""
+    tls = ServerTls.of(config)
     app = app or create_app(config)
     state: ServerState = app.state.seedance
-    uv_config = uvicorn.Config(
+    uv_config = SeedanceConfig(
         app,
+        tls=tls.context if tls is not None else None,
         host=config.host,
         port=config.port,
         http=http_protocol(
@@ -178,7 +211,7 @@ def build_server(config: ServerConfig, app: Starlette | None = None) -> Seedance
         server_header=False,
         timeout_graceful_shutdown=5,
     )
-    return SeedanceServer(uv_config, state)
+    return SeedanceServer(uv_config, state, tls)
 
 
 def serve(config: ServerConfig) -> None:
