@@ -1,5 +1,5 @@
 """TLS built into ``seedance serve``: wss:// and https:// on one port, modern defaults only,
-certificates reloaded from disk.
+certificates reloaded from disk, and client certificates that stand for a tenant.
 
 Over real sockets, with certificates made on the spot (tests/support/certs.py).
 """
@@ -21,13 +21,15 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from websockets.exceptions import InvalidHandshake
 
-from seedance.client import connect
-from seedance.config import ConfigError, load_config
+from seedance.client import ConnectionClosed, Unauthorized, connect
+from seedance.config import ConfigError, load_access, load_config
 from seedance.server.tls import ServerTls, TlsFiles, server_context
+from seedance.tenants.auth import Authenticator, ClientCertificate
+from seedance.tenants.keys import add_key
 from tests.support.certs import Authority, Issued
 from tests.support.servers import SEEDANCE, RunningServer, serve_fails
 from tests.support.waits import eventually
-from tests.support.ws import raw_connect
+from tests.support.ws import raw_connect, wait_closed
 
 CHAT = {"model": "synthetic", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
@@ -244,6 +246,82 @@ def test_a_failed_reload_is_not_retried_until_the_files_change_again(
     assert tls.certificate.serial_number == renewed.serial
 
 
+# --------------------------------------------------------------------------- client certificates
+
+
+def tenants_file(path: Path) -> tuple[Path, str]:
+    """Tenant acme, with a key and the subject of desk-1's certificate."""
+    path.write_text('[tenants.acme]\ntls_subjects = ["CN=desk-1,O=Acme Bank"]\n\n')
+    return path, add_key(path, "acme").key
+
+
+async def test_a_client_certificate_listed_by_a_tenant_stands_for_it(
+    make_server: Callable[..., RunningServer],
+    pki: Pki,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, "seedance")
+    path, key = tenants_file(tmp_path / "seedance.toml")
+    assert pki.desk.subject == "CN=desk-1,O=Acme Bank"
+    _, wss, https = tls_server(
+        make_server,
+        pki,
+        tls_client_ca=str(pki.ca.pem),
+        config_file=str(path),
+        access=load_access(path),
+    )
+    # Listed: no key needed, over WebSocket and HTTP.
+    async with connect(wss, ssl=pki.client(pki.desk)) as session:
+        assert (await session.complete("hi", max_tokens=2)).finish_reason == "length"
+    opened = [r.getMessage() for r in caplog.records if " open peer=" in r.getMessage()]
+    assert "tenant=acme credential=cert:" in opened[-1]
+    async with httpx.AsyncClient(verify=pki.client(pki.desk)) as http:
+        assert (await http.post(f"{https}/v1/chat/completions", json=CHAT)).status_code == 200
+
+    # Valid but listed by no tenant: a key is still needed.
+    async with raw_connect(wss, ssl=pki.client(pki.stranger)) as ws:
+        code, frames = await wait_closed(ws)
+    assert code == 4401 and frames[0]["error"]["code"] == "unauthorized"
+    assert "CN=desk-9,O=Acme Bank" in frames[0]["error"]["message"]
+    async with httpx.AsyncClient(verify=pki.client(pki.stranger)) as http:
+        url = f"{https}/v1/chat/completions"
+        assert (await http.post(url, json=CHAT)).status_code == 401
+        headers = {"Authorization": f"Bearer {key}"}
+        assert (await http.post(url, json=CHAT, headers=headers)).status_code == 200
+    with pytest.raises(Unauthorized):
+        async with connect(wss, ssl=pki.client(pki.stranger)):
+            pass
+
+    # Another CA's certificate (the same subject): the TLS handshake fails.
+    with pytest.raises(ConnectionClosed, match="the WebSocket handshake failed"):
+        async with connect(wss, ssl=pki.client(pki.forged), reconnect=None):
+            pass
+    # And without a certificate, as before: a key.
+    async with connect(wss, ca_file=str(pki.ca.pem), api_key=key) as session:
+        assert (await session.complete("hi", max_tokens=2)).finish_reason == "length"
+
+
+def test_a_credential_counts_before_a_certificate(tmp_path: Path) -> None:
+    path, key = tenants_file(tmp_path / "seedance.toml")
+    access = load_access(path)
+    assert access is not None
+    authenticator = Authenticator(access)
+    desk = ClientCertificate("CN=desk-1,O=Acme Bank", "ab" * 32)
+    principal = authenticator.authenticate(None, "10.0.0.1", desk)
+    assert (principal.name, principal.credential, principal.role) == (
+        "acme",
+        "cert:" + "ab" * 8,
+        "user",
+    )
+    assert authenticator.authenticate(key, "10.0.0.1", desk).credential == key.split("_")[1]
+    with pytest.raises(Unauthorized, match="invalid API key"):
+        authenticator.authenticate("sd_00000000_x", "10.0.0.1", desk)
+    stranger = ClientCertificate("CN=desk-9,O=Acme Bank", "cd" * 32)
+    with pytest.raises(Unauthorized, match="CN=desk-9,O=Acme Bank is no tenant's"):
+        authenticator.authenticate(None, "10.0.0.1", stranger)
+
+
 # --------------------------------------------------------------------------- configuration
 
 
@@ -288,3 +366,16 @@ def test_serve_stops_with_one_line_when_the_certificate_cannot_be_read(tmp_path:
         f"seedance serve: error: --tls-cert: cannot read {missing}: No such file or directory"
     )
     assert "--tls-cert needs --tls-key" in serve_fails("--tls-cert", str(missing))
+
+
+def test_a_subject_is_one_tenants_and_written_as_rfc_4514(tmp_path: Path) -> None:
+    path = tmp_path / "seedance.toml"
+    path.write_text(
+        '[tenants.acme]\ntls_subjects = ["CN=desk-1,O=Acme Bank"]\n'
+        '[tenants.globex]\ntls_subjects = ["CN=desk-1,O=Acme Bank"]\n'
+    )
+    with pytest.raises(ConfigError, match="listed by tenants acme and globex"):
+        load_access(path)
+    path.write_text('[tenants.acme]\ntls_subjects = ["CN=desk-1, O=Acme Bank"]\n')
+    with pytest.raises(ConfigError, match=r"tenants\.acme\.tls_subjects: 'CN=desk-1, O=Acme Bank'"):
+        load_access(path)

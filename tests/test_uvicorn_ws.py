@@ -22,6 +22,7 @@ from websockets.server import ServerProtocol
 
 #: Attributes of WebSocketsSansIOProtocol that uvicorn_ws reads or sets.
 WS_ATTRIBUTES = [
+    "app",
     "config",
     "loop",
     "transport",
@@ -51,7 +52,7 @@ WS_METHODS = {
     "send": ["message"],
 }
 #: H11Protocol's, for handshake.py.
-HTTP_ATTRIBUTES = ["transport", "client", "conn"]
+HTTP_ATTRIBUTES = ["app", "transport", "client", "conn"]
 HTTP_METHODS = {
     "connection_made": ["transport"],
     "connection_lost": ["exc"],

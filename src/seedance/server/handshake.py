@@ -29,6 +29,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from seedance.observability.logs import Throttled
 from seedance.protocol.errors import InvalidRequest, Overloaded, SeedanceError
 from seedance.protocol.openai import error_body
+from seedance.server.tls import with_tls
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +106,8 @@ class HandshakeLimits:
 
 
 class SeedanceHttpProtocol(H11Protocol):
-    """uvicorn's h11 protocol with the bounds of :class:`HandshakeLimits`."""
+    """uvicorn's h11 protocol with the bounds of :class:`HandshakeLimits`, and the TLS
+    extension (:func:`~seedance.server.tls.with_tls`) in the scopes of a TLS connection."""
 
     limits: ClassVar[HandshakeLimits] = HandshakeLimits()
 
@@ -118,6 +120,7 @@ class SeedanceHttpProtocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self.app = with_tls(self.app, transport)
         self._address = self.client[0] if self.client else ""
         self._start_waiting()
 

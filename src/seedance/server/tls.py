@@ -1,4 +1,5 @@
-"""TLS for ``seedance serve``: the server's context, and its certificates reloaded from disk.
+"""TLS for ``seedance serve``: the server's context, its certificates reloaded from disk, and the
+client's certificate in the ASGI scope.
 
 ``--tls-cert`` and ``--tls-key`` serve ``wss://`` and ``https://`` on ``--port``. What a client
 may negotiate:
@@ -9,7 +10,9 @@ may negotiate:
 - no compression (CRIME), no renegotiation.
 
 With ``--tls-client-ca`` a client is asked for a certificate (``CERT_OPTIONAL``): one that does
-not verify against those CAs fails the handshake.
+not verify against those CAs fails the handshake; one that does is named in the scope of every
+request on its connection as the ASGI TLS extension says (``scope["extensions"]["tls"]``, its
+``client_cert_name`` in RFC 4514) and may stand for a tenant (``tls_subjects``).
 
 Every ``--tls-watch-s`` the certificate, key and client CA files are looked at (modification
 time and size); after a change a new context is built from them, and new connections get it
@@ -28,6 +31,7 @@ import asyncio
 import logging
 import os
 import ssl
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +44,8 @@ logger = logging.getLogger(__name__)
 
 #: TLS 1.2's suites: ECDHE (forward secrecy) with AES-GCM or ChaCha20-Poly1305, authenticated.
 CIPHERS = "ECDHE+AESGCM:ECDHE+CHACHA20:!aNULL"
+#: The ASGI TLS extension's ``tls_version`` (the protocol's own numbers).
+_VERSIONS = {"TLSv1.2": 0x0303, "TLSv1.3": 0x0304}
 
 Stamp = tuple[tuple[int, int] | None, ...]
 
@@ -205,3 +211,42 @@ class ServerTls:
                 self.check()
             except Exception:
                 logger.exception("the TLS certificates' watch failed; it tries again")
+
+
+# ---------------------------------------------------------------------- the client's certificate
+
+App = Callable[[Any, Any, Any], Awaitable[None]]
+
+
+def tls_extension(ssl_object: ssl.SSLObject) -> dict[str, Any]:
+    """The ASGI TLS extension of a connection: its version and the client's certificate (its
+    name in RFC 4514, as ``x509.Name.rfc4514_string`` writes it), verified by the handshake."""
+    der = ssl_object.getpeercert(binary_form=True)
+    name = x509.load_der_x509_certificate(der).subject.rfc4514_string() if der else None
+    return {
+        "server_cert": None,
+        "client_cert_chain": [ssl.DER_cert_to_PEM_cert(der)] if der else [],
+        "client_cert_name": name,
+        "client_cert_error": None,
+        "tls_version": _VERSIONS.get(ssl_object.version() or ""),
+        "cipher_suite": None,
+    }
+
+
+def with_tls(app: App, transport: asyncio.BaseTransport) -> App:
+    """``app``, given the connection's TLS extension in every scope (``app`` itself on a plain
+    connection). The HTTP and the WebSocket protocols call it when a connection is made: the
+    TLS handshake is over by then."""
+    ssl_object = transport.get_extra_info("ssl_object")
+    if ssl_object is None:
+        return app
+    extension = tls_extension(ssl_object)
+
+    async def tls_app(scope: Any, receive: Any, send: Any) -> None:
+        extensions = scope.get("extensions")
+        if extensions is None:
+            scope["extensions"] = extensions = {}
+        extensions["tls"] = extension
+        await app(scope, receive, send)
+
+    return tls_app

@@ -30,6 +30,7 @@ from seedance.eventloop import LightQueue, set_nodelay
 from seedance.protocol.codec import encode_error
 from seedance.protocol.errors import InvalidRequest, PayloadTooLarge
 from seedance.server.handshake import http_error
+from seedance.server.tls import with_tls
 from seedance.server.transport import TRANSPORT_EXTENSION, Receiver
 
 logger = logging.getLogger(__name__)
@@ -42,7 +43,8 @@ class SeedanceWebSocketProtocol(WebSocketsSansIOProtocol):
       here a client whose unread data passes ``max_pending_bytes`` is cut off;
     - a frame over ``ws_max_size`` gets a ``payload_too_large`` error frame before the 1009;
     - the ``seedance.transport`` extension lets the app drop a connection that does not read,
-      and see control frames (which count as inbound traffic for the idle timeout).
+      and see control frames (which count as inbound traffic for the idle timeout);
+    - on a TLS connection, the ASGI TLS extension (:func:`~seedance.server.tls.with_tls`).
     """
 
     max_pending_bytes = 1024 * 1024
@@ -80,6 +82,7 @@ class SeedanceWebSocketProtocol(WebSocketsSansIOProtocol):
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
+        self.app = with_tls(self.app, transport)
         set_nodelay(transport)
 
     async def send(self, message: Any) -> None:

@@ -16,6 +16,7 @@ from seedance.tenants.auth import (
     OPEN_PRINCIPAL,
     Authenticator,
     Principal,
+    certificate_of,
     client_address,
     credential_of,
 )
@@ -60,7 +61,9 @@ class Access:
         keys = sum(1 for t in access.tenants.values() for k in t.keys if not k.revoked)
         jwt = access.auth.jwt
         tokens = f", JWTs ({', '.join(self.authenticator.jwt_algorithms)})" if jwt else ""
-        return f"{len(access.tenants)} tenant(s), {keys} API key(s){tokens}"
+        subjects = sum(len(t.tls_subjects) for t in access.tenants.values())
+        certs = f", {subjects} client certificate subject(s)" if subjects else ""
+        return f"{len(access.tenants)} tenant(s), {keys} API key(s){tokens}{certs}"
 
     def check_origin(self, headers: Iterable[tuple[bytes, bytes]]) -> None:
         """Refuse a browser handshake from an origin not on the allow-list (when there is one);
@@ -75,10 +78,13 @@ class Access:
                 return
 
     def authenticate(self, scope: Mapping[str, Any]) -> Principal:
-        """The caller of an ASGI request (WebSocket or HTTP)."""
+        """The caller of an ASGI request (WebSocket or HTTP): its credential, else its client
+        certificate."""
         if self.authenticator.open:
             return OPEN_PRINCIPAL
-        return self.authenticator.authenticate(credential_of(scope), client_address(scope))
+        return self.authenticator.authenticate(
+            credential_of(scope), client_address(scope), certificate_of(scope)
+        )
 
     # ------------------------------------------------------------------ reloads
 

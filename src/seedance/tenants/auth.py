@@ -6,6 +6,11 @@ from ``Authorization: Bearer``, the ``api_key`` query parameter (browsers), or a
 ``bearer.<token>`` WebSocket subprotocol entry (``openai-insecure-api-key.<token>`` too, as
 OpenAI's browser clients send it to the Realtime API).
 
+A request that brings no credential may come with a client certificate instead (``serve
+--tls-client-ca``, verified by the TLS handshake): one whose subject a tenant lists in
+``tls_subjects`` is that tenant with role ``user``, its credential ``cert:`` and the first 16
+hex digits of the certificate's SHA-256. A credential, when there is one, is what counts.
+
 Checking is cheap and comes first: an address whose credentials failed too often is refused
 before anything is checked; a key costs one SHA-256 and a constant-time comparison (also when
 its id is unknown); a JWT one signature check. Nothing else (sessions, models, bodies) is
@@ -14,8 +19,10 @@ touched before the credential passes.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import math
+import ssl
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
@@ -48,12 +55,25 @@ class Principal:
     """An authenticated caller: its tenant, the credential's id and role."""
 
     tenant: Tenant
-    credential: str  # a key id, or jwt:<sub> ("-" in open mode)
+    credential: str  # a key id, jwt:<sub>, cert:<sha256 prefix> ("-" in open mode)
     role: Role
 
     @property
     def name(self) -> str:
         return self.tenant.name
+
+
+@dataclass(frozen=True, slots=True)
+class ClientCertificate:
+    """A client's certificate, verified by the TLS handshake."""
+
+    subject: str  # RFC 4514, as x509.Name.rfc4514_string writes it
+    sha256: str  # of its DER, in hex
+
+    @property
+    def credential(self) -> str:
+        """How logs and audit records name it."""
+        return f"cert:{self.sha256[:16]}"
 
 
 #: The caller of a server without tenants: no limit, any priority.
@@ -73,6 +93,9 @@ class Authenticator:
         self.open = access.open
         self._keys: dict[str, tuple[ApiKey, Tenant]] = {
             key.id: (key, tenant) for tenant in access.tenants.values() for key in tenant.keys
+        }
+        self._subjects: dict[str, Tenant] = {
+            subject: tenant for tenant in access.tenants.values() for subject in tenant.tls_subjects
         }
         jwt = access.auth.jwt
         self._jwt = None if jwt is None else _JwtVerifier(access)
@@ -94,17 +117,32 @@ class Authenticator:
         """The ids of the keys that pass (not revoked)."""
         return {key_id for key_id, (key, _) in self._keys.items() if not key.revoked}
 
-    def authenticate(self, credential: str | None, address: str) -> Principal:
-        """The caller behind ``credential``; :class:`Unauthorized` when there is none or it is
-        bad, :class:`QuotaExceeded` when ``address`` failed too often."""
+    def authenticate(
+        self, credential: str | None, address: str, certificate: ClientCertificate | None = None
+    ) -> Principal:
+        """The caller behind ``credential``, else behind ``certificate``; :class:`Unauthorized`
+        when there is none or it is bad, :class:`QuotaExceeded` when ``address`` failed too
+        often."""
         if self.open:
             return OPEN_PRINCIPAL
         self.failures.check(address)
         try:
+            if not credential and certificate is not None:
+                return self._certificate(certificate)
             return self._verify(credential)
         except Unauthorized:
             self.failures.record(address)
             raise
+
+    def _certificate(self, certificate: ClientCertificate) -> Principal:
+        tenant = self._subjects.get(certificate.subject)
+        if tenant is None:
+            raise Unauthorized(
+                f"the client certificate {certificate.subject[:200]} is no tenant's "
+                "(tls_subjects): a credential is required: Authorization: Bearer <key>, the "
+                "api_key query parameter, or a bearer.<key> subprotocol"
+            )
+        return Principal(tenant, certificate.credential, "user")
 
     def _verify(self, credential: str | None) -> Principal:
         if not credential:
@@ -239,6 +277,16 @@ def credential_of(scope: Mapping[str, Any]) -> str | None:
         or _query_key(scope.get("query_string", b""))
         or subprotocol_key(scope.get("subprotocols", ()))
     )
+
+
+def certificate_of(scope: Mapping[str, Any]) -> ClientCertificate | None:
+    """The client certificate of an ASGI request, from the TLS extension
+    (``scope["extensions"]["tls"]``), if the client presented one."""
+    tls = (scope.get("extensions") or {}).get("tls")
+    if not tls or not tls.get("client_cert_name") or not tls.get("client_cert_chain"):
+        return None
+    der = ssl.PEM_cert_to_DER_cert(tls["client_cert_chain"][0])
+    return ClientCertificate(tls["client_cert_name"], hashlib.sha256(der).hexdigest())
 
 
 def _query_key(query: bytes) -> str | None:

@@ -8,6 +8,11 @@ max_priority = 5                      # highest `priority` its requests may ask 
 labels = { region = "eu", environment = ["prod", "staging"] }
                                       # servers it may use: where the server's `labels` has
                                       # the key, its value must be one of these
+tls_subjects = ["CN=desk-1,O=Acme Bank"]
+                                      # client certificates that stand for this tenant, by
+                                      # subject in RFC 4514 (most specific first, no spaces
+                                      # after commas); verified against --tls-client-ca,
+                                      # role user; one subject names one tenant only
 
 [tenants.acme.quotas]                 # each optional; absent: no limit
 connections = 100                     # concurrent WebSocket connections
@@ -82,6 +87,7 @@ class Tenant(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=Tr
     labels: dict[str, str | list[str]] = msgspec.field(default_factory=dict)
     quotas: Quotas = Quotas()
     keys: tuple[ApiKey, ...] = ()
+    tls_subjects: tuple[str, ...] = ()
 
 
 class JwtSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
@@ -127,7 +133,8 @@ def parse_access(data: Mapping[str, Any], source: str, base: Path | None = None)
         if not isinstance(table, dict):
             raise ConfigError(f"{source}: tenants.{name}: expected a table")
         tenant = _convert({**table, "name": name}, Tenant, f"{source}: tenants.{name}")
-        tenants[name] = tenant
+        subjects = _subjects(tenant.tls_subjects, f"{source}: tenants.{name}.tls_subjects")
+        tenants[name] = msgspec.structs.replace(tenant, tls_subjects=subjects)
     seen: dict[str, str] = {}
     for tenant in tenants.values():
         for key in tenant.keys:
@@ -137,6 +144,15 @@ def parse_access(data: Mapping[str, Any], source: str, base: Path | None = None)
                     f"{tenant.name})"
                 )
             seen[key.id] = tenant.name
+    owners: dict[str, str] = {}
+    for tenant in tenants.values():
+        for subject in tenant.tls_subjects:
+            if subject in owners:
+                raise ConfigError(
+                    f"{source}: client certificate subject {subject} is listed by tenants "
+                    f"{owners[subject]} and {tenant.name}"
+                )
+            owners[subject] = tenant.name
     auth = _convert(auth_raw, AuthSettings, f"{source}: auth")
     public_key = None
     jwt = auth.jwt
@@ -158,6 +174,23 @@ def parse_access(data: Mapping[str, Any], source: str, base: Path | None = None)
             if name not in tenants:
                 raise ConfigError(f"{source}: auth.jwt.admin_tenants: no tenant {name!r}")
     return AccessConfig(tenants=tenants, auth=auth, jwt_public_key=public_key)
+
+
+def _subjects(subjects: tuple[str, ...], where: str) -> tuple[str, ...]:
+    """Certificate subjects written as ``x509.Name.rfc4514_string`` writes a certificate's
+    (how the server compares them), each once."""
+    from cryptography import x509
+
+    written: dict[str, None] = {}
+    for subject in subjects:
+        try:
+            written[x509.Name.from_rfc4514_string(subject).rfc4514_string()] = None
+        except ValueError:
+            raise ConfigError(
+                f"{where}: {subject!r} is not a subject in RFC 4514 (like "
+                "CN=desk-1,O=Acme Bank: most specific first, no space after a comma)"
+            ) from None
+    return tuple(written)
 
 
 #: The algorithms each kind of key verifies. A set never mixes kinds: with a public key and
