@@ -11,7 +11,7 @@ import json
 import struct
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +26,11 @@ from seedance.observability.audit.records import GENESIS, seal
 from seedance.observability.audit.verify import verify
 from seedance.protocol import e2e
 from seedance.protocol.errors import EncryptionFailed, Forbidden, InvalidRequest
-from tests.support.servers import SEEDANCE, RunningServer
+from tests.support.redis import RedisServer
+from tests.support.servers import SEEDANCE, RunningServer, slow_engine
 from tests.support.ws import raw_connect
 from tests.support.wsrelay import Relay
+from tests.test_cluster import nodes
 
 SESSION = "s-e2e"
 FRAME = '{"type":"token","token":" hi","seq":7,"request_id":"r1"}'
@@ -416,3 +418,86 @@ def test_seedance_chat_with_an_identity_made_by_keygen(
     assert result.stdout.strip()
     refused = subprocess.run(chat, capture_output=True, text=True)  # no --e2e: refused
     assert refused.returncode == 1 and "requires end-to-end encryption" in refused.stderr
+
+
+# ---------------------------------------------------------------------------- in a cluster
+
+
+@pytest.fixture
+def redis(tmp_path: Path) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path).start()
+    yield server
+    server.stop(kill=True)
+
+
+@pytest.mark.subprocess
+async def test_a_stream_resumes_encrypted_on_another_node_and_redis_holds_no_text(
+    redis: RedisServer, make_server: Callable[..., RunningServer], identity: tuple[str, str]
+) -> None:
+    """Two nodes on one Redis, one identity, --encrypt-at-rest: a reply dropped on the first
+    node resumes on the second under new keys at the right seq, the same text as an undisturbed
+    one; and nothing Redis holds (conversation, stream log, the request) shows the text."""
+    first, second = nodes(
+        make_server,
+        2,
+        redis,
+        engines=lambda: slow_engine(tokens_per_s=300),
+        e2e_key=identity[0],
+        encrypt_at_rest=True,
+    )
+    prompt = "a confidential prompt about the merger"
+    async with connect(first.url, e2e=identity[1]) as session:
+        expected = (await session.complete(prompt, seed=7, max_tokens=120)).text
+
+    client = await Encrypted.open(first.url, identity[1], "session_id=vault")
+    request = {"prompt": prompt, "seed": 7, "max_tokens": 120, "resumable": True}
+    await client.send(**request, request_id="r1")
+    texts, next_seq = [], 0
+    while next_seq < 30:
+        frame = await client.recv()
+        if frame["type"] == "token":
+            assert frame["seq"] == next_seq
+            texts.append(frame["token"])
+            next_seq += frame.get("n", 1)
+    first_keys = client.channel.receive_key_hash
+    client.ws.transport.abort()
+
+    client = await Encrypted.open(second.url, identity[1], "session_id=vault")
+    assert client.hello["active"]["request_id"] == "r1"
+    assert client.channel.receive_key_hash != first_keys  # new keys for the new connection
+    await client.send(type="resume", request_id="r1", after_seq=next_seq - 1)
+    while True:
+        frame = await client.recv()
+        if frame["type"] == "token":
+            assert frame["seq"] == next_seq, (frame, next_seq)
+            texts.append(frame["token"])
+            next_seq += frame.get("n", 1)
+        elif frame["type"] == "done":
+            break
+    await client.ws.close()
+    assert "".join(texts) == expected and next_seq == 120
+
+    stored = redis_values(redis.url)
+    assert len(stored) > 3000  # the log, the conversation and the request are there
+    for secret in [prompt, *(expected[i : i + 16] for i in range(0, len(expected) - 16, 8))]:
+        assert secret.encode() not in stored, secret
+
+
+def redis_values(url: str) -> bytes:
+    """Every value Redis holds, strings, hashes and streams, in one byte string."""
+    import redis as redis_py
+
+    client = redis_py.Redis.from_url(url)
+    values = []
+    try:
+        for key in client.scan_iter("*"):
+            kind = client.type(key)
+            if kind == b"string":
+                values.append(client.get(key) or b"")
+            elif kind == b"hash":
+                values += list(client.hgetall(key).values())
+            elif kind == b"stream":
+                values += [v for _, fields in client.xrange(key) for v in fields.values()]
+    finally:
+        client.close()
+    return b"\n".join(values)

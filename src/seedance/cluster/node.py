@@ -2,25 +2,33 @@
 
 from __future__ import annotations
 
+from seedance.cluster.atrest import AtRest
 from seedance.cluster.claims import Claims
 from seedance.cluster.link import ClusterLink
 from seedance.cluster.revocations import Revocations
 from seedance.cluster.sessions import RedisSessionStore
 from seedance.cluster.streams import RedisStreamStore
-from seedance.config import ServerConfig
+from seedance.config import ConfigError, ServerConfig
 
 
 class ClusterNode:
     def __init__(self, config: ServerConfig) -> None:
         self.link = ClusterLink(config)
         self.claims = Claims(self.link)
-        self.sessions = RedisSessionStore(self.link, ttl_s=config.session_ttl_s)
+        at_rest = None
+        if config.encrypt_at_rest and config.e2e_key is not None:
+            try:
+                at_rest = AtRest.from_identity(config.e2e_key)
+            except (OSError, ValueError) as exc:
+                raise ConfigError(f"--e2e-key: cannot use {config.e2e_key}: {exc}") from None
+        self.sessions = RedisSessionStore(self.link, ttl_s=config.session_ttl_s, at_rest=at_rest)
         self.revocations = Revocations(self.link)
         self.streams = RedisStreamStore(
             self.link,
             window_s=config.resume_window_s,
             max_bytes_per_tenant=config.resume_max_bytes,
             session_ttl_s=config.session_ttl_s,
+            at_rest=at_rest,
         )
 
     @property

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Final, cast
 
 import msgspec
 
+from seedance.cluster.atrest import AtRest, Unreadable
 from seedance.cluster.link import ClusterLink, script, session_key, tenant_key
 from seedance.protocol.errors import QuotaExceeded
 from seedance.protocol.messages import SessionId, TenantId
@@ -112,8 +113,10 @@ _read_turns = msgspec.json.Decoder(list[Turn])
 class RedisSessionStore:
     """The :class:`~seedance.sessions.store.SessionStore` of the cluster mode."""
 
-    def __init__(self, link: ClusterLink, *, ttl_s: float) -> None:
+    def __init__(self, link: ClusterLink, *, ttl_s: float, at_rest: AtRest | None = None) -> None:
         self.link = link
+        #: ``--encrypt-at-rest``: the turns are sealed in Redis (under their session's key).
+        self.at_rest = at_rest
         self.ttl_s = ttl_s
         self.ttl_ms = max(1, int(ttl_s * 1000))
         self._held: dict[SessionKey, Session] = {}
@@ -248,7 +251,10 @@ class RedisSessionStore:
 
     async def _write(self, session: Session, *, created: bool) -> None:
         key = self._key(session.key)
-        saved = [_turns.encode(session.turns), self.ttl_ms, time.time() if created else ""]
+        turns = _turns.encode(session.turns)
+        if self.at_rest is not None:
+            turns = self.at_rest.seal(turns, key)
+        saved = [turns, self.ttl_ms, time.time() if created else ""]
         renewed = [self.ttl_ms, session.session_id, session.size]
 
         def queue(pipe: Pipeline) -> None:
@@ -259,6 +265,12 @@ class RedisSessionStore:
         self._versions[session.key] = int(version)
 
     def _load(self, session: Session, turns: Any, version: int) -> None:
+        if turns and self.at_rest is not None:
+            try:
+                turns = self.at_rest.open(turns, self._key(session.key))
+            except Unreadable as exc:  # --encrypt-at-rest switched, or the key changed
+                logger.warning("session %s starts empty: %s", session.session_id, exc)
+                turns = None
         session.turns = _read_turns.decode(turns) if turns else []
         session.size = sum(t.size for t in session.turns)
         self._versions[session.key] = version

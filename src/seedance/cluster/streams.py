@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Final
 import msgspec
 from redis.exceptions import RedisError
 
+from seedance.cluster.atrest import AtRest, Unreadable
 from seedance.cluster.link import ClusterLink, script, session_key
 from seedance.protocol.codec import decode_server_text, encode_frame
 from seedance.protocol.errors import HistoryLost
@@ -205,7 +206,8 @@ class ReplicatedLog(StreamLog):
         """A local generation writes this log from now on, under the lock value ``holder``."""
         self.holder = holder
         if not self.sent:
-            self.header = header
+            at_rest = self.replicator.at_rest
+            self.header = header if at_rest is None else at_rest.seal(header, self.keys[2])
 
     def _rewire(self) -> None:
         super()._rewire()
@@ -243,20 +245,23 @@ class ReplicatedLog(StreamLog):
             return None
         plan = _Plan()
         args = plan.args
+        seal = self.replicator.seal
         if self._pending_start is not None and self.start is None:
             plan.start = self._pending_start
-            args += [START_ID, encode_frame(self._pending_start), ""]
+            args += [START_ID, seal(encode_frame(self._pending_start), self.keys[1]), ""]
         # Everything logged since the last exchange is one entry: readers are handed it as
         # one delta, so no cursor can fall inside it.
         texts = self.texts
         entries, seq = len(texts), len(texts) + self.extra
         if entries > self.sent:
-            args += [f"{self.sent_seq}-{TOKEN}", "".join(texts[self.sent :]), seq - self.sent_seq]
+            text = seal("".join(texts[self.sent :]), self.keys[1])
+            args += [f"{self.sent_seq}-{TOKEN}", text, seq - self.sent_seq]
             self.tokens_at = now
         plan.entries, plan.seq = entries, seq
         if self.end_pending is not None:
             (frame,) = self.end_pending
-            args += [f"{seq}-{END}", "" if frame is None else encode_frame(frame), ""]
+            end = "" if frame is None else seal(encode_frame(frame), self.keys[1])
+            args += [f"{seq}-{END}", end, ""]
             plan.end = True
         if not args and not self.header:
             return None
@@ -320,8 +325,9 @@ class ReplicatedLog(StreamLog):
     def load(self, entry_id: bytes, fields: dict[bytes, bytes], now: float) -> bool:
         """Apply one entry read from Redis (a mirror); true at the end."""
         kind = int(entry_id.rsplit(b"-", 1)[1])
+        open_ = self.replicator.open
         if kind == TOKEN:
-            text = fields[b"t"].decode()
+            text = open_(fields[b"t"], self.keys[1]).decode()
             n = int(fields.get(b"n", b"1"))
             self.texts.append(text)
             if n != 1:
@@ -331,7 +337,7 @@ class ReplicatedLog(StreamLog):
             if self.stream and self._deliver is not None:
                 self._deliver(text, n)
             return False
-        frame = decode_server_text(fields[b"f"]) if fields.get(b"f") else None
+        frame = decode_server_text(open_(fields[b"f"], self.keys[1])) if fields.get(b"f") else None
         if kind == START and isinstance(frame, StartFrame):
             super().open(frame)
             return False
@@ -347,9 +353,10 @@ class Replicator:
     token entry per merge window (stretched while the node is CPU-bound), which is also when
     its readers would have got their next frame; a start or an end goes at once."""
 
-    def __init__(self, link: ClusterLink, ttl_s: float) -> None:
+    def __init__(self, link: ClusterLink, ttl_s: float, at_rest: AtRest | None = None) -> None:
         self.link = link
         self.ttl_ms = int(ttl_s * 1000)
+        self.at_rest = at_rest
         #: The server's merge window (None: every log's tokens go at the next exchange).
         self.merger: FrameMerger | None = None
         self._queued: list[ReplicatedLog] = []
@@ -362,6 +369,15 @@ class Replicator:
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+
+    def seal(self, value: str | bytes, key: str) -> str | bytes:
+        """A value as Redis keeps it under ``key``: sealed with ``--encrypt-at-rest``."""
+        return value if self.at_rest is None else self.at_rest.seal(value, key)
+
+    def open(self, value: bytes, key: str) -> bytes:
+        """A value read from Redis (:class:`~seedance.cluster.atrest.Unreadable` if it does
+        not open)."""
+        return value if self.at_rest is None else self.at_rest.open(value, key)
 
     def mark(self, log: ReplicatedLog, *, now: bool = False) -> None:
         """Queue ``log``'s new entries for the next exchange; tokens of a log that sent some
@@ -434,10 +450,11 @@ class RedisStreamStore(MemoryStreamStore):
         window_s: float,
         max_bytes_per_tenant: int,
         session_ttl_s: float,
+        at_rest: AtRest | None = None,
     ) -> None:
         super().__init__(window_s=window_s, max_bytes_per_tenant=max_bytes_per_tenant)
         self.link = link
-        self.replicator = Replicator(link, window_s + TTL_MARGIN_S)
+        self.replicator = Replicator(link, window_s + TTL_MARGIN_S, at_rest)
         self.epoch_ttl_ms = int((max(window_s, session_ttl_s) + TTL_MARGIN_S) * 1000)
         self._epochs: dict[tuple[str, str], str] = {}
         #: Takes a generation over (set by the server); true if this node runs it now.
@@ -530,22 +547,30 @@ class RedisStreamStore(MemoryStreamStore):
                 f"stream {request_id} was replaced by a later request on this session",
                 request_id=request_id,
             )
-        header = msgspec.json.decode(raw_header)
-        log = ReplicatedLog(
-            request_id,
-            self._epochs.get((tenant, session_id), self.epoch),
-            resumable=header["resumable"],
-            stream=header["stream"],
-            keys=keys,
-            replicator=self.replicator,
-        )
-        log.meta = header.get("meta")
-        now = time.monotonic()
-        last_id = b"0-0"
-        for entry_id, fields in entries:
-            last_id = entry_id
-            if log.load(entry_id, fields, now):
-                return log  # ended: nothing to follow
+        try:
+            header = msgspec.json.decode(self.replicator.open(raw_header, gen))
+            log = ReplicatedLog(
+                request_id,
+                self._epochs.get((tenant, session_id), self.epoch),
+                resumable=header["resumable"],
+                stream=header["stream"],
+                keys=keys,
+                replicator=self.replicator,
+            )
+            log.meta = header.get("meta")
+            now = time.monotonic()
+            last_id = b"0-0"
+            for entry_id, fields in entries:
+                last_id = entry_id
+                if log.load(entry_id, fields, now):
+                    return log  # ended: nothing to follow
+        except Unreadable as exc:  # --encrypt-at-rest switched, or the key changed
+            logger.warning("request %s: cannot be resumed: %s", request_id, exc)
+            raise HistoryLost(
+                "expired",
+                f"stream {request_id} is stored under another key: it cannot be read here",
+                request_id=request_id,
+            ) from None
         key = (tenant, session_id)
         previous = self._logs.get(key)
         if previous is not None and previous is not log:
