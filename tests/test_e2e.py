@@ -6,8 +6,10 @@ resume."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
+import socket
 import struct
 import subprocess
 import time
@@ -21,13 +23,16 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from websockets.asyncio.client import ClientConnection
 from websockets.exceptions import ConnectionClosed as WsConnectionClosed
 
+from seedance.bench.suites import free_port
 from seedance.client import connect
 from seedance.observability.audit.records import GENESIS, seal
 from seedance.observability.audit.verify import verify
 from seedance.protocol import e2e
 from seedance.protocol.errors import EncryptionFailed, Forbidden, InvalidRequest
+from tests.support.certs import Authority
 from tests.support.redis import RedisServer
 from tests.support.servers import SEEDANCE, RunningServer, slow_engine
+from tests.support.tools import tool
 from tests.support.ws import raw_connect
 from tests.support.wsrelay import Relay
 from tests.test_cluster import nodes
@@ -501,3 +506,82 @@ def redis_values(url: str) -> bytes:
     finally:
         client.close()
     return b"\n".join(values)
+
+
+# ---------------------------------------------------------------------------- behind a proxy
+
+
+@contextlib.contextmanager
+def tls_haproxy(tmp_path: Path, upstream_port: int) -> Iterator[tuple[str, str]]:
+    """HAProxy terminating TLS with its own certificate, forwarding plain HTTP/WebSocket to
+    ``upstream_port``; yields its wss:// URL and the CA file that signed its certificate."""
+    binary = tool("haproxy", "haproxy")
+    authority = Authority(tmp_path, "Proxy CA")
+    issued = authority.server("proxy")
+    bundle = tmp_path / "proxy-bundle.pem"
+    bundle.write_bytes(issued.cert.read_bytes() + issued.key.read_bytes())
+    port = free_port()
+    config = tmp_path / "haproxy.cfg"
+    config.write_text(
+        "defaults\n  mode http\n  timeout connect 5s\n  timeout client 60s\n"
+        "  timeout server 60s\n  timeout tunnel 1h\n"
+        f"frontend tls\n  bind 127.0.0.1:{port} ssl crt {bundle}\n  default_backend seedance\n"
+        f"backend seedance\n  server node 127.0.0.1:{upstream_port}\n"
+    )
+    proc = subprocess.Popen(
+        [binary, "-db", "-f", str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            with contextlib.suppress(OSError):
+                socket.create_connection(("127.0.0.1", port), 0.2).close()
+                break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"haproxy did not start: {proc.communicate()[1]!r}")
+            time.sleep(0.05)
+        yield f"wss://127.0.0.1:{port}", str(authority.pem)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.mark.subprocess
+async def test_a_tls_terminating_haproxy_forwards_only_ciphertext(
+    make_server: Callable[..., RunningServer], identity: tuple[str, str], tmp_path: Path
+) -> None:
+    """What HAProxy forwards after terminating TLS, captured between it and Seedance: with
+    end-to-end encryption no prompt and no reply appears in any WebSocket payload, either way;
+    without it (the control) both do."""
+    server = make_server(e2e_key=identity[0])
+    prompt = "patient 4471: the biopsy results are"
+    relay = Relay(("127.0.0.1", server.port))
+    async with relay.running():
+        with tls_haproxy(tmp_path, relay.port) as (url, ca):
+            async with connect(url, ca_file=ca, e2e=identity[1], reconnect=None) as session:
+                stream = session.generate(prompt, seed=5, max_tokens=80)
+                encrypted = await stream.collect()
+                text = stream.text
+            sealed = list(relay.frames)
+            relay.frames.clear()
+            async with connect(url, ca_file=ca, reconnect=None) as session:
+                plain_text = (await session.complete(prompt, seed=5, max_tokens=80)).text
+            plain = list(relay.frames)
+    assert encrypted.finish_reason == "length" and text == plain_text
+
+    def payloads(frames: list[Any], direction: str) -> bytes:
+        return b"\n".join(
+            f.payload for f in frames if f.direction == direction and f.opcode in (1, 2)
+        )
+
+    secrets = [prompt, *(text[i : i + 12] for i in range(0, len(text) - 12, 6))]
+    for direction in ("to_server", "to_client"):
+        seen = payloads(sealed, direction)
+        assert seen and not [s for s in secrets if s.encode() in seen], direction
+    # Every data frame after the session frame was sealed (binary, 0x05) or a heartbeat.
+    data = [f for f in sealed if f.opcode in (1, 2)]
+    assert data[0].opcode == 1 and json.loads(data[0].payload)["type"] == "session"
+    assert all(f.opcode == 2 and f.payload[:1] in (b"\x05", b"\x01", b"\x02") for f in data[1:])
+    # The control: the same capture point sees the text of a plain stream.
+    assert prompt.encode() in payloads(plain, "to_server")
+    assert plain_text[:24].encode() in payloads(plain, "to_client")
