@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -171,6 +172,11 @@ def identity(tmp_path: Path) -> tuple[str, str]:
     return str(private), str(public)
 
 
+async def scrape(server: RunningServer) -> str:
+    async with httpx.AsyncClient() as http:
+        return (await http.get(f"{server.http_url}/metrics")).text
+
+
 class Encrypted:
     """A raw encrypted client: it seals and opens frames itself, so a test sees (and may
     alter) each one, and records every (key, nonce) pair it met."""
@@ -291,6 +297,8 @@ async def test_the_server_refuses_altered_frames_and_runs_nothing_of_them(
     assert errors[0]["error"]["code"] == "encryption_failed"
     assert errors[0]["error"]["reason"] == reason, (case, errors)
     assert client.ws.close_code == 4400
+    metrics = await scrape(server)
+    assert f'seedance_encryption_failures_total{{reason="{reason}"}} 1.0' in metrics
     # Nothing of it ran: no generation, the session's context untouched.
     assert server.state.generations == {}
     async with connect(server.url, session_id="tampered", e2e=identity[1]) as again:
@@ -334,6 +342,9 @@ async def test_rotations_are_audited_and_verified(
         await session.generate("hello", max_tokens=400).collect()
         assert session.channel is not None and session.channel.receive_epoch >= 2
         rotations = session.channel.receive_epoch
+    metrics = await scrape(server)
+    assert "seedance_encrypted_connections_total 1.0" in metrics
+    assert f'rotations_total{{direction="server_to_client"}} {rotations}.0' in metrics
     server.stop()
     records = [json.loads(line) for line in audit.read_text().splitlines()]
     keys = [r for r in records if r["kind"] == "stream_key"]

@@ -108,6 +108,25 @@ class Metrics:
             ["code"],
             registry=r,
         )
+        # End-to-end encryption (docs/protocol.md, section 9).
+        self.encrypted_connections = Counter(
+            "seedance_encrypted_connections",
+            "WebSocket connections that agreed end-to-end encryption.",
+            registry=r,
+        )
+        self.stream_key_rotations = Counter(
+            "seedance_stream_key_rotations",
+            "Keys of end-to-end encrypted connections moved to the next, by direction.",
+            ["direction"],
+            registry=r,
+        )
+        self.encryption_failures = Counter(
+            "seedance_encryption_failures",
+            "End-to-end encrypted connections closed because a frame or the agreement was "
+            "refused, by reason (bad_tag, replayed, reordered, plaintext, ...).",
+            ["reason"],
+            registry=r,
+        )
         self.refused_calls = Counter(
             "seedance_refused",
             "WebSocket connections and HTTP requests refused before they started, by API and "

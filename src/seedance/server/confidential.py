@@ -24,6 +24,7 @@ from seedance.observability.audit import kinds as audit
 from seedance.protocol import e2e
 
 if TYPE_CHECKING:
+    from seedance.observability.metrics import Metrics
     from seedance.server.state import ServedModel
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ class Confidential:
         config: ServerConfig,
         models: Callable[[], list[ServedModel]],
         audit_submit: Callable[[Callable[[], audit.AuditRecord]], object],
+        metrics: Metrics,
     ) -> None:
         assert config.e2e_key is not None
         try:
@@ -86,6 +88,7 @@ class Confidential:
         )
         self._models = models
         self._audit_submit = audit_submit
+        self._metrics = metrics
 
     def measurement(self) -> str:
         """The measurement now (a model reload changes it)."""
@@ -115,8 +118,10 @@ class Confidential:
             )
             self._audit_submit(lambda: record)
             if old is not None:
+                self._metrics.stream_key_rotations.labels(direction).inc()
                 logger.info("conn %s: %s key rotated to epoch %d", connection_id, direction, epoch)
 
+        self._metrics.encrypted_connections.inc()
         return e2e.accept(
             self.identity,
             e2e.parse_client_key(client_key),

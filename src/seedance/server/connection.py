@@ -286,6 +286,7 @@ class Connection:
     def fail(self, error: SeedanceError) -> None:
         """Send ``error``; close the connection if the error closes it."""
         if isinstance(error, EncryptionFailed) and not self._closing:
+            self.state.metrics.encryption_failures.labels(error.reason or "").inc()
             logger.warning(
                 "conn %s: end-to-end encryption failed (%s): %s; closing",
                 self.id,

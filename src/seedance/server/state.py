@@ -153,7 +153,9 @@ class ServerState:
         if config.e2e_key is not None:
             from seedance.server.confidential import Confidential
 
-            self.confidential = Confidential(config, self._served_versions, self.audit_submit)
+            self.confidential = Confidential(
+                config, self._served_versions, self.audit_submit, self.metrics
+            )
         self.access.on_revoked = self._close_revoked
         self.tracing = tracing or Tracing.from_config(config)
         gpu = open_gpu_memory()
