@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -19,7 +18,7 @@ from websockets.asyncio.client import ClientConnection
 from seedance.bench.suites import free_port
 from seedance.cluster.local import haproxy_env
 from tests.support.servers import ServerProcess
-from tests.support.tools import tool
+from tests.support.tools import tool, wait_listening
 from tests.support.waits import eventually
 from tests.support.ws import (
     assert_seq_contiguous,
@@ -49,14 +48,7 @@ def haproxy(nodes: list[int]) -> Iterator[str]:
         text=True,
     )
     try:
-        deadline = time.monotonic() + 10
-        while True:
-            with contextlib.suppress(OSError):
-                socket.create_connection(("127.0.0.1", port), 0.2).close()
-                break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"haproxy did not start: {proc.communicate()[1]}")
-            time.sleep(0.05)
+        wait_listening(proc, port, "haproxy")
         yield f"ws://127.0.0.1:{port}"
     finally:
         proc.terminate()

@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import itertools
 import json
-import socket
 import struct
 import subprocess
 import time
@@ -33,7 +32,7 @@ from seedance.protocol.errors import EncryptionFailed, Forbidden, InvalidRequest
 from tests.support.certs import Authority
 from tests.support.redis import RedisServer
 from tests.support.servers import SEEDANCE, RunningServer, slow_engine
-from tests.support.tools import tool
+from tests.support.tools import tool, wait_listening
 from tests.support.ws import raw_connect
 from tests.support.wsrelay import Relay
 from tests.test_cluster import nodes
@@ -543,14 +542,7 @@ def tls_haproxy(tmp_path: Path, upstream_port: int) -> Iterator[tuple[str, str]]
         [binary, "-db", "-f", str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )
     try:
-        deadline = time.monotonic() + 10
-        while True:
-            with contextlib.suppress(OSError):
-                socket.create_connection(("127.0.0.1", port), 0.2).close()
-                break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"haproxy did not start: {proc.communicate()[1]!r}")
-            time.sleep(0.05)
+        wait_listening(proc, port, "haproxy")
         yield f"wss://127.0.0.1:{port}", str(authority.pem)
     finally:
         proc.terminate()
