@@ -9,7 +9,7 @@ export type ErrorCode =
   | "invalid_json" | "invalid_request" | "unsupported_frame" | "session_busy"
   | "context_overflow" | "model_not_found" | "unauthorized" | "forbidden" | "quota_exceeded"
   | "overloaded" | "payload_too_large" | "engine_error" | "internal_error" | "history_lost"
-  | "connection_closed" | "no_reply";
+  | "encryption_failed" | "connection_closed" | "no_reply";
 
 export interface ErrorBody {
   code: string;
@@ -27,7 +27,8 @@ export declare class SeedanceError extends Error {
   /** Seconds after which a retry can pass, where the server said. */
   readonly retryAfter: number | null;
   readonly requestId: string | null;
-  /** history_lost: expired, trimmed, epoch_changed or cursor_ahead. */
+  /** history_lost: expired, trimmed, epoch_changed or cursor_ahead; encryption_failed: an
+   * EncryptionFailedReason. */
   readonly reason: string | null;
 }
 export declare class InvalidJSON extends SeedanceError {}
@@ -44,6 +45,14 @@ export declare class PayloadTooLarge extends SeedanceError {}
 export declare class EngineError extends SeedanceError {}
 export declare class InternalError extends SeedanceError {}
 export declare class HistoryLost extends SeedanceError {}
+export type EncryptionFailedReason =
+  | "handshake" | "plaintext" | "malformed" | "unknown_key" | "replayed" | "reordered"
+  | "bad_tag" | "mismatch";
+/** End-to-end encryption failed (the connection closes with 4400; nothing of the frame is
+ * delivered). "handshake": the server is not the pinned one, or its agreement did not verify. */
+export declare class EncryptionFailed extends SeedanceError {
+  readonly reason: EncryptionFailedReason | string;
+}
 export declare class ConnectionClosed extends SeedanceError {
   constructor(closeCode: number, closeReason?: string);
   readonly closeCode: number;
@@ -79,6 +88,22 @@ export interface SessionFrame {
   server: string;
   epoch: string;
   active?: { request_id: string; next_seq: number; state: "running" | "done" };
+  /** The server's half of end-to-end encryption, when the client asked for it. */
+  e2e?: E2EOffer;
+}
+export interface E2EOffer {
+  version: 1;
+  suite: "x25519-ed25519-hkdf-sha256-aes-256-gcm";
+  /** The server's ephemeral X25519 key, base64url. */
+  server_key: string;
+  /** The server's Ed25519 identity, base64url: what a client pins. */
+  identity: string;
+  /** The identity's signature of the transcript, base64url. */
+  signature: string;
+  /** SHA-256 (hex) of what serves the stream: build, configuration, models. */
+  measurement: string;
+  rotate_bytes: number;
+  rotate_s: number;
 }
 export interface StartFrame {
   type: "start";
@@ -152,6 +177,27 @@ export interface ConnectOptions {
   heartbeatMs?: number;
   /** Weight of a new sample in the smoothed round trip (default 1/8). */
   rttSmoothing?: number;
+  /** Encrypt every frame end to end with the server that proves this identity. */
+  e2e?: E2EOptions;
+}
+
+/** A pinned server identity: its Ed25519 public key as base64url (the offer's `identity`),
+ * as a PEM public key (SPKI), or its 32 raw bytes. */
+export type PinnedIdentity = string | Uint8Array | ArrayBuffer;
+export interface E2EOptions {
+  /** The key the server must prove, or several (a rotation of the server's key). */
+  identity: PinnedIdentity | PinnedIdentity[];
+}
+
+export type KeyDirection = "client_to_server" | "server_to_client";
+export interface KeyEvent {
+  direction: KeyDirection;
+  /** 0 for the agreed key, +1 per rotation. */
+  epoch: number;
+  /** SHA-256 (hex) of the key before it; null for an agreed key. */
+  oldHash: string | null;
+  /** SHA-256 (hex) of the key: what the server's audit log names it by. */
+  newHash: string;
 }
 
 export interface SessionEvents {
@@ -160,6 +206,8 @@ export interface SessionEvents {
   reconnected: CustomEvent<{ resumed: string[]; epochChanged: boolean }>;
   close: CustomEvent<{ code: number; reason: string; error: ConnectionClosed }>;
   error: CustomEvent<{ error: SeedanceError }>;
+  /** An end-to-end key agreed (at a reconnect) or rotated to. */
+  key: CustomEvent<KeyEvent>;
 }
 
 export declare function inferUrl(url: string, params?: Record<string, string | null | undefined>): string;
@@ -176,6 +224,9 @@ export declare class Session extends EventTarget {
   readonly lastRtt: number | undefined;
   readonly reconnects: number;
   readonly closed: boolean;
+  /** End-to-end encryption of the connection now (a new Channel at every reconnect); null when
+   * not asked for. */
+  readonly e2e: Channel | null;
   /** A reply is running on the session (a session runs one at a time). */
   readonly busy: boolean;
   qos: QoS | string | undefined;
@@ -208,6 +259,77 @@ export declare class Generation implements AsyncIterable<TokenChunk> {
   result(): Promise<DoneFrame>;
   [Symbol.asyncIterator](): AsyncIterator<TokenChunk>;
 }
+
+// ------------------------------------------------------------------------ end-to-end encryption
+
+export declare const E2E_VERSION: 1;
+export declare const E2E_SUITE: "x25519-ed25519-hkdf-sha256-aes-256-gcm";
+
+export interface ChannelOptions {
+  sendKey: Uint8Array;
+  receiveKey: Uint8Array;
+  /** Default "client_to_server". */
+  sending?: KeyDirection;
+  /** Rotate the sending key after this many bytes of text (default 50 MiB). */
+  rotateBytes?: number;
+  /** ... or after this many seconds in use (default 1800). */
+  rotateS?: number;
+  onKey?: ((direction: KeyDirection, epoch: number, oldHash: string | null, newHash: string) => void) | null;
+  /** Seconds, monotonic (default performance.now() / 1000). */
+  clock?: () => number;
+  identity?: string | null;
+  measurement?: string | null;
+}
+
+/** One connection's encryption, both directions (docs/protocol.md, section 9). Sealing and
+ * opening are each serialised: frames are sealed and opened in the order of the calls. */
+export declare class Channel {
+  static create(sessionId: string, options: ChannelOptions): Promise<Channel>;
+  readonly sessionId: string;
+  readonly sending: KeyDirection;
+  readonly receiving: KeyDirection;
+  readonly rotateBytes: number;
+  readonly rotateS: number;
+  /** The server's identity (base64url) and measurement, for a channel from a handshake. */
+  readonly identity: string | null;
+  readonly measurement: string | null;
+  readonly sendEpoch: number;
+  readonly receiveEpoch: number;
+  /** SHA-256 (hex) of the keys in use. */
+  readonly sendKeyHash: string;
+  readonly receiveKeyHash: string;
+  /** The first refusal: every frame after it is refused. */
+  readonly failed: EncryptionFailed | null;
+  seal(text: string): Promise<Uint8Array>;
+  /** Rejects with EncryptionFailed unless `data` is exactly the next frame, intact. */
+  open(data: Uint8Array | ArrayBuffer): Promise<string>;
+}
+
+/** The client's side of the agreement: a fresh X25519 key pair, then the server's offer. */
+export declare class Handshake {
+  static create(pinned: PinnedIdentity | PinnedIdentity[]): Promise<Handshake>;
+  readonly pinned: Uint8Array[];
+  readonly publicKey: Uint8Array;
+  /** The URL's `e2e` parameter: the public key, base64url. */
+  readonly param: string;
+  finish(
+    offer: E2EOffer | null | undefined,
+    sessionId: string,
+    options?: { onKey?: ChannelOptions["onKey"]; clock?: () => number },
+  ): Promise<Channel>;
+}
+
+export declare function b64url(bytes: Uint8Array): string;
+export declare function unb64url(text: string): Uint8Array;
+/** A pinned identity's 32 raw bytes (InvalidRequest if it is not an Ed25519 public key). */
+export declare function identityBytes(identity: PinnedIdentity): Uint8Array;
+/** SHA-256 of a key, hex. */
+export declare function keyHash(key: Uint8Array): Promise<string>;
+/** The key after `key`: HKDF-SHA256, info "seedance-e2e/1 ratchet". */
+export declare function ratchet(key: Uint8Array): Promise<Uint8Array>;
+export declare function transcript(
+  clientKey: Uint8Array, serverKey: Uint8Array, identity: Uint8Array, sessionId: string, measurement: string,
+): Uint8Array;
 
 // ------------------------------------------------------------------------ resilience
 

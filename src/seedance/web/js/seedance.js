@@ -1,6 +1,9 @@
 // Seedance's browser client for the /v2/infer WebSocket protocol (docs/protocol.md): sessions,
 // replies as async iterators, cancel, binary heartbeats with a rolling round trip, reconnect
-// with resume of resumable replies, and typed errors with the protocol's codes.
+// with resume of resumable replies, typed errors with the protocol's codes, and end-to-end
+// encryption of every frame (e2e.js).
+
+import { Handshake, SEALED } from "./e2e.js";
 
 export const SUBPROTOCOL = "seedance.v2";
 
@@ -24,7 +27,7 @@ export class SeedanceError extends Error {
     this.retryable = retryable ?? new.target.retryable;
     this.retryAfter = retryAfter; // seconds, where the server said
     this.requestId = requestId;
-    this.reason = reason; // history_lost: why
+    this.reason = reason; // history_lost, encryption_failed: why
   }
 }
 
@@ -42,6 +45,10 @@ export class PayloadTooLarge extends SeedanceError { static code = "payload_too_
 export class EngineError extends SeedanceError { static code = "engine_error"; static retryable = true; }
 export class InternalError extends SeedanceError { static code = "internal_error"; }
 export class HistoryLost extends SeedanceError { static code = "history_lost"; }
+/** End-to-end encryption failed; `reason`: handshake (the server is not the pinned one, or its
+ * agreement does not verify), bad_tag, replayed, reordered, unknown_key, mismatch, malformed,
+ * plaintext. The connection closes with 4400 and nothing of the frame is delivered. */
+export class EncryptionFailed extends SeedanceError { static code = "encryption_failed"; }
 
 /** The socket closed (client side only); `closeCode` is the WebSocket close code. */
 export class ConnectionClosed extends SeedanceError {
@@ -59,7 +66,7 @@ const ERRORS = Object.fromEntries(
   [
     InvalidJSON, InvalidRequest, UnsupportedFrame, SessionBusy, ContextOverflow, ModelNotFound,
     Unauthorized, Forbidden, QuotaExceeded, Overloaded, PayloadTooLarge, EngineError,
-    InternalError, HistoryLost,
+    InternalError, HistoryLost, EncryptionFailed,
   ].map((cls) => [cls.code, cls]),
 );
 
@@ -118,8 +125,11 @@ export const DEFAULT_RECONNECT = { attempts: 6, firstDelayMs: 100, maxDelayMs: 5
 /**
  * Open a session. Options: apiKey (sent as the `bearer.<key>` subprotocol), sessionId, model,
  * qos (every request's default), reconnect (DEFAULT_RECONNECT; false: never), heartbeatMs
- * (how often the round trip is measured, default 2000), rttSmoothing (default 1/8).
- * Rejects with the server's error (Unauthorized, ModelNotFound...) or ConnectionClosed.
+ * (how often the round trip is measured, default 2000), rttSmoothing (default 1/8), e2e
+ * ({identity}: encrypt every frame end to end with the server whose Ed25519 identity this is,
+ * or one of these; docs/browser.md).
+ * Rejects with the server's error (Unauthorized, ModelNotFound...), EncryptionFailed (reason
+ * "handshake": the server did not prove the pinned identity) or ConnectionClosed.
  */
 export async function connect(url = "", options = {}) {
   const session = new Session(url, options);
@@ -133,6 +143,8 @@ export async function connect(url = "", options = {}) {
  *   reconnecting  {code, attempt}      the connection dropped; a try to reconnect starts
  *   reconnected   {resumed, epochChanged}  open again; `resumed`: the request ids resumed
  *   close         {code, reason, error}    closed for good
+ *   error         {error}              an error no running reply claims
+ *   key           {direction, epoch, oldHash, newHash}  an end-to-end key agreed or rotated
  */
 export class Session extends EventTarget {
   constructor(url, options = {}) {
@@ -154,6 +166,13 @@ export class Session extends EventTarget {
     this._heartbeat = null;
     this._closing = false;
     this._dropping = false;
+    /** End-to-end encryption of the connection (a Channel: `sendEpoch`, `receiveEpoch`,
+     * `identity`, `measurement`), new at every reconnect; null when not asked for. */
+    this.e2e = null;
+    this._pinned = options.e2e ? (options.e2e.identity ?? []) : null;
+    this._inbound = Promise.resolve(); // sealed frames: opened and delivered one at a time
+    this._outbound = Promise.resolve(); // frames sealed and sent in the order given
+    this._refused = null; // an EncryptionFailed: the session closed for it, for good
     const reconnect = options.reconnect ?? true;
     this._reconnect = reconnect === false ? null : { ...DEFAULT_RECONNECT, ...(reconnect === true ? {} : reconnect) };
   }
@@ -224,8 +243,10 @@ export class Session extends EventTarget {
 
   // ---------------------------------------------------------------------------- the socket
 
-  _open() {
-    const url = inferUrl(this.url, { session_id: this.sessionId, model: this.model });
+  async _open() {
+    // A fresh key pair for every connection: keys belong to a connection, not to the session.
+    const handshake = this._pinned ? await Handshake.create(this._pinned) : null;
+    const url = inferUrl(this.url, { session_id: this.sessionId, model: this.model, e2e: handshake?.param });
     const protocols = [SUBPROTOCOL];
     if (this.options.apiKey) protocols.push(`bearer.${this.options.apiKey}`);
     return new Promise((resolve, reject) => {
@@ -237,22 +258,42 @@ export class Session extends EventTarget {
         const frame = JSON.parse(event.data);
         if (frame.type === "error") {
           refusal = errorFromWire(frame.error);
-        } else if (frame.type === "session") {
-          this._attach(ws, frame);
+        } else if (frame.type === "session" && !handshake) {
+          this._attach(ws, frame, null);
           resolve(frame);
+        } else if (frame.type === "session") {
+          // Everything after the session frame is sealed: held until the keys are agreed (and
+          // the last connection's frames are delivered, so that a resume starts after them).
+          const held = [];
+          ws.onmessage = (next) => held.push(next.data);
+          const onKey = (direction, epoch, oldHash, newHash) => this.dispatchEvent(
+            new CustomEvent("key", { detail: { direction, epoch, oldHash, newHash } }));
+          Promise.all([handshake.finish(frame.e2e, frame.session_id, { onKey }), this._inbound]).then(
+            ([channel]) => {
+              if (ws.readyState !== WebSocket.OPEN) return; // closed meanwhile: onclose rejected
+              this._attach(ws, frame, channel);
+              for (const data of held) this._onMessage(ws, channel, data);
+              resolve(frame);
+            },
+            (error) => {
+              refusal = error;
+              ws.close(4400, "encryption_failed");
+            },
+          );
         }
       };
       ws.onclose = (event) => reject(refusal ?? new ConnectionClosed(event.code, event.reason));
     });
   }
 
-  _attach(ws, frame) {
+  _attach(ws, frame, channel) {
     this._ws = ws;
+    this.e2e = channel;
     this.info = frame;
     this.sessionId = frame.session_id;
     this.model = frame.model;
     this._pings = [];
-    ws.onmessage = (event) => this._onMessage(event.data);
+    ws.onmessage = (event) => this._onMessage(ws, channel, event.data);
     ws.onclose = (event) => this._onClose(event);
     const every = this.options.heartbeatMs ?? 2000;
     this._sendPing();
@@ -261,8 +302,26 @@ export class Session extends EventTarget {
 
   _send(text) {
     if (this.closed) throw new ConnectionClosed(this._closeCode ?? 1006);
-    if (this._ws?.readyState === WebSocket.OPEN) this._ws.send(text);
+    if (this._ws?.readyState === WebSocket.OPEN) this._transmit(this._ws, this.e2e, text);
     else this._queued = [...(this._queued ?? []), text]; // reconnecting: sent once open again
+  }
+
+  // A text frame onto `ws`; sealed first on an encrypted connection, in the order given (sealing
+  // is asynchronous). A frame whose connection dropped while it was sealed waits for the next.
+  _transmit(ws, channel, text) {
+    if (!channel) {
+      ws.send(text);
+      return;
+    }
+    this._outbound = this._outbound.then(async () => {
+      if (ws.readyState !== WebSocket.OPEN) {
+        if (!this.closed) this._queued = [...(this._queued ?? []), text];
+        return;
+      }
+      const sealed = await channel.seal(text);
+      if (ws.readyState === WebSocket.OPEN) ws.send(sealed);
+      else if (!this.closed) this._queued = [...(this._queued ?? []), text];
+    }).catch((error) => this._encryptionFailed(ws, error));
   }
 
   _sendPing() {
@@ -271,13 +330,53 @@ export class Session extends EventTarget {
     this._ws.send(new Uint8Array([HEARTBEAT_PING, 0]));
   }
 
-  _onMessage(data) {
+  _onMessage(ws, channel, data) {
     if (typeof data !== "string") {
       const bytes = new Uint8Array(data);
-      if (bytes[0] === HEARTBEAT_PING) this._ws.send(new Uint8Array([HEARTBEAT_PONG, 0]));
+      if (bytes[0] === SEALED && channel) this._openSealed(ws, channel, bytes);
+      else if (bytes[0] === HEARTBEAT_PING) ws.send(new Uint8Array([HEARTBEAT_PONG, 0]));
       else if (bytes[0] === HEARTBEAT_PONG && this._pings.length) this._onPong(this._pings.shift());
       return;
     }
+    if (channel) {
+      const error = new EncryptionFailed("the server sent a text frame on an encrypted connection",
+        { reason: "plaintext" });
+      this._encryptionFailed(ws, error);
+      return;
+    }
+    this._onText(data);
+  }
+
+  // Sealed frames open one at a time, each delivered before the next is looked at: in order,
+  // and nothing after a refusal.
+  _openSealed(ws, channel, bytes) {
+    this._inbound = this._inbound.then(async () => {
+      if (channel.failed) return;
+      let text;
+      try {
+        text = await channel.open(bytes);
+      } catch (error) {
+        this._encryptionFailed(ws, error);
+        return;
+      }
+      this._onText(text);
+    }).catch((error) => globalThis.reportError?.(error)); // reported as from onmessage; goes on
+  }
+
+  // A frame that does not open (or a seal that failed): every running reply fails with the
+  // error, and the connection closes with 4400 for good (4400 is not a code to reconnect after).
+  _encryptionFailed(ws, error) {
+    if (!(error instanceof EncryptionFailed)) {
+      error = new EncryptionFailed(String(error?.message ?? error), { reason: "malformed" });
+    }
+    if (this._refused) return;
+    this._refused = error;
+    if (this._generations.size > 0) this._failAll(error);
+    else this.dispatchEvent(new CustomEvent("error", { detail: { error } }));
+    ws.close(4400, "encryption_failed");
+  }
+
+  _onText(data) {
     const frame = JSON.parse(data);
     if (frame.type === "session") {
       this.info = frame;
@@ -311,9 +410,9 @@ export class Session extends EventTarget {
 
   async _onClose(event) {
     clearInterval(this._heartbeat);
-    const code = this._dropping ? 1006 : event.code;
+    const code = this._refused ? 4400 : this._dropping ? 1006 : event.code;
     this._dropping = false;
-    if (!this._closing && this._reconnect && RECONNECT_CODES.has(code)) {
+    if (!this._closing && !this._refused && this._reconnect && RECONNECT_CODES.has(code)) {
       if (await this._reopen(code)) return;
     }
     this._finish(code, event.reason);
@@ -351,12 +450,13 @@ export class Session extends EventTarget {
       for (const generation of this._generations.values()) {
         const resume = { type: "resume", request_id: generation.requestId, after_seq: generation.lastSeq };
         if (epoch) resume.epoch = epoch;
-        this._ws.send(JSON.stringify(resume));
+        this._transmit(this._ws, this.e2e, JSON.stringify(resume));
         generation.resumes += 1;
         resumed.push(generation.requestId);
       }
-      for (const text of this._queued ?? []) this._ws.send(text);
+      const queued = this._queued ?? [];
       this._queued = [];
+      for (const text of queued) this._transmit(this._ws, this.e2e, text);
       const epochChanged = Boolean(epoch && frame.epoch !== epoch);
       this.dispatchEvent(new CustomEvent("reconnected", { detail: { resumed, epochChanged } }));
       return true;
