@@ -146,6 +146,25 @@ def test_the_handshake_refuses_an_unpinned_or_forged_server() -> None:
         client.finish(offer, "another-session")  # the signature covers the session
     with pytest.raises(EncryptionFailed):
         e2e.parse_client_key("not-a-key")
+    with pytest.raises(EncryptionFailed, match="full order"):  # agrees on zero with anyone
+        e2e.parse_client_key(e2e.b64url(bytes(32)))
+
+
+def test_a_pin_is_a_key_file_by_any_name_or_base64url(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    key = Ed25519PrivateKey.generate()
+    (tmp_path / "identity.pem.pub").write_bytes(
+        key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+    )
+    monkeypatch.chdir(tmp_path)
+    raw = e2e.raw_public(key.public_key())
+    assert e2e.raw_public(e2e.load_pinned("identity.pem.pub")) == raw
+    assert e2e.raw_public(e2e.load_pinned(e2e.b64url(raw))) == raw
+    with pytest.raises(ValueError, match="neither a key file"):
+        e2e.load_pinned("missing.pub")
 
 
 # ---------------------------------------------------------------------------- over sockets
@@ -235,6 +254,12 @@ async def test_servers_refuse_what_they_do_not_offer_or_require(
     strict = make_server(e2e_key=identity[0], e2e_required=True)
     with pytest.raises(Forbidden, match="requires end-to-end encryption"):
         await connect(strict.url, reconnect=None)
+    ws = await raw_connect(strict.url, "e2e=" + e2e.b64url(bytes(32)))  # a low-order key
+    refusal = json.loads(await ws.recv())
+    assert refusal["error"]["code"] == "encryption_failed", refusal
+    with pytest.raises(WsConnectionClosed):
+        await ws.recv()
+    assert ws.close_code == 4400
     other = Ed25519PrivateKey.generate().public_key()
     with pytest.raises(EncryptionFailed, match="pinned") as caught:
         await connect(strict.url, e2e=other, reconnect=None)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import os
 import struct
 import time
 from collections.abc import Callable
@@ -130,11 +131,13 @@ def parse_client_key(text: str) -> X25519PublicKey:
         raw = unb64url(text)
         if len(raw) != 32:
             raise ValueError(len(raw))
-        return X25519PublicKey.from_public_bytes(raw)
+        key = X25519PublicKey.from_public_bytes(raw)
+        X25519PrivateKey.generate().exchange(key)  # a low-order key agrees on zero: refused
     except ValueError:
         raise EncryptionFailed(
-            "handshake", "e2e must be a 32-byte X25519 public key, base64url"
+            "handshake", "e2e must be a 32-byte X25519 public key (base64url) of full order"
         ) from None
+    return key
 
 
 def accept(
@@ -226,7 +229,11 @@ class ClientHandshake:
             raise EncryptionFailed(
                 "handshake", "the server's key agreement is not signed by its identity"
             ) from None
-        c2s, s2c = _direction_keys(self._private.exchange(server_public), salt)
+        try:
+            shared = self._private.exchange(server_public)
+        except ValueError:  # a low-order key: the agreement would be zero
+            raise EncryptionFailed("handshake", "the server's key is not usable") from None
+        c2s, s2c = _direction_keys(shared, salt)
         return Channel(
             session_id,
             send_key=c2s,
@@ -429,16 +436,21 @@ def load_identity(path: str) -> Ed25519PrivateKey:
 
 
 def load_pinned(source: str | bytes | Ed25519PublicKey) -> Ed25519PublicKey:
-    """A pinned server identity: a key, PEM bytes, a PEM file's path, or base64url (the
-    ``identity`` of the offer, as ``seedance e2e identity`` prints it)."""
+    """A pinned server identity: a key, PEM bytes, a PEM file's path (``KEYFILE.pub`` of
+    ``seedance models keygen``), or base64url (the offer's ``identity``, as the server logs it
+    at start)."""
     if isinstance(source, Ed25519PublicKey):
         return source
     if isinstance(source, str) and not source.startswith("-----"):
-        if "/" in source or source.endswith(".pem"):
-            with open(source, "rb") as f:
-                source = f.read()
-        else:
-            return Ed25519PublicKey.from_public_bytes(unb64url(source))
+        if not os.path.exists(source):
+            try:
+                return Ed25519PublicKey.from_public_bytes(unb64url(source))
+            except ValueError:
+                raise ValueError(
+                    f"{source!r} is neither a key file nor a base64url Ed25519 key"
+                ) from None
+        with open(source, "rb") as f:
+            source = f.read()
     data = source.encode() if isinstance(source, str) else source
     if b"PRIVATE KEY" in data:
         private = serialization.load_pem_private_key(data, password=None)
