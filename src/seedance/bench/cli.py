@@ -5,10 +5,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import ssl
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from seedance.bench.metrics import Distribution
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,6 +33,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model", default=None, help="model name (OpenAI: default the first listed)"
     )
     parser.add_argument("--api-key", default=None, help="bearer credential for the target")
+    parser.add_argument(
+        "--e2e",
+        metavar="IDENTITY",
+        default=None,
+        help="encrypt every connection end to end, pinning the server's identity (its public "
+        "key: a PEM file, or base64url); times are taken after each frame is decrypted",
+    )
+    parser.add_argument(
+        "--ca-file",
+        metavar="PEM",
+        default=None,
+        help="wss:// URLs: verify the server's certificate against these CAs (default: the "
+        "system's)",
+    )
     load = parser.add_argument_group("load")
     load.add_argument("--concurrency", "-c", type=int, default=None, help="closed loop: N users")
     load.add_argument("--rate", "-r", type=float, default=None, help="open loop: requests/s")
@@ -121,11 +140,17 @@ async def _main(args: argparse.Namespace) -> int:
 
     target: Target
     if args.openai is not None:
+        if args.e2e is not None or args.ca_file is not None:
+            raise ValueError("--e2e and --ca-file are for WebSocket URLs")
         target = OpenAITarget(
             args.openai, model=args.model, api_key=args.api_key, new_connection=args.new_connection
         )
     else:
-        target = WebSocketTarget(_ws_url(args.url, args.model, args.api_key))
+        target = WebSocketTarget(
+            _ws_url(args.url, args.model, args.api_key),
+            pinned=None if args.e2e is None else _pinned(args.e2e),
+            tls=_tls(args.url, args.ca_file),
+        )
     if args.temperature is not None:
         target.fields = {"temperature": args.temperature}
     progress = None if args.quiet else sys.stderr
@@ -195,3 +220,24 @@ def _ws_url(url: str, model: str | None, api_key: str | None) -> str:
     if api_key:
         query.append(("api_key", api_key))
     return urlunsplit(parts._replace(query=urlencode(query), path=parts.path or "/"))
+
+
+def _pinned(identity: str) -> Ed25519PublicKey:
+    from seedance.protocol.e2e import load_pinned
+
+    try:  # a file by any name (load_pinned takes a bare name for base64url)
+        return load_pinned(Path(identity).read_bytes() if Path(identity).is_file() else identity)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--e2e {identity}: not a server identity ({exc})") from None
+
+
+def _tls(url: str, ca_file: str | None) -> ssl.SSLContext | None:
+    """The TLS context of a ``wss://`` URL (None for ``ws://``)."""
+    if not url.startswith("wss://"):
+        if ca_file is not None:
+            raise ValueError("--ca-file is for wss:// URLs")
+        return None
+    try:
+        return ssl.create_default_context(cafile=ca_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"--ca-file {ca_file}: {exc}") from None

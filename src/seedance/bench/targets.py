@@ -5,18 +5,28 @@ A target opens :class:`Conn` objects, one per simulated user; a connection runs 
 time and fills in its :class:`~seedance.bench.metrics.Sample`. The clients are built for a low
 cost per token (picows for WebSocket, aiohttp for HTTP), so the load generator is not what is
 being measured.
+
+A WebSocket target may ask for end-to-end encryption (docs/protocol.md, section 9), pinning the
+server's identity: each connection agrees its keys, seals its requests and opens every frame
+it receives, and a frame's time is taken once it is opened, as an application would see it, so
+the figures include the client's share of the cost. ``wss://`` URLs take a TLS context (a CA
+file's, for a private CA).
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
+import ssl
 import time
 from typing import Any
 
 import msgspec
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from seedance.bench.metrics import Sample
+from seedance.protocol import e2e
+from seedance.protocol.errors import EncryptionFailed
 from seedance.protocol.messages import HEARTBEAT_PING, HEARTBEAT_PONG, SUBPROTOCOL
 from seedance.protocol.openai import ChunkUsage, decode_stream_chunk, sse_data
 
@@ -106,18 +116,38 @@ class _Frame(msgspec.Struct):
 
 _decode_frame = msgspec.json.Decoder(_Frame).decode
 _TOKEN_PREFIX = b'{"type":"token"'
+_SEALED = bytes((e2e.SEALED,))
+
+
+class _Hello(msgspec.Struct):
+    """The ``session`` frame's fields an encrypting client needs."""
+
+    type: str
+    session_id: str = ""
+    offer: e2e.Offer | None = msgspec.field(default=None, name="e2e")
+    error: _ErrorBody | None = None
+
+
+_decode_hello = msgspec.json.Decoder(_Hello).decode
 
 
 class _Listener(WSListener):
     """Routes the frames of one connection to the request running on it."""
 
-    def __init__(self) -> None:
+    def __init__(self, hello: bool = False) -> None:
         self.sample: Sample | None = None
         self.clock: Clock | None = None
         self.done: asyncio.Future[None] | None = None
         self.pong: asyncio.Future[float] | None = None
         self.closed: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self.transport: WSTransport | None = None
+        #: End-to-end encryption: the ``session`` frame (``hello``: made before the handshake,
+        #: as the frame may come in the same read as the upgrade), then every frame that comes
+        #: is opened with ``channel`` (None: a plain connection).
+        self.hello: asyncio.Future[bytes] | None = (
+            asyncio.get_running_loop().create_future() if hello else None
+        )
+        self.channel: e2e.Channel | None = None
 
     def on_ws_connected(self, transport: WSTransport) -> None:
         self.transport = transport
@@ -128,7 +158,9 @@ class _Listener(WSListener):
             self._on_text(frame.get_payload_as_bytes())
         elif kind == WSMsgType.BINARY:
             payload = frame.get_payload_as_bytes()
-            if payload == HEARTBEAT_PING:
+            if self.channel is not None and payload[:1] == _SEALED:
+                self._on_sealed(transport, self.channel, payload)
+            elif payload == HEARTBEAT_PING:
                 transport.send(WSMsgType.BINARY, HEARTBEAT_PONG)
             elif payload == HEARTBEAT_PONG and self.pong is not None and not self.pong.done():
                 self.pong.set_result(time.perf_counter())
@@ -138,9 +170,20 @@ class _Listener(WSListener):
             if not self.closed.done():
                 self.closed.set_result(code)
 
+    def _on_sealed(self, transport: WSTransport, channel: e2e.Channel, payload: bytes) -> None:
+        try:
+            text = channel.open(payload)
+        except EncryptionFailed as exc:  # nothing of it is counted; the connection is over
+            self._fail(BenchError("encryption_failed", f"{exc.reason}: {exc.message}"))
+            transport.disconnect()
+            return
+        self._on_text(text.encode())
+
     def _on_text(self, payload: bytes) -> None:
         sample, clock = self.sample, self.clock
         if sample is None or clock is None:
+            if self.hello is not None and not self.hello.done():
+                self.hello.set_result(payload)
             return
         now = clock.now()
         if payload.startswith(_TOKEN_PREFIX):
@@ -174,6 +217,8 @@ class _Listener(WSListener):
         self._finish(error)
         if self.pong is not None and not self.pong.done():
             self.pong.set_exception(error)
+        if self.hello is not None and not self.hello.done():
+            self.hello.set_exception(error)
 
     def on_ws_disconnected(self, transport: WSTransport) -> None:
         self._fail(BenchError("disconnected", "the connection dropped"))
@@ -208,7 +253,12 @@ class WebSocketConn(Conn):
         )
         if not sample.sent:
             sample.sent = clock.now()
-        self.transport.send(WSMsgType.TEXT, message)
+        channel = listener.channel
+        if channel is None:
+            self.transport.send(WSMsgType.TEXT, message)
+        else:  # sealed after ``sent``: the request's time includes it
+            sealed = channel.seal(message.decode(), f"b{self.number}")
+            self.transport.send(WSMsgType.BINARY, sealed)
         try:
             await listener.done
         finally:
@@ -237,17 +287,28 @@ _encode = msgspec.json.Encoder().encode
 
 
 class WebSocketTarget(Target):
-    """A Seedance ``/v2/infer`` URL (or any server speaking the same frames)."""
+    """A Seedance ``/v2/infer`` URL (or any server speaking the same frames); with ``pinned``
+    (the server's identity) every connection is encrypted end to end, and ``tls`` is
+    the context of a ``wss://`` URL (None: the system's CAs)."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(
+        self, url: str, *, pinned: Ed25519PublicKey | None = None, tls: ssl.SSLContext | None = None
+    ) -> None:
         self.url = url
         self.name = url
+        self.pinned = pinned
+        self.tls = tls
 
     async def connect(self) -> Conn:
+        handshake = None if self.pinned is None else e2e.ClientHandshake(self.pinned)
+        url = self.url
+        if handshake is not None:
+            url += ("&" if "?" in url else "?") + f"e2e={handshake.param}"
         try:
             transport, listener = await ws_connect(
-                _Listener,
-                self.url,
+                lambda: _Listener(hello=handshake is not None),
+                url,
+                ssl_context=self.tls,
                 extra_headers={"Sec-WebSocket-Protocol": SUBPROTOCOL},
                 websocket_handshake_timeout=30,
                 max_frame_size=16 * 1024 * 1024,
@@ -258,7 +319,28 @@ class WebSocketTarget(Target):
             raise BenchError("handshake_failed", f"{self.url}: {exc}") from exc
         if not isinstance(listener, _Listener):  # the server went away during the handshake
             raise BenchError("connect_failed", f"{self.url}: the connection closed at once")
+        if handshake is not None:
+            await self._agree(handshake, transport, listener)
         return WebSocketConn(transport, listener, self.fields)
+
+    async def _agree(
+        self, handshake: e2e.ClientHandshake, transport: WSTransport, listener: _Listener
+    ) -> None:
+        """Wait for the ``session`` frame and agree the connection's keys from its offer."""
+        assert listener.hello is not None
+        try:
+            hello = _decode_hello(await asyncio.wait_for(listener.hello, 30))
+            if hello.type == "error":
+                error = hello.error or _ErrorBody()
+                raise BenchError(error.code, error.message)
+            listener.channel = handshake.finish(hello.offer, hello.session_id)
+        except (BenchError, asyncio.TimeoutError, EncryptionFailed, msgspec.DecodeError) as exc:
+            transport.disconnect()
+            if isinstance(exc, BenchError):
+                raise
+            raise BenchError("handshake_failed", f"{self.url}: end-to-end: {exc}") from exc
+        finally:
+            listener.hello = None
 
 
 # --------------------------------------------------------------------------- OpenAI HTTP + SSE
