@@ -508,3 +508,24 @@ def test_the_reload_suite_reloads_five_times_under_load(tmp_path: Path) -> None:
     )
     during = next(line for line in report.splitlines() if line.startswith("| 5 reloads |"))
     assert "1.5.0:" in during and "| 0 |" in during
+
+
+@pytest.mark.model
+def test_the_confidential_suite_sets_encryption_and_tls_beside_plain(tmp_path: Path) -> None:
+    # Suite 15 in its quick form: ws://, ws:// + e2e, wss:// and wss:// + e2e side by side, on
+    # the synthetic engine and SmolLM2; every way answered (e2e and TLS agreed), no errors.
+    report, progress = quick_suite(tmp_path, 15, timeout_s=360)
+    assert "## 15. Confidential streams: end-to-end encryption and TLS" in report
+    assert "| 15. End-to-end encryption adds at most 1 ms to TTFT" in report
+    assert "| 15. End-to-end encryption keeps at least 0.9x the tokens/s" in report
+    rows = [
+        [cell.strip() for cell in line.strip().strip("|").split("|")]
+        for line in report.splitlines()
+        if line.startswith(("| synthetic |", "| SmolLM2-135M |", "| 100 streams, "))
+    ]
+    assert len(rows) == 2 * 4 + 2 * 4  # TTFT: two engines; tokens/s: merging on and off
+    assert all(row[-1] == "0" for row in rows)  # errors
+    ways = {row[1] for row in rows}
+    assert ways == {"`ws://`", "`ws://` + e2e", "`wss://` (TLS)", "`wss://` + e2e"}
+    assert "| 32 tokens | " in report  # each frame's cost
+    assert "[15 confidential] 12/12" in progress  # 3 loads x 4 ways, 1 round

@@ -793,14 +793,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks.md"))
     parser.add_argument(
         "--suites",
-        default="1,2,3,4,5,6,7,8,9,10,11,12,13,14",
-        help="which suites to run (default all: 1-14)",
+        default="1,2,3,4,5,6,7,8,9,10,11,12,13,14,15",
+        help="which suites to run (default all: 1-15)",
     )
     args = parser.parse_args(argv)
     if _cores() < 2:
         print("note: fewer than 2 cores; server and load generator share them", file=sys.stderr)
     from seedance.bench.browser_suite import browser_suite
     from seedance.bench.cluster_suite import cluster_suite
+    from seedance.bench.confidential_suite import confidential_suite
     from seedance.bench.gateway_suite import gateway_suite
     from seedance.bench.http_suite import http_suite
     from seedance.bench.llama_suite import llama_suite
@@ -828,6 +829,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "12": functools.partial(browser_suite, report),
         "13": functools.partial(openai_suite, report),
         "14": functools.partial(reload_suite, report),
+        "15": functools.partial(confidential_suite, report),
     }
     for key in sorted(chosen, key=int):
         suites[key]()
