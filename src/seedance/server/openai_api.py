@@ -181,12 +181,8 @@ class HttpCall:
     async def run(self, body: bytes) -> None:
         try:
             generation = self._admit(body)
-        except SeedanceError as exc:
+        except Exception as exc:
             await self.fail(exc)
-            return
-        except Exception:
-            logger.exception("request %s failed", self.request_id)
-            await self.fail(InternalError(f"internal error on request {self.request_id}"))
             return
         request = self.request
         assert request is not None
@@ -304,8 +300,13 @@ class HttpCall:
             whole = chunks.whole("".join(log.texts), end.finish_reason, usage)
             await self._respond(200, JSON_HEADERS, whole)
 
-    async def fail(self, error: SeedanceError) -> None:
-        """Refused before a generation started: counted, audited, answered."""
+    async def fail(self, error: Exception) -> None:
+        """Refused before a generation started: counted, audited, answered. Anything but a
+        :class:`SeedanceError` is a fault of ours: logged with its traceback, answered as
+        ``internal_error``."""
+        if not isinstance(error, SeedanceError):
+            logger.error("request %s failed", self.request_id, exc_info=error)
+            error = InternalError(f"internal error on request {self.request_id}")
         self.outcome = error.code
         self.error = error
         self._audited = True

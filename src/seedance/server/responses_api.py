@@ -35,7 +35,6 @@ from seedance.observability.logs import bind_request
 from seedance.protocol.codec import FrameLimits, validate_session_id
 from seedance.protocol.errors import (
     HistoryLost,
-    InternalError,
     InvalidJSON,
     InvalidRequest,
     NotFound,
@@ -157,12 +156,8 @@ class ResponseCall(HttpCall):
     async def create(self, body: bytes, limits: FrameLimits) -> None:
         try:
             generation, request = await self._admit_response(body, limits)
-        except SeedanceError as exc:
+        except Exception as exc:
             await self.fail(exc)
-            return
-        except Exception:
-            logger.exception("request %s failed", self.request_id)
-            await self.fail(InternalError(f"internal error on request {self.request_id}"))
             return
         log = generation.log
         if request.stream:
