@@ -225,19 +225,19 @@ def _ws_url(url: str, model: str | None, api_key: str | None) -> str:
 def _pinned(identity: str) -> Ed25519PublicKey:
     from seedance.protocol.e2e import load_pinned
 
-    try:  # a file by any name (load_pinned takes a bare name for base64url)
-        return load_pinned(Path(identity).read_bytes() if Path(identity).is_file() else identity)
+    try:
+        return load_pinned(identity)
     except (OSError, ValueError) as exc:
         raise ValueError(f"--e2e {identity}: not a server identity ({exc})") from None
 
 
 def _tls(url: str, ca_file: str | None) -> ssl.SSLContext | None:
-    """The TLS context of a ``wss://`` URL (None for ``ws://``)."""
-    if not url.startswith("wss://"):
-        if ca_file is not None:
-            raise ValueError("--ca-file is for wss:// URLs")
-        return None
+    """The TLS context of a ``wss://`` URL (None for ``ws://``), as the client makes it."""
+    from seedance.client.session import tls_context
+
+    if ca_file is not None and not url.startswith("wss://"):
+        raise ValueError("--ca-file is for wss:// URLs")
     try:
-        return ssl.create_default_context(cafile=ca_file)
+        return tls_context(url, ca_file, None)
     except (OSError, ssl.SSLError) as exc:
         raise ValueError(f"--ca-file {ca_file}: {exc}") from None
