@@ -24,6 +24,8 @@ from seedance.observability.audit import kinds as audit
 from seedance.protocol import e2e
 
 if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
+
     from seedance.observability.metrics import Metrics
     from seedance.server.state import ServedModel
 
@@ -98,10 +100,12 @@ class Confidential:
         return digest.hexdigest()
 
     def accept(
-        self, client_key: str, session_id: str, tenant: str, connection_id: str
+        self, client_key: X25519PublicKey, session_id: str, tenant: str, connection_id: str
     ) -> tuple[e2e.Channel, e2e.Offer]:
-        """The channel and signed offer for a connection that sent ``e2e=client_key``; every
+        """The channel and signed offer for a connection that sent ``client_key`` (its ``e2e``
+        parameter, parsed by :func:`~seedance.protocol.e2e.parse_client_key`); every
         key it uses is audited (:class:`~seedance.observability.audit.kinds.StreamKey`)."""
+        measurement = self.measurement()  # the agreement's; a rotation's is taken when it comes
 
         def on_key(direction: e2e.Direction, epoch: int, old: str | None, new: str) -> None:
             record = audit.StreamKey(
@@ -113,7 +117,7 @@ class Confidential:
                 epoch_id=epoch,
                 old_key_hash=old,
                 new_key_hash=new,
-                measurement=self.measurement(),
+                measurement=measurement if old is None else self.measurement(),
                 identity=self.identity_id,
             )
             self._audit_submit(lambda: record)
@@ -124,9 +128,9 @@ class Confidential:
         self._metrics.encrypted_connections.inc()
         return e2e.accept(
             self.identity,
-            e2e.parse_client_key(client_key),
+            client_key,
             session_id,
-            self.measurement(),
+            measurement,
             rotate_bytes=self.rotate_bytes,
             rotate_s=self.rotate_s,
             on_key=on_key,

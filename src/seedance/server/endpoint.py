@@ -7,6 +7,8 @@ import logging
 from typing import Any
 from urllib.parse import parse_qs
 
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
+
 from seedance import SERVER_NAME
 from seedance.observability.tracing import Tracing
 from seedance.protocol.codec import encode_error, encode_frame, validate_session_id
@@ -155,8 +157,8 @@ class InferEndpoint:
             await state.sessions.detach(session)
 
 
-def _e2e_param(state: ServerState, params: dict[str, list[str]]) -> str | None:
-    """The client's key for end-to-end encryption (checked), or None when it asks for none;
+def _e2e_param(state: ServerState, params: dict[str, list[str]]) -> X25519PublicKey | None:
+    """The client's key for end-to-end encryption (parsed), or None when it asks for none;
     refused where the server does not offer it, or requires it and the client did not ask."""
     client_key = _param(params, "e2e")
     confidential = state.confidential
@@ -171,8 +173,7 @@ def _e2e_param(state: ServerState, params: dict[str, list[str]]) -> str | None:
         raise InvalidRequest(
             "this server does not offer end-to-end encryption (its --e2e-key is not set)"
         )
-    parse_client_key(client_key)
-    return client_key
+    return parse_client_key(client_key)
 
 
 def _param(params: dict[str, list[str]], name: str) -> str | None:
