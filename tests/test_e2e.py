@@ -245,6 +245,24 @@ async def test_the_sdk_streams_encrypted_and_a_plain_client_still_works(
         assert (await session.complete("hello", max_tokens=40, seed=3)).text == encrypted_text
 
 
+async def test_the_sdk_resumes_a_dropped_stream_under_new_keys(
+    make_server: Callable[..., RunningServer], identity: tuple[str, str]
+) -> None:
+    server = make_server(e2e_key=identity[0], tokens_per_s=1000.0)
+    async with connect(server.url, e2e=identity[1]) as session:
+        expected = (await session.complete("story", max_tokens=300, seed=5, reset=True)).text
+        first_keys = session.channel and session.channel.receive_key_hash
+        stream = session.generate("story", max_tokens=300, seed=5, reset=True, resumable=True)
+        seqs: list[int] = []
+        async for chunk in stream:
+            seqs.extend(range(chunk.seq, chunk.seq + chunk.n))
+            if len(seqs) >= 100 and session.reconnects == 0:
+                session._ws.transport.abort()  # the network goes away: no close frame
+        assert seqs == list(range(300)) and stream.text == expected
+        assert session.reconnects == 1
+        assert session.channel is not None and session.channel.receive_key_hash != first_keys
+
+
 async def test_servers_refuse_what_they_do_not_offer_or_require(
     make_server: Callable[..., RunningServer], identity: tuple[str, str]
 ) -> None:

@@ -370,16 +370,21 @@ class ClientSession:
                 raise self._error or self._closed
             ws = self._ws
             try:
-                channel = self.channel
-                if channel is None or isinstance(data, bytes):
-                    await ws.send(data)
-                else:
-                    async with self._send_lock:  # sealed in the order sent
-                        await ws.send(channel.seal_frame(data))
+                await self._send_on(ws, data)
                 return
             except WsConnectionClosed:
                 if self._ws is ws:  # the reader reconnects, or gives up and closes
                     self._connected.clear()
+
+    async def _send_on(self, ws: ClientConnection, data: str | bytes) -> None:
+        """Send a frame on ``ws``, sealed (in the order sent) when the connection is encrypted;
+        binary frames (heartbeats) go as they are."""
+        channel = self.channel
+        if channel is None or isinstance(data, bytes):
+            await ws.send(data)
+            return
+        async with self._send_lock:
+            await ws.send(channel.seal_frame(data))
 
     async def _read_forever(self) -> None:
         try:
@@ -464,8 +469,7 @@ class ClientSession:
                     Resume(request_id=stream.request_id, after_seq=stream.last_seq, epoch=epoch)
                 )
                 try:
-                    async with self._send_lock:
-                        await ws.send(resume if self.channel is None else self.channel.seal(resume))
+                    await self._send_on(ws, resume)
                 except WsConnectionClosed:
                     break  # dropped again: the next round of reading notices
             self._connected.set()
