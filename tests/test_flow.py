@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import socket
 import time
 
 import pytest
@@ -101,6 +100,7 @@ async def test_slow_reader_stays_bounded_then_is_cut_off(make_server) -> None:  
     # One frame per token, so that 200,000 tokens are more bytes than the kernel holds.
     server = make_server(engines=[engine], write_timeout_s=2.0, merge_window_ms=0)
     client = RawClient(server.port, rcvbuf=4096)
+    server.lock_send_buffers()
     try:
         client.send_json({"prompt": "flood me", "max_tokens": 200_000})  # then never read
         await wait_until(lambda: engine.stats.tokens_generated > 0)
@@ -171,21 +171,6 @@ def flood(client: RawClient, frame: bytes, seconds: float = 30.0) -> float | Non
     return None
 
 
-def lock_send_buffers(server: RunningServer, size: int = 4096) -> None:
-    """Fix the kernel's send buffer of the server's side of each connection at ``size``.
-
-    Left to itself, Linux grows a socket's send buffer up to ``tcp_wmem``'s maximum (4 MiB): a
-    flood of 4-byte pongs then needs a million messages before the server's own queue fills,
-    seconds or minutes depending on the machine. What is checked is the bound on what the
-    server holds itself, not how much the kernel takes first."""
-    assert server.state.connections, "no connection yet"
-    for connection in server.state.connections:
-        writer = connection.ws.writer
-        assert writer is not None, "the server offers no direct writer"
-        sock = writer.transport.get_extra_info("socket")  # type: ignore[attr-defined]
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
-
-
 def encoded(opcode: Opcode, payload: bytes) -> bytes:
     """One client frame as bytes (masked, as clients must)."""
     return Frame(opcode, payload).serialize(mask=True)
@@ -195,7 +180,7 @@ async def test_ping_flood_without_reading_is_cut_off(make_server) -> None:  # ty
     server = make_server(max_pending_bytes=256 * 1024)
     client = RawClient(server.port, rcvbuf=4096)
     try:
-        lock_send_buffers(server)
+        server.lock_send_buffers()
         ping = encoded(Opcode.PING, b"p" * 125)
         took = await asyncio.to_thread(flood, client, ping)
         assert took is not None, "the server kept answering pings nobody reads"
@@ -209,7 +194,7 @@ async def test_heartbeat_flood_without_reading_is_cut_off(make_server) -> None: 
     server = make_server(max_pending_bytes=256 * 1024)
     client = RawClient(server.port, rcvbuf=4096)
     try:
-        lock_send_buffers(server)
+        server.lock_send_buffers()
         heartbeat = encoded(Opcode.BINARY, b"\x01\x00")
         took = await asyncio.to_thread(flood, client, heartbeat)
         assert took is not None, "the server kept queueing heartbeat pongs nobody reads"

@@ -44,6 +44,7 @@ def test_a_control_ping_flood_writes_one_warning(
 ) -> None:
     server: RunningServer = make_server(max_pending_bytes=65536)
     client = RawClient(server.port, rcvbuf=4096)  # reads nothing: the pongs pile up
+    server.lock_send_buffers()
     with caplog.at_level(logging.WARNING, logger="seedance.server.uvicorn_ws"):
         for _ in range(50_000):  # 6 MB of pongs to write
             client.proto.send_ping(b"p" * 125)

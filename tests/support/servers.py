@@ -9,6 +9,7 @@ import dataclasses
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -84,6 +85,21 @@ class RunningServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self._thread.join(timeout=30)
+
+    def lock_send_buffers(self, size: int = 4096) -> None:
+        """Fix the kernel's send buffer of the server's side of each open connection at
+        ``size``, for tests of a client that never reads.
+
+        Left to itself, Linux grows a socket's send buffer up to ``tcp_wmem``'s maximum (4 MiB
+        or more, by machine): a flood of 4-byte pongs then takes a million messages, seconds
+        or minutes, before the server's own queue fills. Such a test checks the bound the
+        server keeps itself, not how much the kernel takes first."""
+        assert self.state.connections, "no connection yet"
+        for connection in self.state.connections:
+            writer = connection.ws.writer
+            assert writer is not None, "the server offers no direct writer"
+            sock = writer.transport.get_extra_info("socket")  # type: ignore[attr-defined]
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
 
 
 @contextlib.contextmanager
