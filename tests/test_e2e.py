@@ -28,7 +28,7 @@ from seedance.client import connect
 from seedance.observability.audit.records import GENESIS, seal
 from seedance.observability.audit.verify import verify
 from seedance.protocol import e2e
-from seedance.protocol.errors import EncryptionFailed, Forbidden, InvalidRequest
+from seedance.protocol.errors import EncryptionFailed, Forbidden, InvalidRequest, PayloadTooLarge
 from tests.support.certs import Authority
 from tests.support.redis import RedisServer
 from tests.support.servers import SEEDANCE, RunningServer, slow_engine
@@ -282,6 +282,25 @@ async def test_servers_refuse_what_they_do_not_offer_or_require(
     with pytest.raises(EncryptionFailed, match="pinned") as caught:
         await connect(strict.url, e2e=other, reconnect=None)
     assert caught.value.reason == "handshake"
+
+
+async def test_a_frame_over_the_limit_is_refused_sealed(
+    make_server: Callable[..., RunningServer], identity: tuple[str, str]
+) -> None:
+    # The WebSocket layer refuses it before the app sees it, and still seals its error.
+    server = make_server(e2e_key=identity[0], max_frame_bytes=4096)
+    client = await Encrypted.open(server.url, identity[1])
+    await client.send(type="ping", id=1)
+    assert await client.recv() == {"type": "pong", "id": 1}
+    await client.send(prompt="x" * 5000, max_tokens=1)
+    error = await client.recv()
+    assert error["error"]["code"] == "payload_too_large", error
+    with pytest.raises(WsConnectionClosed):
+        await client.recv()
+    assert client.ws.close_code == 1009
+    async with connect(server.url, e2e=identity[1], reconnect=None) as session:
+        with pytest.raises(PayloadTooLarge, match="limit of 4096 bytes"):
+            await session.complete("x" * 5000, max_tokens=1)
 
 
 def seal_and(alter: Callable[[bytes], bytes]) -> Callable[[Encrypted], list[bytes]]:

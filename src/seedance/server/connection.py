@@ -165,6 +165,8 @@ class Connection:
         self._opened: str | bytes | None = None  # a frame opened on the direct path, then deferred
         if channel is not None:
             self.out.seal = channel.seal_frame
+            if ws.writer is not None:  # and what the server writes on its own
+                ws.writer.seal = channel.seal_frame
         self._loop = asyncio.get_running_loop()
         self.opened_at = self._loop.time()
         self.last_inbound = self.opened_at

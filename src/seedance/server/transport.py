@@ -79,6 +79,9 @@ class FrameWriter(Protocol):
     """
 
     writable: asyncio.Event
+    #: An encrypted connection's sealer, set by the app: what the server writes on its own
+    #: (the ``payload_too_large`` error before its 1009 close) is sealed by it too.
+    seal: Callable[[OutFrame], OutFrame] | None
 
     def write_frames(self, frames: Sequence[bytes | str]) -> bool:
         """Write the frames; false when the connection is no longer open."""

@@ -7,7 +7,8 @@ a release that moves one fails there by name.
 
 - automatic pongs: uvicorn writes one for every ping without looking at the write buffer;
   here a client whose unread data passes ``max_pending_bytes`` is cut off;
-- a frame over ``ws_max_size`` gets a ``payload_too_large`` error frame before the 1009 close;
+- a frame over ``ws_max_size`` gets a ``payload_too_large`` error frame before the 1009 close
+  (sealed on an encrypted connection);
 - the ``seedance.transport`` extension lets the app write frames in one ``write`` (no ASGI
   message per frame), receive messages without the ASGI queue, drop a connection that does
   not read, and see control frames (inbound traffic for the idle timeout);
@@ -18,12 +19,12 @@ from __future__ import annotations
 
 import logging
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.exceptions import PayloadTooBig, SecurityError
-from websockets.frames import Frame, Opcode
+from websockets.frames import Frame
 from websockets.protocol import State
 
 from seedance.eventloop import LightQueue, set_nodelay
@@ -31,7 +32,7 @@ from seedance.protocol.codec import encode_error
 from seedance.protocol.errors import InvalidRequest, PayloadTooLarge
 from seedance.server.handshake import http_error
 from seedance.server.tls import with_tls
-from seedance.server.transport import TRANSPORT_EXTENSION, Receiver
+from seedance.server.transport import TRANSPORT_EXTENSION, OutFrame, Receiver
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class SeedanceWebSocketProtocol(WebSocketsSansIOProtocol):
     max_pending_bytes = 1024 * 1024
     last_control_frame_at = 0.0
     receiver: Receiver | None = None
+    seal: Callable[[OutFrame], OutFrame] | None = None
 
     def handle_connect(self, event: Any) -> None:
         super().handle_connect(event)
@@ -161,8 +163,12 @@ class SeedanceWebSocketProtocol(WebSocketsSansIOProtocol):
     def handle_parser_exception(self) -> None:
         if isinstance(self.conn.parser_exc, PayloadTooBig):
             error = PayloadTooLarge(f"frame exceeds the limit of {self.config.ws_max_size} bytes")
-            frame = Frame(Opcode.TEXT, encode_error(error).encode())
-            self.transport.write(frame.serialize(mask=False))
+            frame = encode_error(error) if self.seal is None else self.seal(encode_error(error))
+            if isinstance(frame, str):
+                data = frame.encode()
+                self.transport.write(_frame_header(0x81, len(data)) + data)
+            else:
+                self.transport.write(_frame_header(0x82, len(frame)) + frame)
         super().handle_parser_exception()
 
     def _abort(self) -> None:
