@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
+import os
 import queue
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -221,17 +224,28 @@ def quick_suite(tmp_path: Path, suite: int, timeout_s: float) -> tuple[str, str]
     """``make bench``'s suite ``suite`` in its quickest form (``--quick --rounds 1``): its
     report, and what it printed on the way."""
     out = tmp_path / "benchmarks.md"
-    result = subprocess.run(
+    # Its own process group: on a timeout the servers and peers it started go with it.
+    proc = subprocess.Popen(
         [
             *(sys.executable, "-m", "seedance.bench.suites", "--quick", "--rounds", "1"),
             *("--suites", str(suite), "--out", str(out)),
         ],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout_s,
+        start_new_session=True,
     )
-    assert result.returncode == 0, result.stderr
-    return out.read_text(), result.stderr
+    try:
+        _, progress = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, progress = proc.communicate()
+        pytest.fail(f"suite {suite} took over {timeout_s} s; it printed:\n{progress}")
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # anything it left running
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, progress
+    return out.read_text(), progress
 
 
 def test_make_bench_suite_writes_its_report(tmp_path: Path) -> None:
