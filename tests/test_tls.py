@@ -29,7 +29,7 @@ from seedance.tenants.keys import add_key
 from tests.support.certs import Authority, Issued
 from tests.support.servers import SEEDANCE, RunningServer, serve_fails
 from tests.support.waits import eventually
-from tests.support.ws import raw_connect, wait_closed
+from tests.support.ws import raw_connect, recv_json, wait_closed
 
 CHAT = {"model": "synthetic", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
@@ -300,6 +300,36 @@ async def test_a_client_certificate_listed_by_a_tenant_stands_for_it(
     # And without a certificate, as before: a key.
     async with connect(wss, ca_file=str(pki.ca.pem), api_key=key) as session:
         assert (await session.complete("hi", max_tokens=2)).finish_reason == "length"
+
+
+async def test_a_subject_taken_from_its_tenant_closes_its_connections(
+    make_server: Callable[..., RunningServer], pki: Pki, tmp_path: Path
+) -> None:
+    path, key = tenants_file(tmp_path / "seedance.toml")
+    _, wss, _ = tls_server(
+        make_server,
+        pki,
+        tls_client_ca=str(pki.ca.pem),
+        config_file=str(path),
+        access=load_access(path),
+    )
+    async with (
+        raw_connect(wss, ssl=pki.client(pki.desk)) as by_certificate,
+        raw_connect(wss, f"api_key={key}", ssl=pki.client(pki.desk)) as by_key,
+    ):
+        assert (await recv_json(by_certificate))["type"] == "session"
+        assert (await recv_json(by_key))["type"] == "session"
+        # The subject is taken off the tenant (its key stays): the file is reloaded by itself.
+        text = path.read_text().replace('tls_subjects = ["CN=desk-1,O=Acme Bank"]', "")
+        path.write_text(text)
+        code, frames = await asyncio.wait_for(wait_closed(by_certificate), 10)
+        assert code == 4401 and frames[0]["error"]["code"] == "unauthorized"
+        assert "CN=desk-1,O=Acme Bank no longer stands for tenant acme" in str(frames[0])
+        await by_key.send('{"type": "ping", "id": 1}')  # a key counts first: still open
+        assert await recv_json(by_key) == {"type": "pong", "id": 1}
+    async with raw_connect(wss, ssl=pki.client(pki.desk)) as again:
+        code, _ = await wait_closed(again)
+    assert code == 4401
 
 
 def test_a_credential_counts_before_a_certificate(tmp_path: Path) -> None:

@@ -27,6 +27,7 @@ from seedance.server.outbound import FrameMerger
 from seedance.sessions.store import MemorySessionStore, SessionStore
 from seedance.streams.store import MemoryStreamStore, StreamStore
 from seedance.tenants.access import Access
+from seedance.tenants.auth import certificate_of
 from seedance.tenants.usage import Usage
 
 if TYPE_CHECKING:
@@ -157,6 +158,7 @@ class ServerState:
                 config, self._served_versions, self.audit_submit, self.metrics
             )
         self.access.on_revoked = self._close_revoked
+        self.access.on_subjects_dropped = self._close_dropped_subjects
         self.tracing = tracing or Tracing.from_config(config)
         gpu = open_gpu_memory()
         self.metrics.add_collector(lambda: state_metrics(self, gpu))
@@ -321,6 +323,27 @@ class ServerState:
                 credential = connection.principal.credential
                 logger.info("conn %s closed: credential %s revoked", connection.id, credential)
                 connection.fail(Unauthorized(f"credential {credential} has been revoked"))
+
+    def _close_dropped_subjects(self, subjects: set[str]) -> None:
+        """Client certificate subjects a reload took from their tenant: the connections they
+        opened are closed (4401), as a revoked key's are."""
+        for connection in list(self.connections):
+            if not connection.principal.credential.startswith("cert:"):
+                continue  # a credential counts before a certificate
+            certificate = certificate_of(connection.ws.scope)
+            if certificate is not None and certificate.subject in subjects:
+                logger.info(
+                    "conn %s closed: client certificate %s no longer stands for tenant %s",
+                    connection.id,
+                    certificate.subject,
+                    connection.tenant,
+                )
+                connection.fail(
+                    Unauthorized(
+                        f"the client certificate {certificate.subject[:200]} no longer stands "
+                        f"for tenant {connection.tenant}"
+                    )
+                )
 
     async def _close_idle(self, spread_s: float) -> None:
         """Close (1001) the connections that read no stream, spread over ``spread_s``; in a

@@ -33,7 +33,8 @@ class Access:
     """Who may connect: the browser origins allowed, and the tenants' credentials.
 
     ``on_revoked`` is called with the ids of keys that stopped passing (revoked or removed from
-    the file), so that the connections holding them are closed at once.
+    the file), and ``on_subjects_dropped`` with the client certificate subjects that no longer
+    stand for the tenant they did, so that the connections holding them are closed at once.
     """
 
     def __init__(self, config: ServerConfig) -> None:
@@ -41,6 +42,7 @@ class Access:
         self.authenticator = Authenticator(config.access or AccessConfig())
         self.allowed_origins = frozenset(config.allowed_origins)
         self.on_revoked: Callable[[set[str]], None] | None = None
+        self.on_subjects_dropped: Callable[[set[str]], None] | None = None
         #: Keys revoked on other nodes of the cluster: refused here too, after every reload.
         self._revoked_elsewhere: set[str] = set()
         self._stamp = self._file_stamp()
@@ -151,12 +153,16 @@ class Access:
         except ConfigError as exc:
             logger.error("tenants not reloaded, the old ones stay: %s", exc.message)
             return False
-        before = self.authenticator.key_ids()
+        before, subjects_before = self.authenticator.key_ids(), self.authenticator.subjects()
         self.authenticator.load(access)
         for key_id in self._revoked_elsewhere:
             self.authenticator.revoke(key_id)
         gone = before - self.authenticator.key_ids()
+        subjects = self.authenticator.subjects()
+        dropped = {s for s, tenant in subjects_before.items() if subjects.get(s) != tenant}
         logger.info("tenants reloaded from %s: %s", self.config_file, self.describe())
         if gone and self.on_revoked is not None:
             self.on_revoked(gone)
+        if dropped and self.on_subjects_dropped is not None:
+            self.on_subjects_dropped(dropped)
         return True

@@ -113,6 +113,10 @@ class Authenticator:
     def jwt_algorithms(self) -> list[str]:
         return list(self._jwt.algorithms) if self._jwt is not None else []
 
+    def subjects(self) -> dict[str, str]:
+        """The client certificate subjects that stand for a tenant: subject to tenant name."""
+        return {subject: tenant.name for subject, tenant in self._subjects.items()}
+
     def key_ids(self) -> set[str]:
         """The ids of the keys that pass (not revoked)."""
         return {key_id for key_id, (key, _) in self._keys.items() if not key.revoked}
