@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import ssl
 import subprocess
 import warnings
@@ -27,7 +28,7 @@ from seedance.server.tls import ServerTls, TlsFiles, server_context
 from seedance.tenants.auth import Authenticator, ClientCertificate
 from seedance.tenants.keys import add_key
 from tests.support.certs import Authority, Issued
-from tests.support.servers import SEEDANCE, RunningServer, serve_fails
+from tests.support.servers import SEEDANCE, RunningServer, ServerProcess, serve_fails
 from tests.support.waits import eventually
 from tests.support.ws import raw_connect, recv_json, wait_closed
 
@@ -105,12 +106,21 @@ async def test_wss_and_https_are_served_on_one_port(
 
 
 @pytest.mark.subprocess
-def test_seedance_chat_takes_a_ca_file(make_server: Callable[..., RunningServer], pki: Pki) -> None:
-    _, wss, _ = tls_server(make_server, pki)
-    args = ["chat", "--url", wss, "--ca-file", str(pki.ca.pem), "--once", "hi", "--max-tokens", "3"]
-    result = subprocess.run([SEEDANCE, *args], capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip()
+def test_seedance_serve_and_chat_over_tls(pki: Pki) -> None:
+    server = ServerProcess("--tls-cert", str(pki.server.cert), "--tls-key", str(pki.server.key))
+    try:
+        assert server.url.startswith("wss://"), server.output
+        args = ["--url", server.url, "--ca-file", str(pki.ca.pem), "--once", "hi", "--max-tokens"]
+        result = subprocess.run(
+            [SEEDANCE, "chat", *args, "3"], capture_output=True, text=True, timeout=60
+        )
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip()
+        server.signal()
+        assert server.wait() in (0, -signal.SIGTERM), server.output  # uvicorn re-raises it
+        assert "Traceback" not in server.output
+    finally:
+        server.stop()
 
 
 def allow_legacy(context: ssl.SSLContext, maximum: ssl.TLSVersion, ciphers: str) -> None:

@@ -145,20 +145,20 @@ class ServerProcess:
         while True:
             match = next(
                 (
-                    re.search(r"ws://127\.0\.0\.1:(\d+)/v2/infer", line)
+                    re.search(r"(wss?)://127\.0\.0\.1:(\d+)/v2/infer", line)
                     for line in self.lines
                     if "connect to" in line
                 ),
                 None,
             )
             if match:
-                self.port = int(match.group(1))
+                scheme, self.port = match.group(1), int(match.group(2))
                 break
             if time.monotonic() > deadline or self.proc.poll() is not None:
                 self.stop()
                 raise RuntimeError("server did not start:\n" + "".join(self.lines))
             time.sleep(0.02)
-        self.url = f"ws://127.0.0.1:{self.port}"
+        self.url = f"{scheme}://127.0.0.1:{self.port}"  # wss:// when served with TLS
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
