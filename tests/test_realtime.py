@@ -10,16 +10,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from openai.types import realtime as ga_types
 from openai.types.beta import realtime as beta_types
 from websockets.asyncio.client import connect as ws_connect
+from websockets.exceptions import ConnectionClosedError
 
 from seedance.config import load_access
 from seedance.engines.synthetic import SyntheticEngine
 from seedance.tenants.keys import add_key
 from tests.support.servers import RunningServer, slow_engine
+from tests.support.waits import eventually
 from tests.test_responses import client
 
 
@@ -33,6 +36,7 @@ def clients(server: RunningServer) -> tuple[openai.AsyncOpenAI, openai.AsyncOpen
 
 
 USER = {"type": "message", "role": "user"}
+DELTAS = ("response.output_text.delta", "response.text.delta")
 
 
 def user(text: str) -> dict[str, Any]:
@@ -286,6 +290,63 @@ async def test_browsers_authenticate_by_subprotocol(
     async with ws_connect(url, subprotocols=["realtime", "openai-insecure-api-key.sk-bad"]) as ws:  # type: ignore[list-item]
         refused = json.loads(await ws.recv())
         assert refused["type"] == "error" and refused["error"]["code"] == "unauthorized"
+
+
+async def test_a_revoked_key_shuts_its_realtime_and_responses_sockets(
+    make_server: Callable[..., RunningServer], tmp_path: Path
+) -> None:
+    """Like a /v2/infer connection's: the response under way is cancelled, an error event
+    (unauthorized) goes out, the socket closes 4401; another tenant's socket stays open."""
+    path = tmp_path / "seedance.toml"
+    admin = add_key(path, "ops", role="admin").key
+    acme, other = add_key(path, "acme"), add_key(path, "globex").key
+    server = make_server(
+        [slow_engine(tokens_per_s=20)], config_file=str(path), access=load_access(path)
+    )
+    base = f"ws://127.0.0.1:{server.port}/v1"
+
+    def bearer(key: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {key}"}
+
+    async with (
+        ws_connect(f"{base}/realtime?model=synthetic", additional_headers=bearer(acme.key)) as rt,
+        ws_connect(f"{base}/responses", additional_headers=bearer(acme.key)) as responses,
+        ws_connect(f"{base}/responses", additional_headers=bearer(other)) as bystander,
+    ):
+        assert json.loads(await rt.recv())["type"] == "session.created"
+        await rt.send(json.dumps({"type": "conversation.item.create", "item": user("go")}))
+        await rt.send(json.dumps({"type": "response.create"}))
+        while json.loads(await rt.recv())["type"] not in DELTAS:  # a response under way
+            pass
+        await responses.send(
+            json.dumps({"type": "response.create", "input": "long", "model": "synthetic"})
+        )
+        while json.loads(await responses.recv())["type"] != "response.output_text.delta":
+            pass
+        async with httpx.AsyncClient(base_url=server.http_url) as http:
+            revoked = await http.post(f"/admin/keys/{acme.id}/revoke", headers=bearer(admin))
+            assert revoked.status_code == 200
+        for ws in (rt, responses):
+            events = []
+            with pytest.raises(ConnectionClosedError):  # to the close
+                while True:
+                    events.append(json.loads(await ws.recv()))
+            errors = [e for e in events if e["type"] == "error"]
+            assert errors and errors[-1]["error"]["code"] == "unauthorized", events
+            assert "revoked" in errors[-1]["error"]["message"]
+            assert ws.close_code == 4401
+        await eventually(
+            lambda: (
+                not server.state.generations
+                and [s.principal.name for s in server.state.api_sockets] == ["globex"]
+            ),
+            5,
+            "the responses cancelled and the sockets gone",
+        )
+        await bystander.send(
+            json.dumps({"type": "response.create", "input": "hi", "model": "synthetic"})
+        )
+        assert json.loads(await bystander.recv())["type"] == "response.created"
 
 
 # --------------------------------------------------------------------------- Responses over WS

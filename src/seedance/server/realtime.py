@@ -23,7 +23,7 @@ import secrets
 import time
 from typing import Any, cast
 
-from starlette.websockets import WebSocket, WebSocketDisconnect
+from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketDisconnected
 
 from seedance.protocol.errors import InvalidRequest, SeedanceError, SessionBusy
 from seedance.protocol.messages import ChatMessage, DoneFrame, Generate, RequestId, TenantId
@@ -42,7 +42,7 @@ from seedance.protocol.realtime import (
 )
 from seedance.server.openai_api import HttpFollower, Receive, Scope, Send, authenticate_http
 from seedance.server.requests import Generation, Requester, admit, session_prompt
-from seedance.server.state import ServedModel, ServerState
+from seedance.server.state import ApiSocket, ServedModel, ServerState
 from seedance.sessions.session import Session, Turn
 from seedance.tenants.auth import Principal
 from seedance.tenants.policy import check_model
@@ -89,9 +89,12 @@ class RealtimeEndpoint:
                 await ws.close(exc.connect_close_code, exc.code)
             return
         connection = Realtime(state, ws, principal, model, session, beta, scope)
+        socket = ApiSocket(connection.connection_id, principal, scope, connection.shut_out)
+        state.api_sockets.add(socket)
         try:
             await connection.run()
         finally:
+            state.api_sockets.discard(socket)
             state.usage.close_connection(principal.name)
             await state.sessions.detach(session)
 
@@ -123,6 +126,7 @@ class Realtime:
         self.generation: Generation | None = None
         self.responding: asyncio.Task[None] | None = None
         self._writing = asyncio.Lock()
+        self._shutting: asyncio.Task[None] | None = None
 
     @property
     def limit(self) -> int:
@@ -146,13 +150,26 @@ class Realtime:
                             exc, client_event if isinstance(client_event, str) else None
                         )
                     )
-        except WebSocketDisconnect:
+        except (WebSocketDisconnect, WebSocketDisconnected):  # its client left, or shut out
             pass
         finally:
             if self.generation is not None:
                 self.generation.cancel(silent=True)  # its client left
-            if self.responding is not None:
-                await asyncio.gather(self.responding, return_exceptions=True)
+            tasks = [t for t in (self.responding, self._shutting) if t is not None]
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def shut_out(self, error: SeedanceError) -> None:
+        """Its credential stopped passing: the response under way is cancelled, then the
+        error event, and the socket closes."""
+        if self.generation is not None:
+            self.generation.cancel(silent=True)
+        if self._shutting is None:
+            self._shutting = asyncio.create_task(self._shut(error), name="realtime-shut-out")
+
+    async def _shut(self, error: SeedanceError) -> None:
+        with contextlib.suppress(WebSocketDisconnect, WebSocketDisconnected):
+            await self.send(self.events.error(error, None))
+            await self.ws.close(error.connect_close_code, error.code)
 
     async def handle(self, event: dict[str, Any]) -> None:
         kind = event["type"]

@@ -21,6 +21,7 @@ the response ended). A response that is not stored is neither.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
@@ -29,7 +30,7 @@ from typing import Any, Final, cast
 
 import msgspec
 from starlette.datastructures import QueryParams
-from starlette.websockets import WebSocket, WebSocketDisconnect
+from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketDisconnected
 
 from seedance.observability.logs import bind_request
 from seedance.protocol.codec import FrameLimits, validate_session_id
@@ -62,7 +63,7 @@ from seedance.server.openai_api import (
     authenticate_http,
 )
 from seedance.server.requests import Generation, Requester, admit, session_prompt
-from seedance.server.state import ServerState
+from seedance.server.state import ApiSocket, ServerState
 from seedance.sessions.session import Session, Turn
 from seedance.streams.log import StreamLog
 from seedance.tenants.policy import check_model
@@ -427,6 +428,18 @@ class ResponsesSocket:
             await ws.close(exc.connect_close_code)
             return
         running: asyncio.Task[None] | None = None
+        shutting: list[asyncio.Task[None]] = []
+
+        def shut_out(error: SeedanceError) -> None:
+            """Its credential stopped passing: the response under way is cancelled, then the
+            error event, and the socket closes."""
+            if running is not None:
+                running.cancel()
+            if not shutting:
+                shutting.append(asyncio.create_task(_shut(ws, error), name="responses-shut-out"))
+
+        socket = ApiSocket("responses socket", principal, scope, shut_out)
+        state.api_sockets.add(socket)
         try:
             while True:
                 text = await ws.receive_text()
@@ -447,12 +460,20 @@ class ResponsesSocket:
                 call.stream_id = event.pop("stream_id", None)
                 body = _encode({**event, "stream": True})
                 running = asyncio.create_task(call.respond(body, self.endpoint.limits))
-        except WebSocketDisconnect:
+        except (WebSocketDisconnect, WebSocketDisconnected):  # its client left, or shut out
             pass
         finally:
+            state.api_sockets.discard(socket)
             if running is not None and not running.done():
                 running.cancel()  # a foreground response stops when its client leaves
-                await asyncio.gather(running, return_exceptions=True)
+            tasks = [t for t in (running, *shutting) if t is not None]
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _shut(ws: WebSocket, error: SeedanceError) -> None:
+    with contextlib.suppress(WebSocketDisconnect, WebSocketDisconnected):
+        await ws.send_text(_encode(socket_error(error)).decode())
+        await ws.close(error.connect_close_code, error.code)
 
 
 def _socket_event(text: str) -> dict[str, Any]:

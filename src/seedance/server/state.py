@@ -7,10 +7,10 @@ import functools
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from seedance.config import ConfigError, ServerConfig
 from seedance.engines.base import Engine
@@ -20,14 +20,20 @@ from seedance.observability.gpu import open_gpu_memory
 from seedance.observability.metrics import Metrics
 from seedance.observability.tracing import Tracing
 from seedance.protocol.codec import FrameLimits
-from seedance.protocol.errors import CLOSE_GOING_AWAY, ModelNotFound, Overloaded, Unauthorized
+from seedance.protocol.errors import (
+    CLOSE_GOING_AWAY,
+    ModelNotFound,
+    Overloaded,
+    SeedanceError,
+    Unauthorized,
+)
 from seedance.server.admission import Admission
 from seedance.server.gauges import state_metrics
 from seedance.server.outbound import FrameMerger
 from seedance.sessions.store import MemorySessionStore, SessionStore
 from seedance.streams.store import MemoryStreamStore, StreamStore
 from seedance.tenants.access import Access
-from seedance.tenants.auth import certificate_of
+from seedance.tenants.auth import Principal, certificate_of
 from seedance.tenants.usage import Usage
 
 if TYPE_CHECKING:
@@ -51,6 +57,18 @@ def share_of(key: str) -> float:
     """Where ``key`` falls in [0, 1): the same for a key on every node and every run."""
     digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") / 2**64
+
+
+@dataclass(eq=False, slots=True)
+class ApiSocket:
+    """A long-lived WebSocket of the OpenAI APIs (Realtime, the Responses API's WebSocket
+    mode): who opened it, and how to shut it out when its credential stops passing (the
+    endpoint's error event, close 4401)."""
+
+    name: str  # for the log
+    principal: Principal
+    scope: Mapping[str, Any]
+    shut_out: Callable[[SeedanceError], None]
 
 
 @dataclass(frozen=True)
@@ -131,6 +149,8 @@ class ServerState:
         #: Running generations by request id.
         self.generations: dict[str, Generation] = {}
         self.connections: set[Connection] = set()
+        #: The OpenAI APIs' WebSockets, for revocations (they are not /v2/infer connections).
+        self.api_sockets: set[ApiSocket] = set()
         self.http_calls: set[HttpCall] = set()  # OpenAI API requests being answered
         # Merges the token frames of fast streams (None: one frame per token).
         self.merger = (
@@ -318,32 +338,44 @@ class ServerState:
             self._close_connections_of(passing)
 
     def _close_connections_of(self, key_ids: set[str]) -> None:
-        for connection in list(self.connections):
-            if connection.principal.credential in key_ids:
-                credential = connection.principal.credential
-                logger.info("conn %s closed: credential %s revoked", connection.id, credential)
-                connection.fail(Unauthorized(f"credential {credential} has been revoked"))
+        self._shut_out(
+            lambda principal, _: (
+                f"credential {principal.credential} has been revoked"
+                if principal.credential in key_ids
+                else None
+            )
+        )
 
     def _close_dropped_subjects(self, subjects: set[str]) -> None:
         """Client certificate subjects a reload took from their tenant: the connections they
-        opened are closed (4401), as a revoked key's are."""
+        opened are closed, as a revoked key's are."""
+
+        def reason(principal: Principal, scope: Mapping[str, Any]) -> str | None:
+            if not principal.credential.startswith("cert:"):
+                return None  # a credential counts before a certificate
+            certificate = certificate_of(scope)
+            if certificate is None or certificate.subject not in subjects:
+                return None
+            return (
+                f"the client certificate {certificate.subject[:200]} no longer stands for "
+                f"tenant {principal.name}"
+            )
+
+        self._shut_out(reason)
+
+    def _shut_out(self, reason: Callable[[Principal, Mapping[str, Any]], str | None]) -> None:
+        """Close every WebSocket whose caller stopped passing (``unauthorized``, 4401):
+        ``reason`` says why, None for one that still passes."""
         for connection in list(self.connections):
-            if not connection.principal.credential.startswith("cert:"):
-                continue  # a credential counts before a certificate
-            certificate = certificate_of(connection.ws.scope)
-            if certificate is not None and certificate.subject in subjects:
-                logger.info(
-                    "conn %s closed: client certificate %s no longer stands for tenant %s",
-                    connection.id,
-                    certificate.subject,
-                    connection.tenant,
-                )
-                connection.fail(
-                    Unauthorized(
-                        f"the client certificate {certificate.subject[:200]} no longer stands "
-                        f"for tenant {connection.tenant}"
-                    )
-                )
+            why = reason(connection.principal, connection.ws.scope)
+            if why is not None:
+                logger.info("conn %s closed: %s", connection.id, why)
+                connection.fail(Unauthorized(why))
+        for socket in list(self.api_sockets):
+            why = reason(socket.principal, socket.scope)
+            if why is not None:
+                logger.info("%s closed: %s", socket.name, why)
+                socket.shut_out(Unauthorized(why))
 
     async def _close_idle(self, spread_s: float) -> None:
         """Close (1001) the connections that read no stream, spread over ``spread_s``; in a
