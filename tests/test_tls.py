@@ -265,15 +265,12 @@ def tenants_file(path: Path) -> tuple[Path, str]:
     return path, add_key(path, "acme").key
 
 
-async def test_a_client_certificate_listed_by_a_tenant_stands_for_it(
-    make_server: Callable[..., RunningServer],
-    pki: Pki,
-    tmp_path: Path,
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    caplog.set_level(logging.INFO, "seedance")
-    path, key = tenants_file(tmp_path / "seedance.toml")
-    assert pki.desk.subject == "CN=desk-1,O=Acme Bank"
+def tenant_tls_server(
+    make_server: Callable[..., RunningServer], pki: Pki, directory: Path
+) -> tuple[Path, str, str, str]:
+    """A TLS server asking for client certificates, on tenant acme's file (which it watches):
+    the file, acme's key, the wss:// and https:// base URLs."""
+    path, key = tenants_file(directory / "seedance.toml")
     _, wss, https = tls_server(
         make_server,
         pki,
@@ -281,6 +278,18 @@ async def test_a_client_certificate_listed_by_a_tenant_stands_for_it(
         config_file=str(path),
         access=load_access(path),
     )
+    return path, key, wss, https
+
+
+async def test_a_client_certificate_listed_by_a_tenant_stands_for_it(
+    make_server: Callable[..., RunningServer],
+    pki: Pki,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, "seedance")
+    assert pki.desk.subject == "CN=desk-1,O=Acme Bank"
+    _, key, wss, https = tenant_tls_server(make_server, pki, tmp_path)
     # Listed: no key needed, over WebSocket and HTTP.
     async with connect(wss, ssl=pki.client(pki.desk)) as session:
         assert (await session.complete("hi", max_tokens=2)).finish_reason == "length"
@@ -315,14 +324,7 @@ async def test_a_client_certificate_listed_by_a_tenant_stands_for_it(
 async def test_a_subject_taken_from_its_tenant_closes_its_connections(
     make_server: Callable[..., RunningServer], pki: Pki, tmp_path: Path
 ) -> None:
-    path, key = tenants_file(tmp_path / "seedance.toml")
-    _, wss, _ = tls_server(
-        make_server,
-        pki,
-        tls_client_ca=str(pki.ca.pem),
-        config_file=str(path),
-        access=load_access(path),
-    )
+    path, key, wss, _ = tenant_tls_server(make_server, pki, tmp_path)
     async with (
         raw_connect(wss, ssl=pki.client(pki.desk)) as by_certificate,
         raw_connect(wss, f"api_key={key}", ssl=pki.client(pki.desk)) as by_key,
