@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
+from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from websockets.exceptions import InvalidHandshake
 
@@ -196,12 +197,27 @@ def replace(target: Path, source: Path) -> None:
     os.replace(staged, target)
 
 
+async def tls_metrics(https: str, pki: Pki) -> dict[str, float]:
+    """The ``seedance_tls_*`` samples of the server's /metrics."""
+    async with httpx.AsyncClient(verify=pki.client()) as http:
+        text = (await http.get(f"{https}/metrics")).text
+    samples = (line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("seedance_tls"))
+    return {name: float(value) for name, value in samples}
+
+
+def expiry(issued: Issued) -> float:
+    certificate = x509.load_pem_x509_certificate(issued.cert.read_bytes())
+    return certificate.not_valid_after_utc.timestamp()
+
+
 async def test_a_certificate_replaced_on_disk_is_served_without_a_restart(
     make_server: Callable[..., RunningServer], pki: Pki, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, "seedance")
-    server, wss, _ = tls_server(make_server, pki, tls_watch_s=0.05)
+    server, wss, https = tls_server(make_server, pki, tls_watch_s=0.05)
     assert (await handshake(server.port, pki.client()))["cn"] == "seedance-test"
+    expires = "seedance_tls_certificate_expiry_timestamp_seconds"
+    assert (await tls_metrics(https, pki))[expires] == expiry(pki.server)
     async with connect(wss, ca_file=str(pki.ca.pem)) as session:
         renewed = pki.ca.server("renewed", "seedance-renewed")
         replace(pki.server.key, renewed.key)
@@ -222,6 +238,9 @@ async def test_a_certificate_replaced_on_disk_is_served_without_a_restart(
         assert any("reloaded: CN=seedance-renewed" in r.getMessage() for r in caplog.records)
         # The connection opened before goes on with the certificate it was made with.
         assert (await session.complete("on", max_tokens=2)).finish_reason == "length"
+        metrics = await tls_metrics(https, pki)
+        assert metrics[expires] == expiry(renewed)
+        assert metrics['seedance_tls_certificate_reloads_total{outcome="loaded"}'] == 1
 
     # A certificate whose key is not on disk: a warning, and the renewed one stays.
     caplog.clear()
@@ -236,6 +255,9 @@ async def test_a_certificate_replaced_on_disk_is_served_without_a_restart(
     warning = warned()[0]
     assert "not reloaded" in warning and "the key does not match the certificate" in warning
     assert (await handshake(server.port, pki.client()))["serial"] == renewed.serial
+    metrics = await tls_metrics(https, pki)
+    assert metrics[expires] == expiry(renewed)
+    assert metrics['seedance_tls_certificate_reloads_total{outcome="failed"}'] == 1
 
 
 def test_a_failed_reload_is_not_retried_until_the_files_change_again(

@@ -38,12 +38,14 @@ MODEL_LABELS: Final = ("model", "engine")
 REQUEST_LABELS: Final = ("model", "engine", "tenant")
 S = TypeVar("S")
 #: Exported only where they mean something: GPU memory (a GPU and NVML), KV usage and the
-#: requests inside the engine (engines that know them).
+#: requests inside the engine (engines that know them), the TLS certificate (with --tls-cert).
 CONDITIONAL_METRICS: Final = (
     "seedance_gpu_memory_used_bytes",
     "seedance_gpu_memory_total_bytes",
     "seedance_kv_cache_usage_ratio",
     "seedance_engine_requests",
+    "seedance_tls_certificate_expiry_timestamp_seconds",  # with --tls-cert
+    "seedance_tls_certificate_reloads",
 )
 #: Distinct ``slatag`` values given series of their own; later ones are counted as "other"
 #: (client-chosen labels must not grow the series without bound).

@@ -181,6 +181,8 @@ def build_server(config: ServerConfig, app: Starlette | None = None) -> Seedance
     tls = ServerTls.of(config)
     app = app or create_app(config)
     state: ServerState = app.state.seedance
+    if tls is not None:
+        state.metrics.add_collector(tls.collect)
     uv_config = SeedanceConfig(
         app,
         tls=tls.context if tls is not None else None,

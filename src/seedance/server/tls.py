@@ -31,14 +31,16 @@ import asyncio
 import logging
 import os
 import ssl
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import load_pem_private_key
+from prometheus_client.core import CounterMetricFamily, Metric
 
 from seedance.config import ConfigError, ServerConfig
+from seedance.observability.metrics import gauge
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +157,8 @@ class ServerTls:
         self.current = self.context
         self.context.sni_callback = self._select
         self._watcher: asyncio.Task[None] | None = None
+        #: Reloads after a change of the files: ``loaded``, or ``failed`` (the old one stays).
+        self.reloads = {"loaded": 0, "failed": 0}
 
     @classmethod
     def of(cls, config: ServerConfig) -> ServerTls | None:
@@ -189,10 +193,29 @@ class ServerTls:
             context, certificate = server_context(self.files)
         except ConfigError as exc:
             logger.warning("TLS certificate not reloaded, the old one stays: %s", exc.message)
+            self.reloads["failed"] += 1
             return False
         self.current, self.certificate = context, certificate
+        self.reloads["loaded"] += 1
         logger.info("TLS certificate reloaded: %s", describe(certificate))
         return True
+
+    def collect(self) -> Iterator[Metric]:
+        """Its figures, read when Prometheus scrapes: when the certificate served expires (to
+        alert on well before), and the reloads."""
+        expiry = gauge(
+            "seedance_tls_certificate_expiry_timestamp_seconds",
+            "When the TLS certificate served now expires (Unix time).",
+        )
+        expiry.add_metric([], self.certificate.not_valid_after_utc.timestamp())
+        reloads = CounterMetricFamily(
+            "seedance_tls_certificate_reloads",
+            "Reloads of the TLS files after a change (failed: the old certificate stays).",
+            labels=["outcome"],
+        )
+        for outcome, count in self.reloads.items():
+            reloads.add_metric([outcome], count)
+        yield from (expiry, reloads)
 
     def start(self) -> None:
         if self.watch_s > 0 and self._watcher is None:
