@@ -133,10 +133,10 @@ class Realtime:
         return self.model.limits.max_tokens
 
     async def run(self) -> None:
-        await self.send(
-            self.events.event("session.created", session=self.events.session(self.config))
-        )
         try:
+            await self.send(
+                self.events.event("session.created", session=self.events.session(self.config))
+            )
             while True:
                 text = await self.ws.receive_text()
                 event: dict[str, Any] = {}
