@@ -338,6 +338,7 @@ class ServerState:
             self._close_connections_of(passing)
 
     def _close_connections_of(self, key_ids: set[str]) -> None:
+        """Keys that stopped passing: the sockets they opened are closed."""
         self._shut_out(
             lambda principal, _: (
                 f"credential {principal.credential} has been revoked"
