@@ -7,6 +7,7 @@ Over real sockets, with certificates made on the spot (tests/support/certs.py).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -288,7 +289,7 @@ def tenants_file(path: Path) -> tuple[Path, str]:
 
 
 def tenant_tls_server(
-    make_server: Callable[..., RunningServer], pki: Pki, directory: Path
+    make_server: Callable[..., RunningServer], pki: Pki, directory: Path, **fields: Any
 ) -> tuple[Path, str, str, str]:
     """A TLS server asking for client certificates, on tenant acme's file (which it watches):
     the file, acme's key, the wss:// and https:// base URLs."""
@@ -299,6 +300,7 @@ def tenant_tls_server(
         tls_client_ca=str(pki.ca.pem),
         config_file=str(path),
         access=load_access(path),
+        **fields,
     )
     return path, key, wss, https
 
@@ -346,7 +348,8 @@ async def test_a_client_certificate_listed_by_a_tenant_stands_for_it(
 async def test_a_subject_taken_from_its_tenant_closes_its_connections(
     make_server: Callable[..., RunningServer], pki: Pki, tmp_path: Path
 ) -> None:
-    path, key, wss, _ = tenant_tls_server(make_server, pki, tmp_path)
+    audit = tmp_path / "audit.jsonl"
+    path, key, wss, _ = tenant_tls_server(make_server, pki, tmp_path, audit_file=str(audit))
     async with (
         raw_connect(wss, ssl=pki.client(pki.desk)) as by_certificate,
         raw_connect(wss, f"api_key={key}", ssl=pki.client(pki.desk)) as by_key,
@@ -364,6 +367,13 @@ async def test_a_subject_taken_from_its_tenant_closes_its_connections(
     async with raw_connect(wss, ssl=pki.client(pki.desk)) as again:
         code, _ = await wait_closed(again)
     assert code == 4401
+
+    def dropped() -> list[dict[str, Any]]:
+        records = [json.loads(line) for line in audit.read_text().splitlines()]
+        return [r for r in records if r["kind"] == "subjects_dropped"]
+
+    await eventually(dropped, 5, "the audit record")
+    assert dropped()[0]["subjects"] == ["CN=desk-1,O=Acme Bank"]
 
 
 def test_a_credential_counts_before_a_certificate(tmp_path: Path) -> None:

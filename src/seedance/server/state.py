@@ -348,8 +348,9 @@ class ServerState:
         )
 
     def _close_dropped_subjects(self, subjects: set[str]) -> None:
-        """Client certificate subjects a reload took from their tenant: the connections they
-        opened are closed, as a revoked key's are."""
+        """Client certificate subjects a reload took from their tenant: audited, and the
+        connections they opened closed, as a revoked key's are."""
+        self.audit_submit(lambda: audit.SubjectsDropped(subjects=sorted(subjects)))
 
         def reason(principal: Principal, scope: Mapping[str, Any]) -> str | None:
             if not principal.credential.startswith("cert:"):

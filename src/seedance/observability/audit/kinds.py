@@ -90,6 +90,14 @@ class KeysRevoked(AuditRecord, kw_only=True):
     keys: list[str]
 
 
+class SubjectsDropped(AuditRecord, kw_only=True):
+    """Client certificate subjects stopped standing for their tenant (the config file
+    changed); the connections they opened were closed."""
+
+    kind: Literal["subjects_dropped"] = "subjects_dropped"
+    subjects: list[str]
+
+
 class ModelEvent(AuditRecord, kw_only=True):
     """A model version of the registry loaded, refused (with the reason), or retired."""
 
