@@ -248,6 +248,7 @@ def quick_suite(tmp_path: Path, suite: int, timeout_s: float) -> tuple[str, str]
     return out.read_text(), progress
 
 
+@pytest.mark.timeout(210)  # past quick_suite's own bound, which reports what ran
 def test_make_bench_suite_writes_its_report(tmp_path: Path) -> None:
     # The shortest real run of one suite: servers started, contenders in turn, report written.
     report, progress = quick_suite(tmp_path, 4, timeout_s=180)
@@ -461,6 +462,7 @@ def test_the_resume_suite_clients_drop_and_resume_whole(make_server: Any) -> Non
     assert all(r["resume_ms"] > 0 and r["ttft_ms"] > 0 for r in results)
 
 
+@pytest.mark.timeout(150)  # past quick_suite's own bound, which reports what ran
 def test_the_qos_suite_puts_the_design_table_beside_its_own(tmp_path: Path) -> None:
     # Suite 11 in its quickest form: one 24 s period, A and B at once against faulty twins.
     report, _ = quick_suite(tmp_path, 11, timeout_s=120)
@@ -481,6 +483,7 @@ def test_the_qos_suite_puts_the_design_table_beside_its_own(tmp_path: Path) -> N
     assert "| secondary |" in report and "| degraded |" in report
 
 
+@pytest.mark.timeout(210)  # past quick_suite's own bound, which reports what ran
 def test_the_browser_suite_times_each_appended_window(tmp_path: Path) -> None:
     # Suite 12 in its quick form: headless Chromium, 4 replies of 1,024 tokens per window size.
     tool("chromium", "chromium")
@@ -512,6 +515,7 @@ def test_the_openai_suite_times_each_way_to_ask(server: RunningServer, way: str)
 
 
 @pytest.mark.model
+@pytest.mark.timeout(330)  # past quick_suite's own bound, which reports what ran
 def test_the_reload_suite_reloads_five_times_under_load(tmp_path: Path) -> None:
     # Suite 14 in its quick form: the embedded model reloaded five times while 4 sessions ask.
     report, _ = quick_suite(tmp_path, 14, timeout_s=300)
@@ -525,6 +529,7 @@ def test_the_reload_suite_reloads_five_times_under_load(tmp_path: Path) -> None:
 
 
 @pytest.mark.model
+@pytest.mark.timeout(390)  # past quick_suite's own bound, which reports what ran
 def test_the_confidential_suite_sets_encryption_and_tls_beside_plain(tmp_path: Path) -> None:
     # Suite 15 in its quick form: ws://, ws:// + e2e, wss:// and wss:// + e2e side by side, on
     # the synthetic engine and SmolLM2; every way answered (e2e and TLS agreed), no errors.
