@@ -224,7 +224,9 @@ def quick_suite(tmp_path: Path, suite: int, timeout_s: float) -> tuple[str, str]
     """``make bench``'s suite ``suite`` in its quickest form (``--quick --rounds 1``): its
     report, and what it printed on the way."""
     out = tmp_path / "benchmarks.md"
-    # Its own process group: on a timeout the servers and peers it started go with it.
+    # Its own process group (not session: a new session is a scheduling autogroup of its own
+    # on Linux, where llama.cpp's threads crawl beside a busy neighbour): on a timeout the
+    # servers and peers it started go with it.
     proc = subprocess.Popen(
         [
             *(sys.executable, "-m", "seedance.bench.suites", "--quick", "--rounds", "1"),
@@ -233,7 +235,7 @@ def quick_suite(tmp_path: Path, suite: int, timeout_s: float) -> tuple[str, str]
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        start_new_session=True,
+        preexec_fn=os.setpgrp,
     )
     try:
         _, progress = proc.communicate(timeout=timeout_s)
