@@ -465,6 +465,7 @@ def owner_of(running: dict[int, ServerProcess], session: str) -> int:
 
 @pytest.mark.slow
 @pytest.mark.subprocess
+@pytest.mark.timeout(300)  # 20 kills and takeovers: about 50 s on 2 cores
 async def test_20_kills_of_the_owner_through_haproxy_lose_no_token(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
