@@ -17,9 +17,10 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from seedance.config import load_access
+from seedance.keyfiles import load_public
 from seedance.observability.audit import AuditLog, AuditSettings
 from seedance.observability.audit.kinds import Request
-from seedance.observability.audit.records import digest, load_public_key
+from seedance.observability.audit.records import digest
 from seedance.observability.audit.verify import verify
 from seedance.tenants.keys import add_key
 from tests.support.servers import SEEDANCE, RunningServer, ServerProcess, serve_fails
@@ -85,7 +86,7 @@ async def test_requests_connections_refusals_and_admin_actions_are_recorded(
         )
     server.stop()  # seals the log
 
-    verdict = verify(log, load_public_key(key))
+    verdict = verify(log, load_public(key))
     assert verdict.ok and "sealed" in verdict.message and "signature(s) verified" in verdict.message
     text = log.read_text()
     assert "the secret plan" not in text and user.key not in text  # hashes, never text
@@ -122,12 +123,12 @@ async def test_requests_connections_refusals_and_admin_actions_are_recorded(
 def sealed_log(tmp_path: Path) -> tuple[Path, Path]:
     """A sealed, signed log of 20 request records (and its key)."""
     key = signing_key(tmp_path)
-    from seedance.observability.audit.records import load_private_key
+    from seedance.keyfiles import load_private
 
     log = AuditLog(
         AuditSettings(
             path=tmp_path / "audit.log",
-            signing_key=load_private_key(key),
+            signing_key=load_private(key),
             checkpoint_records=5,
         )
     )
@@ -202,7 +203,7 @@ def test_a_rewritten_chain_fails_its_signatures(sealed_log: tuple[Path, Path]) -
         prev = record["hash"]
     log.write_text("".join(json.dumps(r) + "\n" for r in lines))
     assert verify(log).ok  # without the key, a consistent rewrite passes the chain check
-    verdict = verify(log, load_public_key(key))
+    verdict = verify(log, load_public(key))
     assert not verdict.ok and "bad signature" in verdict.message
 
 
@@ -284,7 +285,7 @@ def test_every_acknowledged_record_is_signed_before_a_sigkill(
                 pass
         proc.signal(signal.SIGKILL)
     proc.wait()
-    public = load_public_key(key)
+    public = load_public(key)
     verdict = verify(log, public, allow_unsealed=True)
     assert verdict.ok and "after the last signature" not in verdict.message
     lines = [json.loads(line) for line in log.read_text().splitlines()]

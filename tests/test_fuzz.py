@@ -21,9 +21,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from seedance.config import ConfigError, load_config
+from seedance.keyfiles import load_public
 from seedance.observability.audit import AuditLog, AuditSettings
 from seedance.observability.audit.kinds import Request
-from seedance.observability.audit.records import load_public_key
 from seedance.observability.audit.verify import verify
 from seedance.protocol.codec import (
     FrameLimits,
@@ -290,7 +290,7 @@ def signed_log(tmp_path_factory: pytest.TempPathFactory) -> tuple[bytes, Any, Pa
             )
         )
     log.close()
-    return (folder / "audit.log").read_bytes(), load_public_key(folder / "key.pem"), folder
+    return (folder / "audit.log").read_bytes(), load_public(folder / "key.pem"), folder
 
 
 @given(position=st.integers(0, 10_000), byte=st.integers(0, 255))

@@ -257,13 +257,13 @@ def _keys(args: argparse.Namespace) -> int:
 def _audit(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from seedance.observability.audit.records import load_public_key
+    from seedance.keyfiles import load_public
     from seedance.observability.audit.verify import verify
 
     key = None
     if args.public_key:
         try:
-            key = load_public_key(Path(args.public_key))
+            key = load_public(Path(args.public_key))
         except (OSError, ValueError) as exc:
             print(f"seedance audit: error: --public-key: {exc}", file=sys.stderr)
             return 2

@@ -24,10 +24,9 @@ import os
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
-
-from seedance.protocol.e2e import load_identity
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +44,7 @@ class AtRest:
         self._aead = AESGCM(key)
 
     @classmethod
-    def from_identity(cls, path: str) -> AtRest:
-        identity = load_identity(path)
+    def from_identity(cls, identity: Ed25519PrivateKey) -> AtRest:
         secret = identity.private_bytes(
             serialization.Encoding.Raw,
             serialization.PrivateFormat.Raw,

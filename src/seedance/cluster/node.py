@@ -2,25 +2,25 @@
 
 from __future__ import annotations
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
 from seedance.cluster.atrest import AtRest
 from seedance.cluster.claims import Claims
 from seedance.cluster.link import ClusterLink
 from seedance.cluster.revocations import Revocations
 from seedance.cluster.sessions import RedisSessionStore
 from seedance.cluster.streams import RedisStreamStore
-from seedance.config import ConfigError, ServerConfig
+from seedance.config import ServerConfig
 
 
 class ClusterNode:
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, identity: Ed25519PrivateKey | None = None) -> None:
+        """``identity``: the server's (``--e2e-key``), which ``--encrypt-at-rest`` needs."""
         self.link = ClusterLink(config)
         self.claims = Claims(self.link)
         at_rest = None
-        if config.encrypt_at_rest and config.e2e_key is not None:
-            try:
-                at_rest = AtRest.from_identity(config.e2e_key)
-            except (OSError, ValueError) as exc:
-                raise ConfigError(f"--e2e-key: cannot use {config.e2e_key}: {exc}") from None
+        if config.encrypt_at_rest and identity is not None:
+            at_rest = AtRest.from_identity(identity)
         self.sessions = RedisSessionStore(self.link, ttl_s=config.session_ttl_s, at_rest=at_rest)
         self.revocations = Revocations(self.link)
         self.streams = RedisStreamStore(

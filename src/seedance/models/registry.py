@@ -29,7 +29,8 @@ from typing import Any, Final
 
 import msgspec
 
-from seedance.models.signing import SignatureError, TrustedKey, load_private, sign
+from seedance.keyfiles import load_private
+from seedance.models.signing import SignatureError, TrustedKey, sign
 from seedance.models.signing import verify as verify_envelope
 
 MANIFEST: Final = "manifest.json"

@@ -11,7 +11,6 @@ public bytes. Several trusted keys may be given (a rotation: old and new at once
 from __future__ import annotations
 
 import base64
-import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,8 @@ import msgspec
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from seedance.keyfiles import key_id
 
 PAYLOAD_TYPE: Final = "application/vnd.in-toto+json"
 
@@ -36,11 +37,6 @@ class Envelope(msgspec.Struct):
     payloadType: str
     payload: str  # base64 of the manifest's bytes
     signatures: list[Signature]
-
-
-def key_id(public: Ed25519PublicKey) -> str:
-    raw = public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-    return hashlib.sha256(raw).hexdigest()[:16]
 
 
 def pae(payload_type: str, payload: bytes) -> bytes:
@@ -69,13 +65,6 @@ def keygen(path: Path) -> tuple[Path, str]:
         )
     )
     return public_path, key_id(public)
-
-
-def load_private(path: Path) -> Ed25519PrivateKey:
-    key = serialization.load_pem_private_key(path.read_bytes(), password=None)
-    if not isinstance(key, Ed25519PrivateKey):
-        raise ValueError(f"{path}: not an Ed25519 private key")
-    return key
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,6 +48,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from seedance.keyfiles import load_public, public_key
 from seedance.protocol.errors import EncryptionFailed
 
 VERSION: Final = 1
@@ -95,11 +96,6 @@ def key_hash(key: bytes) -> str:
 
 def raw_public(key: X25519PublicKey | Ed25519PublicKey) -> bytes:
     return key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-
-
-def identity_id(identity: Ed25519PublicKey) -> str:
-    """The short name of a server identity: the first 16 hex digits of its key's SHA-256."""
-    return hashlib.sha256(raw_public(identity)).hexdigest()[:16]
 
 
 def transcript(
@@ -426,15 +422,6 @@ class Channel:
         return plaintext.decode()
 
 
-def load_identity(path: str) -> Ed25519PrivateKey:
-    """The server's identity: an Ed25519 private key, PEM (``seedance models keygen``)."""
-    with open(path, "rb") as f:
-        key = serialization.load_pem_private_key(f.read(), password=None)
-    if not isinstance(key, Ed25519PrivateKey):
-        raise ValueError(f"{path}: not an Ed25519 private key")
-    return key
-
-
 def load_pinned(source: str | bytes | Ed25519PublicKey) -> Ed25519PublicKey:
     """A pinned server identity: a key, PEM bytes, a PEM file's path (``KEYFILE.pub`` of
     ``seedance models keygen``), or base64url (the offer's ``identity``, as the server logs it
@@ -442,22 +429,12 @@ def load_pinned(source: str | bytes | Ed25519PublicKey) -> Ed25519PublicKey:
     if isinstance(source, Ed25519PublicKey):
         return source
     if isinstance(source, str) and not source.startswith("-----"):
-        if not os.path.exists(source):
-            try:
-                return Ed25519PublicKey.from_public_bytes(unb64url(source))
-            except ValueError:
-                raise ValueError(
-                    f"{source!r} is neither a key file nor a base64url Ed25519 key"
-                ) from None
-        with open(source, "rb") as f:
-            source = f.read()
-    data = source.encode() if isinstance(source, str) else source
-    if b"PRIVATE KEY" in data:
-        private = serialization.load_pem_private_key(data, password=None)
-        if not isinstance(private, Ed25519PrivateKey):
-            raise ValueError("not an Ed25519 key")
-        return private.public_key()
-    public = serialization.load_pem_public_key(data)
-    if not isinstance(public, Ed25519PublicKey):
-        raise ValueError("not an Ed25519 key")
-    return public
+        if os.path.exists(source):
+            return load_public(source)
+        try:
+            return Ed25519PublicKey.from_public_bytes(unb64url(source))
+        except ValueError:
+            raise ValueError(
+                f"{source!r} is neither a key file nor a base64url Ed25519 key"
+            ) from None
+    return public_key(source.encode() if isinstance(source, str) else source, "the pinned PEM")

@@ -20,10 +20,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from seedance.config import ConfigError, ServerConfig
+from seedance.keyfiles import key_id, load_private
 from seedance.observability.audit import kinds as audit
 from seedance.protocol import e2e
 
 if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
     from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
 
     from seedance.observability.metrics import Metrics
@@ -60,22 +62,31 @@ def model_digest(model: ServedModel) -> str:
     return hashlib.sha256(f"{info.engine}\0{info.name}\0{info.version}".encode()).hexdigest()
 
 
+def load_identity(config: ServerConfig) -> Ed25519PrivateKey | None:
+    """The server's identity (``--e2e-key``; None without it), which signs each key agreement
+    and from which ``--encrypt-at-rest`` derives its key; :class:`ConfigError` if it does not
+    load."""
+    if config.e2e_key is None:
+        return None
+    try:
+        return load_private(config.e2e_key)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--e2e-key: cannot use {config.e2e_key}: {exc}") from None
+
+
 class Confidential:
     """End-to-end encryption as this server offers it (``--e2e-key``)."""
 
     def __init__(
         self,
         config: ServerConfig,
+        identity: Ed25519PrivateKey,
         models: Callable[[], list[ServedModel]],
         audit_submit: Callable[[Callable[[], audit.AuditRecord]], object],
         metrics: Metrics,
     ) -> None:
-        assert config.e2e_key is not None
-        try:
-            self.identity = e2e.load_identity(config.e2e_key)
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"--e2e-key: cannot use {config.e2e_key}: {exc}") from None
-        self.identity_id = e2e.identity_id(self.identity.public_key())
+        self.identity = identity
+        self.identity_id = key_id(identity.public_key())
         logger.info(
             "end-to-end encryption offered%s: identity %s (clients pin %s)",
             " and required" if config.e2e_required else "",

@@ -28,6 +28,7 @@ from seedance.protocol.errors import (
     Unauthorized,
 )
 from seedance.server.admission import Admission
+from seedance.server.confidential import Confidential, load_identity
 from seedance.server.gauges import state_metrics
 from seedance.server.outbound import FrameMerger
 from seedance.sessions.store import MemorySessionStore, SessionStore
@@ -40,7 +41,6 @@ if TYPE_CHECKING:
     from seedance.cluster.node import ClusterNode
     from seedance.models.serving import ModelManager
     from seedance.protocol.messages import DoneFrame, ErrorFrame
-    from seedance.server.confidential import Confidential
     from seedance.server.connection import Connection
     from seedance.server.openai_api import HttpCall
     from seedance.server.requests import Generation
@@ -122,12 +122,13 @@ class ServerState:
             self.models[info.name] = ServedModel.of(config, engine)
         self.default_model = engines[0].info.name
         #: The cluster mode (``--redis``): None keeps everything in this process.
+        identity = load_identity(config)  # --e2e-key: end-to-end, and the key at rest
         self.cluster: ClusterNode | None = None
         if config.redis_url is not None:
             from seedance.cluster.node import ClusterNode
             from seedance.cluster.takeover import take_over
 
-            self.cluster = ClusterNode(config)
+            self.cluster = ClusterNode(config, identity)
             self.cluster.revocations.apply = self._revoked_elsewhere
             self.cluster.streams.take_over = functools.partial(take_over, self)
         self.sessions: SessionStore = sessions or (
@@ -171,11 +172,9 @@ class ServerState:
         self.audit = audit_log(config)
         #: End-to-end encryption of streams (``--e2e-key``; None: not offered).
         self.confidential: Confidential | None = None
-        if config.e2e_key is not None:
-            from seedance.server.confidential import Confidential
-
+        if identity is not None:
             self.confidential = Confidential(
-                config, self._served_versions, self.audit_submit, self.metrics
+                config, identity, self._served_versions, self.audit_submit, self.metrics
             )
         self.access.on_revoked = self._close_revoked
         self.access.on_subjects_dropped = self._close_dropped_subjects

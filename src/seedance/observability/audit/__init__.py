@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from seedance.config import ConfigError, ServerConfig
-from seedance.observability.audit.records import load_private_key
+from seedance.keyfiles import load_private
 from seedance.observability.audit.writer import AuditLog, AuditSettings, DamagedLog, last_record
 
 __all__ = ["AuditLog", "AuditSettings", "audit_log"]
@@ -19,7 +19,7 @@ def audit_log(config: ServerConfig) -> AuditLog | None:
     if config.audit_signing_key:
         path = Path(config.audit_signing_key).expanduser()
         try:
-            key = load_private_key(path)
+            key = load_private(path)
         except (OSError, ValueError) as exc:
             raise ConfigError(f"--audit-signing-key: cannot load {path}: {exc}") from None
     settings = AuditSettings(

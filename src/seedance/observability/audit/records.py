@@ -15,7 +15,6 @@ import base64
 import hashlib
 from collections.abc import Mapping
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
@@ -60,41 +59,7 @@ def json_text(value: Any) -> str:
     return _encode(value).decode()
 
 
-# ---------------------------------------------------------------------- signing keys
-
-
-def load_private_key(path: Path) -> Ed25519PrivateKey:
-    """An Ed25519 private key from a PEM file (``openssl genpkey -algorithm ed25519``)."""
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-    from cryptography.hazmat.primitives.serialization import load_pem_private_key
-
-    key = load_pem_private_key(path.read_bytes(), password=None)
-    if not isinstance(key, Ed25519PrivateKey):
-        raise ValueError(f"{path} is not an Ed25519 private key")
-    return key
-
-
-def load_public_key(path: Path) -> Ed25519PublicKey:
-    """An Ed25519 public key from a PEM file, or the public half of a private key's file."""
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import (
-        Ed25519PrivateKey,
-        Ed25519PublicKey,
-    )
-    from cryptography.hazmat.primitives.serialization import (
-        load_pem_private_key,
-        load_pem_public_key,
-    )
-
-    data = path.read_bytes()
-    if b"PRIVATE KEY" in data:
-        private = load_pem_private_key(data, password=None)
-        if not isinstance(private, Ed25519PrivateKey):
-            raise ValueError(f"{path} is not an Ed25519 key")
-        return private.public_key()
-    key = load_pem_public_key(data)
-    if not isinstance(key, Ed25519PublicKey):
-        raise ValueError(f"{path} is not an Ed25519 public key")
-    return key
+# ---------------------------------------------------------------------- signatures
 
 
 def sign(key: Ed25519PrivateKey, head: str) -> str:
