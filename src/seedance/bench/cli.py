@@ -234,10 +234,11 @@ def _pinned(identity: str) -> Ed25519PublicKey:
 def _tls(url: str, ca_file: str | None) -> ssl.SSLContext | None:
     """The TLS context of a ``wss://`` URL (None for ``ws://``), as the client makes it."""
     from seedance.client.session import tls_context
+    from seedance.protocol.errors import InvalidRequest
 
-    if ca_file is not None and not url.startswith("wss://"):
-        raise ValueError("--ca-file is for wss:// URLs")
     try:
         return tls_context(url, ca_file, None)
+    except InvalidRequest as exc:  # a CA file for a ws:// URL
+        raise ValueError(f"--ca-file: {exc.message}") from None
     except (OSError, ssl.SSLError) as exc:
         raise ValueError(f"--ca-file {ca_file}: {exc}") from None

@@ -301,9 +301,7 @@ class WebSocketTarget(Target):
 
     async def connect(self) -> Conn:
         handshake = None if self.pinned is None else e2e.ClientHandshake(self.pinned)
-        url = self.url
-        if handshake is not None:
-            url += ("&" if "?" in url else "?") + f"e2e={handshake.param}"
+        url = self.url if handshake is None else handshake.url(self.url)
         try:
             transport, listener = await ws_connect(
                 lambda: _Listener(hello=handshake is not None),

@@ -571,7 +571,7 @@ class connect:
         agreement = None
         if self.pinned is not None:  # a fresh ephemeral key for every connection
             agreement = ClientHandshake(self.pinned)
-            url += ("&" if "?" in url else "?") + "e2e=" + agreement.param
+            url = agreement.url(url)
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         if self.qos is not None:
             headers["X-QoS-Priority"] = self.qos

@@ -36,7 +36,7 @@ import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import msgspec
 from redis.exceptions import RedisError
@@ -55,6 +55,8 @@ if TYPE_CHECKING:
     from seedance.server.outbound import FrameMerger
 
 logger = logging.getLogger(__name__)
+
+Value = TypeVar("Value", str, bytes)  # what Redis keeps: text, or bytes
 
 START_ID: Final = "0-1"
 #: An entry's kind, the second part of its id.
@@ -206,8 +208,7 @@ class ReplicatedLog(StreamLog):
         """A local generation writes this log from now on, under the lock value ``holder``."""
         self.holder = holder
         if not self.sent:
-            at_rest = self.replicator.at_rest
-            self.header = header if at_rest is None else at_rest.seal(header, self.keys[2])
+            self.header = self.replicator.seal(header, self.keys[2])
 
     def _rewire(self) -> None:
         super()._rewire()
@@ -370,7 +371,7 @@ class Replicator:
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
 
-    def seal(self, value: str | bytes, key: str) -> str | bytes:
+    def seal(self, value: Value, key: str) -> Value | bytes:
         """A value as Redis keeps it under ``key``: sealed with ``--encrypt-at-rest``."""
         return value if self.at_rest is None else self.at_rest.seal(value, key)
 

@@ -191,6 +191,10 @@ class ClientHandshake:
         """The ``e2e`` query parameter."""
         return b64url(self.public)
 
+    def url(self, url: str) -> str:
+        """``url`` with the ``e2e`` query parameter added."""
+        return f"{url}{'&' if '?' in url else '?'}e2e={self.param}"
+
     def finish(
         self,
         offer: Offer | None,

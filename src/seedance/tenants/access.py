@@ -84,9 +84,9 @@ class Access:
         certificate."""
         if self.authenticator.open:
             return OPEN_PRINCIPAL
-        return self.authenticator.authenticate(
-            credential_of(scope), client_address(scope), certificate_of(scope)
-        )
+        credential = credential_of(scope)
+        certificate = None if credential else certificate_of(scope)  # a credential counts first
+        return self.authenticator.authenticate(credential, client_address(scope), certificate)
 
     # ------------------------------------------------------------------ reloads
 
