@@ -303,7 +303,12 @@ export class Session extends EventTarget {
   _send(text) {
     if (this.closed) throw new ConnectionClosed(this._closeCode ?? 1006);
     if (this._ws?.readyState === WebSocket.OPEN) this._transmit(this._ws, this.e2e, text);
-    else this._queued = [...(this._queued ?? []), text]; // reconnecting: sent once open again
+    else this._hold(text); // reconnecting: sent once open again
+  }
+
+  // A frame for the next connection: this one is down, or dropped while the frame was sealed.
+  _hold(text) {
+    if (!this.closed) (this._queued ??= []).push(text);
   }
 
   // A text frame onto `ws`; sealed first on an encrypted connection, in the order given (sealing
@@ -315,12 +320,12 @@ export class Session extends EventTarget {
     }
     this._outbound = this._outbound.then(async () => {
       if (ws.readyState !== WebSocket.OPEN) {
-        if (!this.closed) this._queued = [...(this._queued ?? []), text];
+        this._hold(text);
         return;
       }
       const sealed = await channel.seal(text);
       if (ws.readyState === WebSocket.OPEN) ws.send(sealed);
-      else if (!this.closed) this._queued = [...(this._queued ?? []), text];
+      else this._hold(text);
     }).catch((error) => this._encryptionFailed(ws, error));
   }
 
