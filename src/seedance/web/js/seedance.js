@@ -3,7 +3,7 @@
 // with resume of resumable replies, typed errors with the protocol's codes, and end-to-end
 // encryption of every frame (e2e.js).
 
-import { Handshake, SEALED } from "./e2e.js";
+import { Handshake, SEALED, toHex } from "./e2e.js";
 
 export const SUBPROTOCOL = "seedance.v2";
 
@@ -569,6 +569,5 @@ function sleep(ms) {
 }
 
 function randomId() {
-  const bytes = crypto.getRandomValues(new Uint8Array(6));
-  return Array.from(bytes, (b) => b.toString(16).padStart(2, "0")).join("");
+  return toHex(crypto.getRandomValues(new Uint8Array(6)));
 }
