@@ -31,7 +31,7 @@ import shlex
 import statistics
 import sys
 import tempfile
-import time
+import timeit
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -195,13 +195,7 @@ def _rounds(
 
 def _best_us(fn: Callable[[], object], n: int = 10_000, repeat: int = 5) -> float:
     """The best of ``repeat`` timings of ``n`` calls, in µs per call."""
-    best = float("inf")
-    for _ in range(repeat):
-        started = time.perf_counter()
-        for _ in range(n):
-            fn()
-        best = min(best, time.perf_counter() - started)
-    return best / n * 1e6
+    return min(timeit.repeat(fn, number=n, repeat=repeat)) / n * 1e6
 
 
 def frame_costs() -> list[tuple[str, int, dict[str, float]]]:
