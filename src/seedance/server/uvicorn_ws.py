@@ -103,16 +103,7 @@ class SeedanceWebSocketProtocol(WebSocketsSansIOProtocol):
             or self.transport.is_closing()
         ):
             return False
-        parts: list[bytes] = []
-        for frame in frames:
-            if isinstance(frame, str):
-                data = frame.encode()
-                parts.append(_frame_header(0x81, len(data)))
-            else:
-                data = frame
-                parts.append(_frame_header(0x82, len(data)))
-            parts.append(data)
-        self.transport.write(b"".join(parts))
+        self.transport.write(_framed(frames))
         return True
 
     def handle_pong(self, event: Frame) -> None:
@@ -164,16 +155,26 @@ class SeedanceWebSocketProtocol(WebSocketsSansIOProtocol):
         if isinstance(self.conn.parser_exc, PayloadTooBig):
             error = PayloadTooLarge(f"frame exceeds the limit of {self.config.ws_max_size} bytes")
             frame = encode_error(error) if self.seal is None else self.seal(encode_error(error))
-            if isinstance(frame, str):
-                data = frame.encode()
-                self.transport.write(_frame_header(0x81, len(data)) + data)
-            else:
-                self.transport.write(_frame_header(0x82, len(frame)) + frame)
+            self.transport.write(_framed((frame,)))
         super().handle_parser_exception()
 
     def _abort(self) -> None:
         if not self.transport.is_closing():
             self.transport.abort()
+
+
+def _framed(frames: Sequence[bytes | str]) -> bytes:
+    """Server frames, ready to write: a text frame for each ``str``, a binary one for bytes."""
+    parts: list[bytes] = []
+    for frame in frames:
+        if isinstance(frame, str):
+            data = frame.encode()
+            parts.append(_frame_header(0x81, len(data)))
+        else:
+            data = frame
+            parts.append(_frame_header(0x82, len(data)))
+        parts.append(data)
+    return b"".join(parts)
 
 
 def _frame_header(first_byte: int, length: int) -> bytes:
