@@ -16,6 +16,7 @@ import pytest
 
 from tests.support.rawclient import RawClient
 from tests.support.servers import RunningServer, slow_engine
+from tests.support.waits import eventually
 from tests.support.ws import assert_seq_contiguous, collect, open_session
 
 UPGRADE = (
@@ -139,6 +140,8 @@ async def test_an_event_loop_stalled_for_a_second_loses_no_token(make_server: An
         assert frames[-1]["type"] == "done" and frames[-1]["finish_reason"] == "length"
         assert assert_seq_contiguous(frames, f"r{i}") == 100
         await ws.close()
-    assert server.state.merger is not None
-    await asyncio.sleep(0.5)  # and the merge window comes back down once the loop is idle
-    assert server.state.merger.current_s < 2 * server.state.merger.window_s
+    merger = server.state.merger
+    assert merger is not None
+    # And the merge window comes back down once the loop is idle (how soon depends on what
+    # else the machine runs: the window follows the loop's measured lateness).
+    await eventually(lambda: merger.current_s < 2 * merger.window_s, 10, "the window back down")
