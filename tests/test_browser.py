@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from playwright.async_api import Browser
 
+from seedance.client import connect
 from seedance.config import load_access
 from seedance.engines.synthetic import SyntheticEngine
 from seedance.tenants.keys import add_key
@@ -63,6 +64,52 @@ async def test_the_design_documents_client_streams_from_seedance(
         )
         page.check()
     assert result == {"tokens": 512, "usage": 512}
+
+
+@pytest.mark.slow
+async def test_the_design_documents_client_gets_a_60_s_reply_whole(
+    browser: Browser, make_server: Callable[..., RunningServer]
+) -> None:
+    """The same client, unchanged but for the address (and the model it names, served here),
+    through a reply of 64 s with the default heartbeat and idle timeout (25 s, 30 s): a
+    browser's WebSocket answers the server's ping frames by itself and its onmessage never
+    sees a frame it cannot parse (a page error would fail the test)."""
+    server = make_server([slow_engine(tokens_per_s=8, name="llama3-70b")])
+    assert server.config.idle_timeout_s == 30.0 and server.config.heartbeat_interval_s == 25.0
+    async with tab(browser, blank(server)) as page:
+        started = asyncio.get_running_loop().time()
+        result = await asyncio.wait_for(
+            page.page.evaluate(
+                """(port) => new Promise((resolve) => {
+                    const tokens = [];
+                    const socket = new WebSocket(
+                        `ws://127.0.0.1:${port}/v2/infer?session_id=abc123&model=llama3-70b`);
+                    socket.onopen = () => { socket.send(JSON.stringify({
+                        prompt: "解释量子纠缠的基本原理", stream: true, max_tokens: 512,
+                        temperature: 0.7 })); };
+                    socket.onmessage = (event) => {
+                        const chunk = JSON.parse(event.data);
+                        if (chunk.token) tokens.push(chunk.token);
+                        if (chunk.done) resolve({text: tokens.join(""),
+                                                 usage: chunk.usage.completion_tokens,
+                                                 finish: chunk.finish_reason});
+                    };
+                    socket.onclose = (event) => resolve({closed: event.code});
+                })""",
+                server.port,
+            ),
+            120,
+        )
+        elapsed = asyncio.get_running_loop().time() - started
+        page.check()
+    assert result.get("usage") == 512 and result["finish"] == "length", result
+    assert elapsed > 60  # past the idle timeout twice, and past a heartbeat
+    # The text is the whole reply: the same request of the same engine at full speed, read by
+    # the SDK in one piece (the synthetic engine's reply is a function of the conversation).
+    fast = make_server([SyntheticEngine(name="llama3-70b")])
+    async with connect(fast.url) as session:
+        done = await session.complete("解释量子纠缠的基本原理", max_tokens=512, temperature=0.7)
+    assert result["text"] == done.text
 
 
 async def test_the_sdk_streams_cancels_and_measures_the_round_trip(

@@ -108,3 +108,23 @@ async def test_cancel_while_queued(make_server) -> None:  # type: ignore[no-unty
         assert admission.waiting == 0
         assert (await collect(running))[-1]["finish_reason"] == "length"
         assert engine.stats.requests_started == 1
+
+
+async def test_a_cancel_stops_its_own_sessions_request_not_anothers_of_the_same_id(
+    make_server,  # type: ignore[no-untyped-def]
+) -> None:
+    """Request ids are the client's to choose: two sessions may run "r1" at once, and a cancel
+    on one must not reach the other (the server finds a session's request by the session)."""
+    server = make_server(engines=[slow_engine(200)])
+    first, _ = await open_session(server.url, "session_id=one")
+    second, _ = await open_session(server.url, "session_id=two")
+    async with first, second:
+        for ws in (first, second):
+            await ws.send(
+                json.dumps({"prompt": "long story", "max_tokens": 400, "request_id": "r1"})
+            )
+            assert (await recv_json(ws))["type"] == "start"
+        await first.send(json.dumps({"type": "cancel", "request_id": "r1"}))
+        assert (await collect(first))[-1]["finish_reason"] == "cancelled"
+        done = (await collect(second))[-1]
+    assert done["type"] == "done" and done["finish_reason"] == "length", done

@@ -42,7 +42,7 @@ async def one_stream(url: str, i: int, start: asyncio.Event) -> tuple[str, int, 
 async def test_500_concurrent_sessions(server: RunningServer) -> None:
     start = asyncio.Event()
     tasks = [asyncio.create_task(one_stream(server.url, i, start)) for i in range(STREAMS)]
-    while len(server.state.connections) < STREAMS:  # all connected before any generates
+    while len(server.connections) < STREAMS:  # all connected before any generates
         await asyncio.sleep(0.05)
         assert not any(t.done() and t.exception() for t in tasks)
     start.set()

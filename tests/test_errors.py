@@ -130,7 +130,7 @@ async def test_invalid_session_id_is_refused(server: RunningServer) -> None:
 
 async def test_overloaded_when_the_queue_is_full(make_server) -> None:  # type: ignore[no-untyped-def]
     server = make_server(engines=[slow_engine(100)], max_running=1, max_waiting=1)
-    admission = server.state.models[server.state.default_model].admission
+    admission = server.state.models[server.state.models.default].admission
     sockets = [(await open_session(server.url))[0] for _ in range(3)]
     try:
         for i, ws in enumerate(sockets):

@@ -36,11 +36,10 @@ def settled(server: RunningServer) -> None:
     """Nothing of the vanished client is left: no connection, request or generation."""
     state = server.state
     deadline = time.monotonic() + 5
-    while state.connections or state.http_calls or state.running_generations:
+    while len(state.peers) or state.models.running:
         assert time.monotonic() < deadline, (
-            len(state.connections),
-            len(state.http_calls),
-            state.running_generations,
+            [peer.name for peer in state.peers],
+            state.models.running,
         )
         time.sleep(0.02)
     client = RawClient(server.port)  # and the next client is served

@@ -43,10 +43,13 @@ async def test_json_ping(server: RunningServer) -> None:
 
 @pytest.mark.slow
 async def test_server_pings_after_silence_and_pongs_keep_it_open(make_server) -> None:  # type: ignore[no-untyped-def]
+    """A client that speaks the binary heartbeat (it sent one) is pinged in binary."""
     server = make_server(heartbeat_interval_s=0.2, idle_timeout_s=0.6)
     ws, hello = await open_session(server.url)
     async with ws:
         assert (hello["heartbeat_interval"], hello["idle_timeout"]) == (0.2, 0.6)
+        await ws.send(b"\x01\x00")
+        assert await asyncio.wait_for(ws.recv(), 2) == b"\x02\x00"
         started = time.monotonic()
         pings = 0
         while time.monotonic() - started < 1.5:  # well past the idle timeout
@@ -57,7 +60,7 @@ async def test_server_pings_after_silence_and_pongs_keep_it_open(make_server) ->
         assert pings >= 4
         await ws.send(json.dumps({"type": "ping", "id": 1}))
         assert await recv_json(ws) == {"type": "pong", "id": 1}
-        connection = next(iter(server.state.connections))
+        connection = next(iter(server.connections))
         assert connection.last_rtt_s is not None and connection.last_rtt_s < 1
 
 
@@ -76,8 +79,11 @@ async def test_standard_pings_count_as_inbound_traffic(make_server) -> None:  # 
 
 @pytest.mark.slow
 async def test_idle_timeout_closes_4408(make_server) -> None:  # type: ignore[no-untyped-def]
+    """A client that spoke the binary heartbeat, then answers none (a client that answers
+    nothing at all: tests/test_keepalive.py)."""
     server = make_server(heartbeat_interval_s=0.2, idle_timeout_s=0.5)
     async with raw_connect(server.url) as ws:
+        await ws.send(b"\x01\x00")
         started = time.monotonic()
         code, seen = await wait_closed(ws)  # reads but never answers the heartbeat
         elapsed = time.monotonic() - started
@@ -112,9 +118,9 @@ async def test_slow_reader_stays_bounded_then_is_cut_off(make_server) -> None:  
             if count != last:
                 last, still_since = count, time.monotonic()
         assert last < 200_000
-        connection = next(iter(server.state.connections))
+        connection = next(iter(server.connections))
         assert connection.out.pending_bytes <= connection.out.high_water_bytes + 1024
-        await wait_until(lambda: not server.state.connections, timeout=5)  # write timeout
+        await wait_until(lambda: not server.connections, timeout=5)  # write timeout
         assert engine.stats.active == 0 and engine.stats.requests_aborted == 1
     finally:
         client.close()
@@ -140,14 +146,14 @@ async def test_a_writer_failure_is_logged_and_closes_the_connection_1011(
         with caplog.at_level(logging.ERROR, logger="seedance.server.connection"):
             request = {"prompt": "flood me", "max_tokens": 200_000, "request_id": "r-writer"}
             client.send_json(request)  # then read nothing for a while: frames queue
-            await wait_until(lambda: any(c.out.pending_bytes for c in server.state.connections))
+            await wait_until(lambda: any(c.out.pending_bytes for c in server.connections))
             close = None
             while close is None:  # now read: the writer runs, and fails
                 frame = await asyncio.to_thread(client.recv_frame)
                 if frame.opcode == Opcode.CLOSE:
                     close = frame
             assert Close.parse(close.data).code == 1011
-            await wait_until(lambda: not server.state.connections, timeout=5)
+            await wait_until(lambda: not server.connections, timeout=5)
         (record,) = [r for r in caplog.records if "the writer failed" in r.getMessage()]
         assert "request r-writer" in record.getMessage() and record.exc_info is not None
         assert "conn c-" in record.getMessage()
@@ -184,7 +190,7 @@ async def test_ping_flood_without_reading_is_cut_off(make_server) -> None:  # ty
         ping = encoded(Opcode.PING, b"p" * 125)
         took = await asyncio.to_thread(flood, client, ping)
         assert took is not None, "the server kept answering pings nobody reads"
-        await wait_until(lambda: not server.state.connections)
+        await wait_until(lambda: not server.connections)
     finally:
         client.close()
 
@@ -198,6 +204,6 @@ async def test_heartbeat_flood_without_reading_is_cut_off(make_server) -> None: 
         heartbeat = encoded(Opcode.BINARY, b"\x01\x00")
         took = await asyncio.to_thread(flood, client, heartbeat)
         assert took is not None, "the server kept queueing heartbeat pongs nobody reads"
-        await wait_until(lambda: not server.state.connections)
+        await wait_until(lambda: not server.connections)
     finally:
         client.close()

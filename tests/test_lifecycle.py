@@ -60,7 +60,9 @@ async def test_a_prompt_that_leaves_no_room_is_refused_on_both_transports(
 async def test_draining_is_checked_first_on_both_transports(small: RunningServer) -> None:
     ws, _ = await open_session(small.url)  # open before: a draining server takes no new one
     async with ws:
-        small.state.draining = True  # the shutdown's first step, without closing the listener
+        small.state.shutdown.draining = (
+            True  # the shutdown's first step, without closing the listener
+        )
         try:
             # also over the context and above the priority allowed: draining answers first
             await ws.send(json.dumps({"prompt": LONG, "priority": 10}))
@@ -68,7 +70,7 @@ async def test_draining_is_checked_first_on_both_transports(small: RunningServer
             assert frames[-1]["error"]["code"] == "overloaded"
             assert await http_refusal(small, prompt=LONG, priority=10) == (503, "overloaded")
         finally:
-            small.state.draining = False
+            small.state.shutdown.draining = False
     assert await ws_refusal(small, prompt=LONG) == "context_overflow"
     assert await http_refusal(small, prompt=LONG) == (400, "context_overflow")
 

@@ -45,7 +45,7 @@ async def test_a_stream_moves_the_counters_and_histograms(server: RunningServer)
         done = await session.complete("hello", max_tokens=5)
         assert done.usage.completion_tokens == 5
         during, _ = scrape(server)
-    await eventually(lambda: not server.state.connections, what="the server sees the close")
+    await eventually(lambda: not server.connections, what="the server sees the close")
     after, text = scrape(server)
 
     def delta(name: str, **labels: str) -> float:

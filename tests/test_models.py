@@ -45,8 +45,16 @@ def keys(tmp_path: Path) -> dict[str, Path]:
     return made
 
 
+SIGNED = Limits(context_length=2048, max_tokens=512, temperature=(0.0, 1.5))
+
+
 def make_version(
-    root: Path, key: Path, version: str = "1.0.0", name: str = "tiny", **files: bytes
+    root: Path,
+    key: Path,
+    version: str = "1.0.0",
+    name: str = "tiny",
+    limits: Limits = SIGNED,
+    **files: bytes,
 ) -> Path:
     folder = root / name / version
     folder.mkdir(parents=True)
@@ -64,7 +72,7 @@ def make_version(
         git_commit="0123abcd",
         engine="synthetic",
         engine_options={"tokens_per_s": 100},
-        limits=Limits(context_length=2048, max_tokens=128, temperature=(0.0, 1.5)),
+        limits=limits,
     )
     return folder
 
@@ -81,7 +89,7 @@ def test_a_signed_version_verifies_with_its_manifest(tmp_path: Path, keys: dict[
         "tokens_per_s": 100
     }
     assert model.manifest.limits == Limits(
-        context_length=2048, max_tokens=128, temperature=(0.0, 1.5)
+        context_length=2048, max_tokens=512, temperature=(0.0, 1.5)
     )
     assert sorted(s.name for s in model.files) == ["sub/config.json", "weights.bin"]
     assert model.file(".bin") == folder.resolve() / "weights.bin"
@@ -393,7 +401,7 @@ async def test_a_canary_takes_its_share_of_sessions_sticky_then_is_promoted(
     registry.set_canary("tiny", "1.1.0", 0.2)
     server = registry_server(make_server, root, keys, model="tiny", model_watch_s=0.1)
     for _ in range(100):
-        if "tiny" in server.state.canaries:
+        if "tiny" in server.state.models.canaries:
             break
         await asyncio.sleep(0.05)
     gate = asyncio.Semaphore(25)
@@ -410,7 +418,7 @@ async def test_a_canary_takes_its_share_of_sessions_sticky_then_is_promoted(
     assert again == first[:200]
     registry.promote("tiny", "1.1.0")  # the canary becomes the stable version
     for _ in range(100):
-        if server.state.models["tiny"].version == "1.1.0" and not server.state.canaries:
+        if server.state.models["tiny"].version == "1.1.0" and not server.state.models.canaries:
             break
         await asyncio.sleep(0.05)
     assert await asyncio.gather(*(version(i) for i in ids[:50])) == ["1.1.0"] * 50
@@ -510,3 +518,73 @@ async def test_the_watcher_refuses_a_bad_version_once_and_a_reload_does_not_wait
     assert len(refused) == 1 and refused[0]["reason"] == "extra_file"
     retired = [r["version"] for r in records if r["kind"] == "model" and r["action"] == "retired"]
     assert retired[0] == "1.0.0"
+
+
+# --------------------------------------------------------------------------- signed limits
+
+
+async def test_signed_limits_refuse_on_every_api_naming_the_limit_and_the_version(
+    tmp_path: Path, keys: dict[str, Path], make_server: Callable[..., RunningServer]
+) -> None:
+    """``seedance models sign --max-tokens 32``: a request for more is refused, on every API,
+    with ``invalid_request`` naming the limit and the version; one that leaves a field out
+    gets a default inside the limits."""
+    import openai
+
+    from tests.support.ws import generate, open_session
+
+    root = tmp_path / "registry"
+    limits = Limits(context_length=64, max_tokens=32, temperature=(0.0, 0.5), top_p=(0.5, 1.0))
+    make_version(root, keys["ci"], "1.2.0", limits=limits)
+    server = registry_server(make_server, root, keys, model="tiny", model_watch_s=0)
+    named = "signed for model tiny version 1.2.0"
+
+    ws, _ = await open_session(server.url)
+    async with ws:
+        for fields, what in (
+            ({"max_tokens": 100}, "max_tokens: 100 is over the limit of 32"),
+            ({"temperature": 0.9}, "temperature: 0.9 is outside the range 0 to 0.5"),
+            ({"top_p": 0.2}, "top_p: 0.2 is outside the range 0.5 to 1"),
+            ({"prompt": "word " * 80}, "over the context length of 64"),
+        ):
+            frames = await generate(ws, **{"prompt": "hi", **fields})
+            error = frames[-1]["error"]
+            assert error["code"] == "invalid_request" and what in error["message"], error
+            assert named in error["message"]
+        frames = await generate(ws, prompt="hi")  # no max_tokens, no temperature: inside
+        assert frames[-1]["type"] == "done" and frames[-1]["usage"]["completion_tokens"] == 32
+
+    client = openai.AsyncOpenAI(base_url=f"{server.http_url}/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as chat:
+        await client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=100
+        )
+    assert "max_tokens: 100 is over the limit of 32" in str(chat.value) and named in str(chat.value)
+    reply = await client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}]
+    )
+    assert reply.usage is not None and reply.usage.completion_tokens == 32
+    with pytest.raises(openai.BadRequestError) as responses:
+        await client.responses.create(model="tiny", input="hi", max_output_tokens=100)
+    assert "max_output_tokens: 100 is over the limit of 32" in str(responses.value)
+    assert named in str(responses.value)
+
+    realtime = openai.AsyncOpenAI(
+        base_url=f"{server.http_url}/v1",
+        websocket_base_url=f"ws://127.0.0.1:{server.port}/v1",
+        api_key="x",
+    )
+    async with realtime.realtime.connect(model="tiny") as connection:
+        await connection.conversation.item.create(
+            item={
+                "type": "message",
+                "role": "user",
+                "content": [{"type": "input_text", "text": "hi"}],
+            }
+        )
+        await connection.response.create(response={"max_output_tokens": 100})
+        async for event in connection:
+            if event.type == "error":
+                break
+        assert "max_output_tokens: 100 is over the limit of 32" in event.error.message
+        assert named in event.error.message

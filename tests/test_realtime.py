@@ -338,7 +338,12 @@ async def test_a_revoked_key_shuts_its_realtime_and_responses_sockets(
         await eventually(
             lambda: (
                 not server.state.generations
-                and [s.principal.name for s in server.state.api_sockets] == ["globex"]
+                and [
+                    s.principal.name
+                    for s in server.state.peers
+                    if s.kind == "realtime" or s.kind == "responses"
+                ]
+                == ["globex"]
             ),
             5,
             "the responses cancelled and the sockets gone",

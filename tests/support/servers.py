@@ -61,7 +61,12 @@ class RunningServer:
 
     @property
     def engine(self) -> Any:
-        return self.state.models[self.state.default_model].engine
+        return self.state.models[self.state.models.default].engine
+
+    @property
+    def connections(self) -> list[Any]:
+        """The open ``/v2/infer`` connections, as the server holds them."""
+        return self.state.peers.of_kind("infer")
 
     @property
     def handshakes(self) -> HandshakeLimits:
@@ -94,8 +99,8 @@ class RunningServer:
         or more, by machine): a flood of 4-byte pongs then takes a million messages, seconds
         or minutes, before the server's own queue fills. Such a test checks the bound the
         server keeps itself, not how much the kernel takes first."""
-        assert self.state.connections, "no connection yet"
-        for connection in self.state.connections:
+        assert self.connections, "no connection yet"
+        for connection in self.connections:
             writer = connection.ws.writer
             assert writer is not None, "the server offers no direct writer"
             sock = writer.transport.get_extra_info("socket")  # type: ignore[attr-defined]

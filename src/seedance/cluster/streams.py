@@ -24,8 +24,9 @@ any node the moment its client sees ``done``.
 **Reading elsewhere**: a resume on a node that does not run the generation builds a mirror of
 the log from Redis (``XRANGE``) and follows it live (``XREAD BLOCK``); its readers attach to it
 exactly as to a local log. When no entry came for half a lease and the owner's lock is gone,
-the node takes the generation over (:mod:`seedance.cluster.takeover`): the mirror becomes the
-log of a local generation that continues at the next ``seq``.
+the node takes the generation over (through the server's ``take_over``, set by its state:
+:mod:`seedance.server.lifecycle.takeover`): the mirror becomes the log of a local generation
+that continues at the next ``seq``.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Final, TypeVar
+from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar
 
 import msgspec
 from redis.exceptions import RedisError
@@ -52,7 +53,17 @@ from seedance.streams.store import MemoryStreamStore
 if TYPE_CHECKING:
     from redis.asyncio.client import Pipeline
 
-    from seedance.server.outbound import FrameMerger
+
+class Pace(Protocol):
+    """The server's frame merging, as the replicator keeps its pace
+    (:class:`~seedance.server.outbound.FrameMerger`)."""
+
+    #: The merge window in force now, seconds.
+    current_s: float
+
+    def hold(self, out: Any) -> None:
+        """Call ``out.release_held()`` when the window in force now ends."""
+
 
 logger = logging.getLogger(__name__)
 
@@ -359,7 +370,7 @@ class Replicator:
         self.ttl_ms = int(ttl_s * 1000)
         self.at_rest = at_rest
         #: The server's merge window (None: every log's tokens go at the next exchange).
-        self.merger: FrameMerger | None = None
+        self.merger: Pace | None = None
         self._queued: list[ReplicatedLog] = []
         self._held: list[ReplicatedLog] = []  # until the merger's window ends
         self._loop: asyncio.AbstractEventLoop  # set by start()

@@ -78,6 +78,10 @@ class GenerationRequest:
     #: tokens, already counted against ``max_tokens`` by the caller).
     continuation: str = ""
     continuation_tokens: int = 0
+    #: The W3C trace context of the request's span (and the client's ``tracestate``): an
+    #: engine that calls another service (gateway mode) sends them, so the trace goes on.
+    traceparent: str | None = None
+    tracestate: str | None = None
 
 
 @dataclass(slots=True)

@@ -50,7 +50,10 @@ from seedance.observability.audit import kinds as audit
 from seedance.protocol.messages import ChatMessage, RequestId
 
 if TYPE_CHECKING:
-    from seedance.server.state import ServedModel, ServerState
+    from collections.abc import Callable
+
+    from seedance.server.lifecycle.audit import AuditGate
+    from seedance.server.lifecycle.models import ModelTable, ServedModel
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +104,11 @@ class ModelManager:
         self._retiring: asyncio.Task[None] | None = None
         #: Versions refused, by (name, version): their signature file's mtime, and the answer.
         self._refused: dict[tuple[str, str], tuple[int, Reload]] = {}
-        self.state: ServerState | None = None
+        #: What it serves into, what it audits to, and whether a version still has requests
+        #: (set by :meth:`start`).
+        self.table: ModelTable | None = None
+        self._audit: AuditGate | None = None
+        self._in_use: Callable[[ServedModel], bool] = lambda _: False
         self.reloads = 0
 
     # ---------------------------------------------------------------- loading
@@ -155,9 +162,9 @@ class ModelManager:
         return create_engine(config)
 
     def audit(self, name: str, action: Any, version: str, **fields: Any) -> None:
-        if self.state is not None:
+        if self._audit is not None:
             record = audit.ModelEvent(action=action, model=name, version=version, **fields)
-            self.state.audit_submit(lambda: record)
+            self._audit.submit(lambda: record)
 
     # ---------------------------------------------------------------- reloading
 
@@ -170,30 +177,30 @@ class ModelManager:
             return done
 
     async def _reload_stable(self, name: str) -> Reload:
-        state = self.state
-        assert state is not None
-        current = state.models[name]
+        table = self.table
+        assert table is not None
+        current = table[name]
         version = self.registry.promoted(name)
         if version is None or version == current.version:
             return Reload(name, "unchanged", current.version)
-        canary = state.canaries.get(name)
+        canary = table.canaries.get(name)
         if canary is not None and canary[0].version == version:
             # The canary promoted: it serves everyone now, no load needed.
-            del state.canaries[name]
-            state.models[name] = canary[0]
+            table.drop_canary(name)
+            table.swap(canary[0])
             logger.info("model %s %s promoted from canary", name, version)
             self.audit(name, "loaded", version, manifest_sha256=canary[0].manifest_sha256)
             self._retire_later(current)
             return Reload(name, "loaded", version)
         if canary is not None:  # never more than two versions: the canary goes first
-            del state.canaries[name]
+            table.drop_canary(name)
             self._retire_later(canary[0])
         explicit = (self.registry.root / name / PROMOTED).is_file()
         served = None if explicit else current.version
         loaded = await self._load(name, version, current.version, served)
         if isinstance(loaded, Reload):
             return loaded
-        state.models[name] = loaded  # from now on, new requests go to it
+        table.swap(loaded)  # from now on, new requests go to it
         logger.info(
             "model %s %s serving (was %s); the old version ends its requests",
             name,
@@ -204,27 +211,27 @@ class ModelManager:
         return Reload(name, "loaded", version)
 
     async def _reload_canary(self, name: str) -> Reload:
-        state = self.state
-        assert state is not None
+        table = self.table
+        assert table is not None
         wanted = self.registry.canary(name)
-        loaded = state.canaries.get(name)
-        stable = state.models[name].version
+        loaded = table.canaries.get(name)
+        stable = table[name].version
         if wanted is None or wanted[0] == stable:
             if loaded is not None:
-                del state.canaries[name]
+                table.drop_canary(name)
                 self._retire_later(loaded[0])
             return Reload(name, "unchanged", "", role="canary")
         version, share = wanted
         if loaded is not None and loaded[0].version == version:
-            state.canaries[name] = (loaded[0], share)  # a new share only
+            table.set_canary(loaded[0], share)  # a new share only
             return Reload(name, "unchanged", version, role="canary", share=share)
         if loaded is not None:
-            del state.canaries[name]
+            table.drop_canary(name)
             self._retire_later(loaded[0])
         model = await self._load(name, version, stable, None, role="canary")
         if isinstance(model, Reload):
             return model
-        state.canaries[name] = (model, share)
+        table.set_canary(model, share)
         logger.info("model %s %s canary for %g of the sessions", name, version, share)
         return Reload(name, "loaded", version, role="canary", share=share)
 
@@ -275,13 +282,19 @@ class ModelManager:
             )
             self.audit(name, "refused", version, reason="load_failed")
             return Reload(name, "failed", current, "load_failed", str(exc), role)
-        from seedance.server.state import ServedModel
+        from seedance.server.lifecycle.models import ServedModel
 
         self.reloads += 1
         self.audit(
             name, "loaded", version, key=verified.key.id, manifest_sha256=verified.manifest_sha256
         )
-        return ServedModel.of(self.config, engine, verified.version, verified.manifest_sha256)
+        return ServedModel.of(
+            self.config,
+            engine,
+            verified.version,
+            verified.manifest_sha256,
+            verified.manifest.limits,
+        )
 
     def _retire_later(self, old: ServedModel) -> None:
         """Retire ``old`` in the background (after the one retiring before it)."""
@@ -301,10 +314,8 @@ class ModelManager:
 
     async def _retire(self, old: ServedModel) -> None:
         """Close ``old`` once no generation uses it (in flight or waiting for admission)."""
-        state = self.state
-        assert state is not None
         # Polled: generations end from many places, and a retire may wait a tick more.
-        while any(g.requester.model is old for g in list(state.generations.values())):  # noqa: ASYNC110
+        while self._in_use(old):  # noqa: ASYNC110
             await asyncio.sleep(RETIRE_POLL_S)
         await old.engine.close()
         logger.info("model %s %s retired", old.name, old.version)
@@ -312,8 +323,12 @@ class ModelManager:
 
     # ---------------------------------------------------------------- watching
 
-    def start(self, state: ServerState) -> None:
-        self.state = state
+    def start(
+        self, table: ModelTable, audit_gate: AuditGate, in_use: Callable[[ServedModel], bool]
+    ) -> None:
+        """Serve into ``table`` from now on (its versions audited to ``audit_gate``; one is
+        retired once ``in_use`` says no request needs it), and watch the registry."""
+        self.table, self._audit, self._in_use = table, audit_gate, in_use
         if self.config.model_watch_s > 0 and self._watcher is None:
             self._watcher = asyncio.create_task(self._watch(), name="model-watch")
 

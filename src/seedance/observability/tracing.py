@@ -124,6 +124,7 @@ class Tracing:
         ``attributes`` is called only when spans are recorded."""
         if self._tracer is None:
             return RequestTrace.untraced(parent)
+        state = _tracestate(parent)
         clock = _WallClock()
         links: tuple[Link, ...] = ()
         if link is not None and link.span is not None:
@@ -137,9 +138,11 @@ class Tracing:
             start_time=clock.ns(received),
         )
         if not span.is_recording():  # not sampled: ids only
-            return RequestTrace(None, None, None, _ids(span.get_span_context()))
+            return RequestTrace(None, None, None, _ids(span.get_span_context()), tracestate=state)
         token_times: list[tuple[float, int]] | None = [] if self.trace_tokens else None
-        return RequestTrace.of_span(self._tracer, span, clock, token_times)
+        return RequestTrace(
+            self._tracer, span, clock, _ids(span.get_span_context()), token_times, state
+        )
 
 
 class ConnectionTrace:
@@ -163,7 +166,16 @@ class ConnectionTrace:
 class RequestTrace:
     """One request's trace id and, when spans are exported, its span."""
 
-    __slots__ = ("_clock", "_tracer", "sampled", "span", "span_id", "token_times", "trace_id")
+    __slots__ = (
+        "_clock",
+        "_tracer",
+        "sampled",
+        "span",
+        "span_id",
+        "token_times",
+        "trace_id",
+        "tracestate",
+    )
 
     def __init__(
         self,
@@ -172,6 +184,7 @@ class RequestTrace:
         clock: _WallClock | None,
         ids: tuple[str, str, bool],
         token_times: list[tuple[float, int]] | None = None,
+        tracestate: str | None = None,
     ) -> None:
         self._tracer = tracer
         self.span = span
@@ -179,22 +192,15 @@ class RequestTrace:
         self.trace_id, self.span_id, self.sampled = ids
         #: (time.monotonic(), tokens) per token frame, with ``--trace-tokens``.
         self.token_times = token_times
-
-    @classmethod
-    def of_span(
-        cls,
-        tracer: trace.Tracer,
-        span: trace.Span,
-        clock: _WallClock,
-        token_times: list[tuple[float, int]] | None,
-    ) -> RequestTrace:
-        return cls(tracer, span, clock, _ids(span.get_span_context()), token_times)
+        #: The client's W3C ``tracestate``, passed on with :attr:`traceparent` (None: none).
+        self.tracestate = tracestate
 
     @classmethod
     def untraced(cls, parent: otel_context.Context | None) -> RequestTrace:
         """Ids without a span: the client's, or new ones (not sampled: nothing is recorded)."""
         if parent is not None:
-            return cls(None, None, None, _ids(trace.get_current_span(parent).get_span_context()))
+            context = trace.get_current_span(parent).get_span_context()
+            return cls(None, None, None, _ids(context), tracestate=_tracestate(parent))
         # As OpenTelemetry's own id generator: random, not secret (ids are not credentials).
         trace_id = format(random.getrandbits(128) or 1, "032x")
         return cls(None, None, None, (trace_id, format(random.getrandbits(64) or 1, "016x"), False))
@@ -299,6 +305,14 @@ def _ids(context: SpanContext) -> tuple[str, str, bool]:
         format(context.span_id, "016x"),
         context.trace_flags.sampled,
     )
+
+
+def _tracestate(parent: otel_context.Context | None) -> str | None:
+    """The ``tracestate`` header of the client's context (None: none, or empty)."""
+    if parent is None:
+        return None
+    state = trace.get_current_span(parent).get_span_context().trace_state
+    return state.to_header() or None if state else None
 
 
 def _valid(context: otel_context.Context) -> otel_context.Context | None:

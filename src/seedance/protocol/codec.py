@@ -63,16 +63,33 @@ class FrameLimits:
 
     max_frame_bytes: int = 1024 * 1024
     max_tokens: int = 4096
-    #: A lower cap for requests that do not set ``max_tokens`` (a tenant's quota).
+    #: A lower cap for requests that do not set ``max_tokens`` (a tenant's quota, a model's
+    #: signed limit).
     default_cap: int | None = None
+    #: Ranges a model's signed manifest holds these to: a request that leaves one out gets
+    #: the default moved inside it (one that sets it outside is refused with the model).
+    temperature: tuple[float, float] | None = None
+    top_p: tuple[float, float] | None = None
 
     def capped(self, cap: int | None) -> FrameLimits:
-        """These limits, with requests that do not set ``max_tokens`` held to ``cap``."""
-        return self if cap is None else replace(self, default_cap=cap)
+        """These limits, with requests that do not set ``max_tokens`` held to ``cap`` too."""
+        if cap is None:
+            return self
+        return replace(self, default_cap=min(cap, self.default_cap or cap))
 
     def default_max_tokens(self, default: int = DEFAULT_MAX_TOKENS) -> int:
         """``max_tokens`` for a request that does not say: never over a limit."""
         return min(default, self.max_tokens, self.default_cap or default)
+
+    def default_temperature(self, default: float) -> float:
+        return _clamp(default, self.temperature)
+
+    def default_top_p(self, default: float) -> float:
+        return _clamp(default, self.top_p)
+
+
+def _clamp(value: float, bounds: tuple[float, float] | None) -> float:
+    return value if bounds is None else min(max(value, bounds[0]), bounds[1])
 
 
 # --------------------------------------------------------------------------- client frames
@@ -111,8 +128,12 @@ def decode_client_text(data: str | bytes, limits: FrameLimits) -> ClientMessage:
     except msgspec.ValidationError as exc:
         raise InvalidRequest(_describe(exc), request_id=request_id) from None
     if isinstance(message, Generate):
-        if "max_tokens" not in obj:  # the default never exceeds the model's limit
+        if "max_tokens" not in obj:  # the defaults never exceed the model's limits
             message.max_tokens = limits.default_max_tokens()
+        if "temperature" not in obj and limits.temperature is not None:
+            message.temperature = limits.default_temperature(message.temperature)
+        if "top_p" not in obj and limits.top_p is not None:
+            message.top_p = limits.default_top_p(message.top_p)
         validate_generate(message, limits, request_id)
     elif isinstance(message, Cancel) and message.request_id is not None:
         _check_id("request_id", message.request_id)

@@ -85,6 +85,8 @@ class OpenAIRequest:
     include_usage: bool
     #: Sampling fields the body left out (the engine may use the model's defaults for them).
     unset: frozenset[str] = frozenset()
+    #: Whether the body set ``max_tokens`` (else the server's default, held to the model's).
+    max_tokens_given: bool = True
 
     @property
     def messages(self) -> tuple[ChatMessage, ...]:
@@ -179,6 +181,7 @@ def _request(
         stream=body.stream,
         include_usage=bool(options and options.include_usage),
         unset=frozenset(name for name in ("temperature", "top_p") if getattr(body, name) is None),
+        max_tokens_given=max_tokens is not None,
     )
 
 

@@ -97,6 +97,8 @@ class ResponsesRequest:
     metadata: dict[str, str]
     generate: Generate  # the sampling fields, checked by the /v2/infer rules
     unset: frozenset[str]
+    #: Whether the body set ``max_output_tokens`` (else the default, held to the model's).
+    max_tokens_given: bool = True
 
 
 _decoder = msgspec.json.Decoder(_Body)
@@ -149,6 +151,7 @@ def decode_responses(body: bytes, limits: FrameLimits) -> ResponsesRequest:
         metadata=metadata,
         generate=generate,
         unset=frozenset(n for n in ("temperature", "top_p") if getattr(parsed, n) is None),
+        max_tokens_given=max_tokens is not None,
     )
 
 

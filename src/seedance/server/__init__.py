@@ -1,5 +1,2 @@
-"""The server: ASGI app, connection loop, admission, transport and runner."""
-
-from seedance.server.app import create_app
-
-__all__ = ["create_app"]
+"""The server: the ASGI app (:func:`seedance.server.app.create_app`), the request core every
+API goes through (:mod:`seedance.server.lifecycle`), the APIs, the transport and the runner."""

@@ -30,7 +30,8 @@ from seedance.config import ConfigError
 from seedance.observability.audit import kinds as audit
 from seedance.protocol.errors import Conflict, Forbidden, InternalError, NotFound
 from seedance.protocol.messages import SessionId, TenantId
-from seedance.server.openai_api import authenticate_http
+from seedance.server.connection import Connection
+from seedance.server.http_call import authenticate_call
 from seedance.server.state import ServerState
 from seedance.tenants.auth import Principal
 from seedance.tenants.keys import KeyAlreadyRevoked, KeyNotFound
@@ -56,7 +57,7 @@ def admin_routes(state: ServerState) -> list[Route]:
         body = []
         for tenant in access.tenants.values():
             name = TenantId(tenant.name)
-            usage = state.usage.snapshot(tenant.name)
+            usage = state.services.usage.snapshot(tenant.name)
             usage["sessions"] = state.sessions.count(name)
             usage["session_bytes"] = state.sessions.bytes_of(name)
             usage["waiting"] = sum(
@@ -81,7 +82,7 @@ def admin_routes(state: ServerState) -> list[Route]:
     async def revoke(request: Request) -> Response:
         principal = _admin(state, request)
         key_id = request.path_params["key_id"]
-        state.check_audit()
+        state.audit.check()
         try:
             tenant = state.access.revoke(key_id)
         except (KeyError, KeyNotFound):  # not in memory, or no longer in the file
@@ -95,24 +96,25 @@ def admin_routes(state: ServerState) -> list[Route]:
                 "server's log says why)"
             ) from None
         logger.info("key %s of tenant %s revoked by %s", key_id, tenant, principal.credential)
-        await state.audited(
+        await state.audit.write(
             lambda: _admin_record(principal, "revoke_key", tenant, key=key_id), "the revocation"
         )
         return _json({"revoked": key_id, "tenant": tenant})
 
     async def end_session(request: Request) -> Response:
         principal = _admin(state, request)
-        state.check_audit()
+        state.audit.check()
         tenant = TenantId(request.path_params["tenant"])
         session_id = SessionId(request.path_params["session_id"])
         session = state.sessions.get(tenant, session_id)
         if session is None:
             raise NotFound(f"no session {session_id} of tenant {tenant}")
-        ended = [c for c in state.connections if c.session is session]
+        ended = [c for c in state.peers.of_kind("infer") if isinstance(c, Connection)]
+        ended = [c for c in ended if c.session is session]
         for connection in ended:
             await connection.end_session_by_admin()
         await state.sessions.delete(session)
-        await state.audited(
+        await state.audit.write(
             lambda: _admin_record(principal, "end_session", tenant, session=session_id),
             "the session's end",
         )
@@ -130,9 +132,9 @@ def admin_routes(state: ServerState) -> list[Route]:
         return _json(
             {
                 "event_loop_tasks": len(asyncio.all_tasks()),
-                "connections": len(state.connections),
-                "http_requests": len(state.http_calls),
-                "generations": state.running_generations,
+                "connections": state.peers.count("infer"),
+                "http_requests": state.peers.count("http"),
+                "generations": state.models.running,
                 "sessions": len(state.sessions),
                 "session_history_bytes": state.sessions.bytes,
             }
@@ -166,7 +168,7 @@ def _admin_record(
 
 
 def _admin(state: ServerState, request: Request) -> Principal:
-    principal = authenticate_http(state, request.scope)
+    principal = authenticate_call(state.services, request.scope, "admin")
     if state.access.open:
         raise Forbidden("this server has no tenants, so no administrators: configure an admin key")
     if principal.role != "admin":

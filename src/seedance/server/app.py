@@ -27,10 +27,16 @@ from seedance.protocol.errors import InvalidRequest, UpgradeRequired
 from seedance.server.admin import admin_routes
 from seedance.server.endpoint import InferEndpoint
 from seedance.server.errors import EXCEPTION_HANDLERS
-from seedance.server.openai_api import OpenAIEndpoint, StreamsEndpoint, authenticate_http
+from seedance.server.http_call import authenticate_call
+from seedance.server.lifecycle.models import ServedModel
+from seedance.server.openai_api import OpenAIEndpoint, StreamsEndpoint
 from seedance.server.realtime import RealtimeEndpoint
-from seedance.server.responses_api import ResponseEndpoint, ResponsesEndpoint, ResponsesSocket
-from seedance.server.state import ServedModel, ServerState
+from seedance.server.responses_api import (
+    ResponseEndpoint,
+    ResponsesEndpoint,
+    ResponsesSocketEndpoint,
+)
+from seedance.server.state import ServerState
 from seedance.server.web import web_routes
 from seedance.sessions.store import SessionStore
 from seedance.tenants.policy import may_use
@@ -97,9 +103,13 @@ def create_app(
         engines = [engine for engine, _ in loaded]
         verified = {model.name: model for _, model in loaded}
     state = ServerState(config, engines or [create_engine(config)], sessions, tracing)
+    services = state.services
     for name, model in verified.items():
         engine = state.models[name].engine
-        state.models[name] = ServedModel.of(config, engine, model.version, model.manifest_sha256)
+        signed = model.manifest.limits
+        state.models.swap(
+            ServedModel.of(config, engine, model.version, model.manifest_sha256, signed)
+        )
     state.model_manager = manager
 
     async def healthz(request: Request) -> Response:
@@ -123,7 +133,7 @@ def create_app(
         return Response(state.metrics.render(), headers={"content-type": METRICS_CONTENT_TYPE})
 
     async def models(request: Request) -> Response:
-        principal = authenticate_http(state, request.scope)
+        principal = authenticate_call(services, request.scope, "models")
         data = [
             {
                 "id": name,
@@ -145,7 +155,7 @@ def create_app(
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await state.start()
         if manager is not None:
-            manager.start(state)
+            manager.start(state.models, state.audit, state.generations.uses)
             for name, model in verified.items():
                 key, sha = model.key.id, model.manifest_sha256
                 manager.audit(name, "loaded", model.version, key=key, manifest_sha256=sha)
@@ -158,8 +168,7 @@ def create_app(
             if manager is not None:
                 await manager.close()  # the versions being retired, once no request needs them
 
-    infer = InferEndpoint(state)
-    responses = ResponsesEndpoint(state)
+    infer = InferEndpoint(services)
     app = SeedanceApp(
         routes=[
             WebSocketRoute(INFER_PATH, infer),
@@ -167,20 +176,20 @@ def create_app(
             Route("/healthz", healthz),
             Route("/metrics", metrics),
             Route("/v1/models", models),
-            Route("/v1/chat/completions", OpenAIEndpoint(state, "chat"), methods=["POST"]),
-            Route("/v1/completions", OpenAIEndpoint(state, "completion"), methods=["POST"]),
-            Route("/v1/streams/{request_id}", StreamsEndpoint(state), methods=["GET"]),
-            Route("/v1/responses", responses, methods=["POST"]),
-            WebSocketRoute("/v1/responses", ResponsesSocket(state, responses)),
-            WebSocketRoute("/v1/realtime", RealtimeEndpoint(state)),
+            Route("/v1/chat/completions", OpenAIEndpoint(services, "chat"), methods=["POST"]),
+            Route("/v1/completions", OpenAIEndpoint(services, "completion"), methods=["POST"]),
+            Route("/v1/streams/{request_id}", StreamsEndpoint(services), methods=["GET"]),
+            Route("/v1/responses", ResponsesEndpoint(services), methods=["POST"]),
+            WebSocketRoute("/v1/responses", ResponsesSocketEndpoint(services)),
+            WebSocketRoute("/v1/realtime", RealtimeEndpoint(services)),
             Route(
                 "/v1/responses/{response_id}",
-                ResponseEndpoint(state),
+                ResponseEndpoint(services),
                 methods=["GET", "DELETE"],
             ),
             Route(
                 "/v1/responses/{response_id}/cancel",
-                ResponseEndpoint(state, "cancel"),
+                ResponseEndpoint(services, "cancel"),
                 methods=["POST"],
             ),
             *admin_routes(state),

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
 
     from seedance.observability.metrics import Metrics
-    from seedance.server.state import ServedModel
+    from seedance.server.lifecycle.models import ServedModel
 
 logger = logging.getLogger(__name__)
 

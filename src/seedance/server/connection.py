@@ -1,22 +1,29 @@
 """One client connection on ``/v2/infer``: frames in, generations out, heartbeats, timeouts.
 
 The receive loop never waits on a generation: each ``generate`` runs in its own task, which
-writes its frames to a stream log; the connection follows the log (a :class:`Follower`) and
-sends them through its :class:`Outbound` queue, as does any other connection that resumes the
-same generation. A ``cancel`` closes the engine's iterator, which stops the engine; so does a
-disconnect of the last reader of a request that is not resumable.
+writes its frames to a stream log; the connection reads the log (a
+:class:`~seedance.server.lifecycle.reader.Reading` whose sink, a :class:`Follower`, is pushed
+every token) and sends them through its :class:`Outbound` queue, as does any other connection
+that resumes the same generation. A ``cancel`` closes the engine's iterator, which stops the
+engine; so does a disconnect of the last reader of a request that is not resumable.
+
+A connection is in one :class:`State` at a time: ``OPEN`` (serving, reading no stream),
+``STREAMING`` (reading a stream log), ``CLOSING`` (its close under way: queued frames flush
+first, for at most :data:`CLOSE_FLUSH_TIMEOUT_S`), ``CLOSED``. Its keepalive is
+:class:`~seedance.server.keepalive.Keepalive`'s: standard WebSocket pings until the client
+speaks the binary heartbeat, and never idle while it streams a reply.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
-import functools
+import enum
 import logging
 import secrets
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from seedance.observability.audit import kinds as audit
 from seedance.observability.tracing import Attributes, Tracing
@@ -37,6 +44,7 @@ from seedance.protocol.errors import (
     InternalError,
     InvalidRequest,
     SeedanceError,
+    Unauthorized,
 )
 from seedance.protocol.messages import (
     HEARTBEAT_PING,
@@ -53,8 +61,10 @@ from seedance.protocol.messages import (
     Resume,
     StartFrame,
 )
+from seedance.server.keepalive import Action, Heartbeat, Keepalive
+from seedance.server.lifecycle.admit import Requester, admit, new_request_id, prepare
+from seedance.server.lifecycle.reader import Reading
 from seedance.server.outbound import Outbound, close_websocket
-from seedance.server.requests import Generation, Requester, admit, new_request_id
 from seedance.server.transport import AsgiWebSocket
 from seedance.sessions.session import Session
 from seedance.streams.log import StreamLog
@@ -64,7 +74,11 @@ if TYPE_CHECKING:
     from opentelemetry.context import Context
 
     from seedance.protocol.qos import QoS
-    from seedance.server.state import ServedModel, ServerState
+    from seedance.server.lifecycle.generation import Generation
+    from seedance.server.lifecycle.models import ServedModel
+    from seedance.server.lifecycle.peers import Kind
+    from seedance.server.lifecycle.refusals import Arrival
+    from seedance.server.lifecycle.services import Services
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +90,15 @@ def new_connection_id() -> str:
     return "c-" + secrets.token_hex(4)
 
 
+class State(enum.Enum):
+    OPEN = "open"
+    STREAMING = "streaming"
+    CLOSING = "closing"
+    CLOSED = "closed"
+
+
 class Follower:
-    """A connection reading one generation's stream log: frames go out as they are logged."""
+    """A connection's sink of one generation's stream log: frames go out as they are logged."""
 
     __slots__ = ("behind", "connection", "log", "on_tokens", "out", "tokens")
 
@@ -107,6 +128,9 @@ class Follower:
         if frame is not None:
             self.out.put(encode_frame(frame))
         self.stop()
+        if frame is None and getattr(self.log, "lost", False):
+            # Another node runs it now: this client reconnects and resumes there.
+            self.connection.close(CLOSE_GOING_AWAY, "the stream moved to another node")
 
     def stop(self) -> None:
         """No longer this connection's stream."""
@@ -115,15 +139,17 @@ class Follower:
         if self.behind:
             self.behind = False
             self.log.set_behind(False)
-        connection = self.connection
-        if connection._follower is self:
-            connection._follower = None
+        self.connection._stream_over(self)
 
 
 class Connection:
+    """One ``/v2/infer`` connection (a :class:`~seedance.server.lifecycle.peers.Peer`)."""
+
+    kind: Kind = "infer"
+
     def __init__(
         self,
-        state: ServerState,
+        services: Services,
         ws: AsgiWebSocket,
         session: Session,
         model: ServedModel,
@@ -135,29 +161,30 @@ class Connection:
         connection_id: str | None = None,
         channel: Channel | None = None,
     ) -> None:
-        self.state = state
+        self.services = services
         self.principal = principal
         self.tenant = principal.name
         self.quotas = principal.tenant.quotas
         #: The model's frame limits; requests without max_tokens get at most the tenant's.
         self.limits = model.limits.capped(self.quotas.max_tokens)
-        self.config = state.config
+        self.config = config = services.config
         self.ws = ws
         self.session = session
         self.model = model
         self.peer = peer
         self.id = connection_id or new_connection_id()
+        self.name = f"conn {self.id}"
         #: The client's trace context from the handshake: the parent of requests' spans.
         self.trace_parent = trace_parent
-        self.trace = state.tracing.connection(trace_parent, self._span_attributes)
+        self.trace = services.tracing.connection(trace_parent, self._span_attributes)
         #: Who asks, for every generation this connection starts.
         self.requester = Requester(principal, model, "websocket", session, self.id, self.trace, qos)
         self.out = Outbound(
             ws,
-            max_pending_bytes=self.config.max_pending_bytes,
+            max_pending_bytes=config.max_pending_bytes,
             on_overflow=self._on_overflow,
             on_failure=self._on_writer_failure,
-            merger=state.merger,
+            merger=services.merger,
         )
         #: End-to-end encryption (None: the client did not ask for it): every frame after the
         #: ``session`` frame is sealed (heartbeats excepted), every inbound one must be.
@@ -169,25 +196,36 @@ class Connection:
                 ws.writer.seal = channel.seal_frame
         self._loop = asyncio.get_running_loop()
         self.opened_at = self._loop.time()
-        self.last_inbound = self.opened_at
-        self._ping_sent_at: float | None = None  # loop time, for the timers
+        self.keepalive = Keepalive(
+            config.heartbeat_interval_s,
+            config.idle_timeout_s,
+            config.write_timeout_s,
+            self.opened_at,
+            # Standard pings where the server can send them: every client answers those.
+            Heartbeat.CONTROL if ws.can_ping else Heartbeat.BINARY,
+        )
         self._ping_sent_clock = 0.0  # time.monotonic(), for the round trip
         self.last_rtt_s: float | None = None
         self._timer: asyncio.TimerHandle | None = None
-        self._follower: Follower | None = None  # the generation this connection reads
+        self.state = State.OPEN
+        self._reading: Reading | None = None  # the stream this connection reads
         self._run_task: asyncio.Task[object] | None = None
-        self._closing = False
         self._failure_close: asyncio.Future[None] | None = None  # the 1011 after a fault
         self.close_code: int | None = None
         self.requests = 0
         self._deferred = 0  # messages left to the receive loop, to keep their order
+        ws.on_pong(self._on_control_pong)
+
+    @property
+    def scope(self) -> Mapping[str, Any]:
+        return self.ws.scope
 
     # ------------------------------------------------------------------ lifecycle
 
     async def run(self) -> None:
         """Serve until the client or the server closes the connection."""
         self._run_task = asyncio.current_task()
-        self.state.metrics.connections_opened.inc()
+        self.services.metrics.connections_opened.inc()
         self._arm_timer()
         logger.info(
             "conn %s open peer=%s tenant=%s credential=%s session=%s model=%s",
@@ -201,7 +239,7 @@ class Connection:
         try:
             await self._receive_loop()
         except asyncio.CancelledError:
-            if not self._closing:
+            if self.state is not State.CLOSING:
                 raise
         finally:
             await self._finish()
@@ -218,7 +256,7 @@ class Connection:
                     if self.close_code is None:
                         self.close_code = int(event.get("code", 1005))
                     return
-                self.last_inbound = self._loop.time()
+                self.keepalive.inbound(self._loop.time())
                 text = event.get("text")
                 data = text if text is not None else event.get("bytes") or b""
                 await self._dispatch(data)
@@ -234,7 +272,7 @@ class Connection:
         if self._deferred:
             self._deferred += 1
             return False
-        self.last_inbound = self._loop.time()
+        self.keepalive.inbound(self._loop.time())
         try:
             text: str | bytes | None = data if is_text else None
             if self.channel is not None:
@@ -287,8 +325,8 @@ class Connection:
 
     def fail(self, error: SeedanceError) -> None:
         """Send ``error``; close the connection if the error closes it."""
-        if isinstance(error, EncryptionFailed) and not self._closing:
-            self.state.metrics.encryption_failures.labels(error.reason or "").inc()
+        if isinstance(error, EncryptionFailed) and self.state is not State.CLOSING:
+            self.services.metrics.encryption_failures.labels(error.reason or "").inc()
             logger.warning(
                 "conn %s: end-to-end encryption failed (%s): %s; closing",
                 self.id,
@@ -299,8 +337,15 @@ class Connection:
         if error.close_code is not None:
             self.close(error.close_code, error.code)
 
+    def shut_out(self, error: Unauthorized) -> None:
+        """Its credential stopped passing: the error, then the close (4401); what it reads
+        stops as a disconnect would stop it."""
+        self.fail(error)
+
     def _on_error(self, exc: Exception) -> None:
+        """A frame refused (reported as every refusal is) or a fault of ours."""
         if isinstance(exc, SeedanceError):
+            self.services.refusals.refuse(self._arrival(exc.request_id), exc)
             self.fail(exc)
             return
         reference = self.id + "-" + secrets.token_hex(3)
@@ -312,11 +357,12 @@ class Connection:
             self._timer.cancel()
         await self._leave_stream()  # a disconnect: the last reader's leaving may abort it
         await self.out.stop()
+        self.state = State.CLOSED
         duration = self._loop.time() - self.opened_at
         code = "1006" if self.close_code is None else str(self.close_code)
-        self.state.metrics.connections_closed.labels(code).inc()
+        self.services.metrics.connections_closed.labels(code).inc()
         self.trace.end(self.close_code, self.requests)
-        self.state.audit_submit(lambda: self._audit_record(duration))
+        self.services.audit.submit(lambda: self._audit_record(duration))
         logger.info(
             "conn %s closed code=%s duration_s=%.1f requests=%d",
             self.id,
@@ -328,9 +374,9 @@ class Connection:
     def close(self, code: int, reason: str = "", *, past_writer: bool = False) -> None:
         """Close after the queued frames are sent; drop the socket if they cannot be.
         ``past_writer``: the writer failed, so the close frame goes out without it."""
-        if self._closing:
+        if self.state in (State.CLOSING, State.CLOSED):
             return
-        self._closing = True
+        self.state = State.CLOSING
         self.close_code = code
         self._leave_stream_soon()
         if past_writer:
@@ -342,18 +388,21 @@ class Connection:
     @property
     def idle(self) -> bool:
         """Reads no stream and is not closing: a shutdown may close it at once."""
-        return self._follower is None and not self._closing
+        return self.state is State.OPEN
 
     @property
     def movable(self) -> bool:
         """Reads a resumable stream: in a cluster, its client can resume it on another node."""
-        follower = self._follower
-        return follower is not None and follower.log.resumable and not self._closing
+        reading = self._reading
+        return self.state is State.STREAMING and reading is not None and reading.log.resumable
+
+    def going_away(self) -> None:
+        self.close(CLOSE_GOING_AWAY, "server shutting down")
 
     async def shutdown(self) -> None:
         """Server shutdown: cancel what still runs (its ``done`` says so), then close 1001."""
         await self._stop_generation(silent=False)
-        self.close(CLOSE_GOING_AWAY, "server shutting down")
+        self.going_away()
 
     def _abort(self, why: str) -> None:
         if self._run_task is not None and self._run_task.done():
@@ -361,7 +410,8 @@ class Connection:
         logger.warning("conn %s dropped: %s", self.id, why)
         if self.close_code is None:
             self.close_code = 1006
-        self._closing = True
+        if self.state is not State.CLOSED:
+            self.state = State.CLOSING
         if not self.ws.abort() and self._run_task is not None:
             self._run_task.cancel()  # no way to drop the socket: stop serving it
 
@@ -372,8 +422,8 @@ class Connection:
         """The writer of this connection failed (a fault of ours, not the client going away):
         say so in the log with the connection and the request it was writing, and end the
         connection with 1011 (the close frame sent past the failed writer)."""
-        follower = self._follower
-        request = follower.log.request_id if follower is not None else "-"
+        reading = self._reading
+        request = reading.log.request_id if reading is not None else "-"
         logger.error(
             "conn %s: the writer failed (request %s); closing with %d",
             self.id,
@@ -394,19 +444,6 @@ class Connection:
             duration_ms=round(duration_s * 1000, 3),
             close_code=1006 if self.close_code is None else self.close_code,
             requests=self.requests,
-        )
-
-    def _refusal_record(self, request_id: RequestId, error: SeedanceError) -> audit.Request:
-        """The record of a request refused before it started."""
-        return audit.Request(
-            api="websocket",
-            tenant=self.tenant,
-            credential=self.principal.credential,
-            connection=self.id,
-            session=self.session.session_id,
-            request_id=request_id,
-            model=self.model.name,
-            outcome=error.code,
         )
 
     def _span_attributes(self) -> Attributes:
@@ -433,19 +470,30 @@ class Connection:
 
     def _on_binary(self, data: bytes) -> None:
         check_frame_size(data, self.config.max_frame_bytes)
-        if classify_binary(data) == "ping":
+        kind = classify_binary(data)  # a frame that is not a heartbeat is refused here
+        self.keepalive.spoke_binary()
+        if kind == "ping":
             self.out.put(HEARTBEAT_PONG)
-        elif self._ping_sent_at is not None:
-            self.last_rtt_s = time.monotonic() - self._ping_sent_clock
-            self._ping_sent_at = None
-            self.state.metrics.heartbeat_rtt.observe(self.last_rtt_s)
+        elif self.keepalive.ping_sent_at is not None:
+            self._rtt(time.monotonic() - self._ping_sent_clock)
+
+    def _on_control_pong(self) -> None:
+        """The client answered a standard ping frame."""
+        if self.keepalive.ping_sent_at is not None:
+            self._rtt(time.monotonic() - self._ping_sent_clock)
+
+    def _rtt(self, rtt_s: float) -> None:
+        self.last_rtt_s = rtt_s
+        self.keepalive.ping_sent_at = None
+        self.services.metrics.heartbeat_rtt.observe(rtt_s)
 
     async def _end_session(self) -> None:
         generation = self._running()
         if generation is not None:
             generation.cancel(silent=True)
-        self.state.streams.forget(self.tenant, self.session.session_id)
-        await self.state.sessions.delete(self.session)
+        services = self.services
+        services.streams.forget(self.tenant, self.session.session_id)
+        await services.sessions.delete(self.session)
         logger.info("session %s ended by client (conn %s)", self.session.session_id, self.id)
         self.close(CLOSE_NORMAL, "session ended")
 
@@ -462,90 +510,104 @@ class Connection:
         # time.monotonic(): uvloop's loop.time() counts whole milliseconds.
         received = time.monotonic()
         request_id = RequestId(message.request_id) if message.request_id else new_request_id()
+        parent, bad_parent = self.trace_parent, None
+        if message.traceparent:
+            try:
+                parent = Tracing.from_field(message.traceparent)
+            except SeedanceError as exc:  # the refusal is this field's
+                bad_parent = exc
+        services = self.services
+        arrival = self._arrival(request_id, parent, received)
         try:
-            self._admit(message, request_id, received)
-        except SeedanceError as exc:
-            exc.request_id = request_id
-            self.state.count_refusal(self.model, self.tenant, exc.code)
-            self._trace_refusal(message, request_id, received, exc)
-            self.state.audit_submit(functools.partial(self._refusal_record, request_id, exc))
-            raise
+            if bad_parent is not None:
+                raise bad_parent
+            # The version served now (a reload may have swapped one in since the last).
+            served, message = prepare(
+                services.models, arrival, self.model.name, self.session.session_id, message
+            )
+            if served is not self.model:
+                self.model = served
+                self.limits = served.limits.capped(self.quotas.max_tokens)
+                # A new requester: a running generation keeps its own (and its version's).
+                self.requester = dataclasses.replace(self.requester, model=served)
+            generation = admit(services, arrival, self.requester, message)
         except Exception as exc:
-            logger.exception("request %s failed to start", request_id)
-            raise InternalError(
-                f"internal error on request {request_id}", request_id=request_id
-            ) from exc
-
-    def _admit(self, message: Generate, request_id: RequestId, received: float) -> None:
-        """Start a generation on this session and follow its log."""
-        trace_parent = (
-            Tracing.from_field(message.traceparent) if message.traceparent else self.trace_parent
-        )
-        served = self.state.resolve_model(self.model.name, self.session.session_id)
-        if served is not self.model:  # a reload swapped a new version in since the last
-            self.model = served
-            self.limits = served.limits.capped(self.quotas.max_tokens)
-            # A new requester: a running generation keeps its own (and its version's engine).
-            self.requester = dataclasses.replace(self.requester, model=served)
-        generation = admit(
-            self.state, self.requester, message, request_id, received, trace_parent=trace_parent
-        )
-        self._follower = follower = Follower(self, generation.log)
-        generation.log.attach(follower)
+            error = exc if isinstance(exc, SeedanceError) else None
+            if error is None:
+                logger.exception("request %s failed to start", request_id)
+                error = InternalError(f"internal error on request {request_id}")
+            error.request_id = request_id
+            services.refusals.refuse(arrival, error)
+            self.fail(error)
+            return
+        self._read(generation.log, generation)
         self.requests += 1
 
-    def _trace_refusal(
-        self, message: Generate, request_id: RequestId, received: float, error: SeedanceError
-    ) -> None:
-        """A span for a request refused before it started (busy session, no room, ...)."""
-        tracing = self.state.tracing
-        if not tracing.enabled:
-            return
-        parent = self.trace_parent
-        if message.traceparent:
-            with contextlib.suppress(SeedanceError):  # the refusal may be this field's
-                parent = Tracing.from_field(message.traceparent)
-        attributes = {"seedance.request_id": request_id, "seedance.connection_id": self.id}
-        trace = tracing.request(
-            f"chat {self.model.name}", parent, received, lambda: attributes, self.trace
-        )
-        trace.end(
+    def _arrival(
+        self,
+        request_id: str | None,
+        parent: Context | None = None,
+        received: float | None = None,
+    ) -> Arrival:
+        """A frame of this connection, as it was read: what its span and report name."""
+        arrival = self.services.refusals.arrive(
+            "websocket",
+            self.ws.scope,
+            "chat",
+            request_id=request_id,
+            parent=parent or self.trace_parent,
             received=received,
-            admitted=None,
-            first_token=None,
-            last_token=None,
-            outcome=error.code,
-            error=(error.code, error.message),
-            attributes={"gen_ai.request.model": self.model.name},
+            link=self.trace,
+            path="/v2/infer",
         )
+        arrival.principal, arrival.model = self.principal, self.model
+        arrival.connection_id, arrival.session_id = self.id, self.session.session_id
+        return arrival
+
+    def _read(self, log: StreamLog, generation: Generation | None, after_seq: int = -1) -> None:
+        """Follow ``log`` from ``after_seq``: its frames go out as they are logged."""
+        follower = Follower(self, log, after_seq + 1)
+        reading = Reading(log, generation, after_seq, follower)
+        self._reading = reading
+        if log.running and self.state is State.OPEN:
+            self.state = State.STREAMING
+            self.keepalive.stream_started(self._loop.time())
+        try:
+            reading.__enter__()
+        except BaseException:
+            follower.stop()  # a cursor the log refused: this connection reads nothing
+            raise
+
+    def _stream_over(self, follower: Follower) -> None:
+        """The stream ``follower`` read is over for this connection (ended, or left)."""
+        reading = self._reading
+        if reading is None or reading.sink is not follower:
+            return
+        self._reading = None
+        if self.state is State.STREAMING:
+            self.state = State.OPEN
+        self.keepalive.stream_ended(self._loop.time())
+        if self._timer is not None:  # the idle timeout counts again, from now
+            self._timer.cancel()
+            self._arm_timer()
 
     def _running(self) -> Generation | None:
         """The session's running generation (started here or on another connection)."""
-        return self.state.running_on(self.session)
+        return self.services.generations.running_on(self.session)
 
     async def _resume(self, message: Resume) -> None:
         """Follow a generation of this session from the token after ``after_seq``."""
-        if self._follower is not None:
+        if self._reading is not None:
             raise InvalidRequest(
-                f"this connection is reading {self._follower.log.request_id}; "
+                f"this connection is reading {self._reading.log.request_id}; "
                 "resume another stream once it is done",
                 request_id=message.request_id,
             )
         session_id = self.session.session_id
-        log = await self.state.streams.find(
+        log = await self.services.streams.find(
             self.tenant, session_id, message.request_id, message.epoch
         )
-        follower = Follower(self, log, message.after_seq + 1)
-        try:
-            log.attach(follower, message.after_seq)
-        except BaseException:
-            follower.stop()  # a cursor the log refused: this connection reads nothing
-            raise
-        if log.running:
-            self._follower = follower
-            generation = self._running()
-            if generation is not None:
-                generation.reader_joined()
+        self._read(log, self._running(), message.after_seq)
         logger.info(
             "conn %s resumed %s after seq %d (%s)",
             self.id,
@@ -554,38 +616,29 @@ class Connection:
             "live" if log.running else "done",
         )
 
-    def _followed(self, follower: Follower | None) -> Generation | None:
-        """The running generation ``follower`` reads (None: none, or it has ended)."""
-        generation = self._running()
-        if follower is None or generation is None or generation.log is not follower.log:
-            return None
-        return generation
-
-    def _leave_stream_soon(self) -> None:
+    def _leave_stream_soon(self) -> Reading | None:
         """Stop reading; the generation decides what that means (see ``reader_left``)."""
-        follower = self._follower
-        if follower is None:
-            return
-        follower.log.detach(follower)
-        follower.stop()
-        generation = self._followed(follower)
-        if generation is not None:
-            generation.reader_left()
+        reading = self._reading
+        if reading is None:
+            return None
+        reading.close()
+        reading.sink.stop()  # type: ignore[attr-defined]
+        return reading
 
     async def _leave_stream(self) -> None:
         """Stop reading, and wait for the generation if that aborted it."""
-        follower = self._follower
-        self._leave_stream_soon()
-        generation = self._followed(follower)
-        if generation is None:
+        reading = self._leave_stream_soon()
+        generation = reading.running if reading is not None else None
+        if generation is None or generation.task is None:
             return
         log = generation.log
-        if not log.resumable and not log.readers and generation.task is not None:
+        if not log.resumable and not log.readers:
             await asyncio.gather(generation.task, return_exceptions=True)
 
     async def _stop_generation(self, *, silent: bool) -> None:
         """Cancel the generation this connection reads and wait until it has ended."""
-        generation = self._followed(self._follower)
+        reading = self._reading
+        generation = reading.running if reading is not None else None
         if generation is not None and generation.task is not None:
             generation.cancel(silent=silent)
             await asyncio.gather(generation.task, return_exceptions=True)
@@ -593,37 +646,27 @@ class Connection:
     # ------------------------------------------------------------------ heartbeats and timeouts
 
     def _arm_timer(self) -> None:
-        config = self.config
-        due = self.last_inbound + config.idle_timeout_s
-        if self._ping_sent_at is None or self._ping_sent_at < self.last_inbound:
-            due = min(due, self.last_inbound + config.heartbeat_interval_s)
-        stalled = self.out.stalled_since
-        if stalled is not None:
-            due = min(due, stalled + config.write_timeout_s)
-        else:
-            due = min(due, self._loop.time() + config.write_timeout_s)
+        due = self.keepalive.due(self._loop.time(), self.out.stalled_since)
         self._timer = self._loop.call_at(due, self._on_timer)
 
     def _on_timer(self) -> None:
         self._timer = None
-        config = self.config
+        keepalive = self.keepalive
         now = self._loop.time()
-        stalled = self.out.stalled_since
-        if stalled is not None and now - stalled >= config.write_timeout_s:
-            self._abort(f"client not reading: nothing written for {config.write_timeout_s:g} s")
+        keepalive.inbound(self.ws.last_control_frame_at())
+        action = keepalive.on_timer(now, self.out.stalled_since)
+        if action is Action.CUT_OFF:
+            self._abort(f"client not reading: nothing written for {keepalive.write_timeout_s:g} s")
             return
-        if self._closing:
+        if self.state is State.CLOSING:
             return  # close() bounds its own flush
-        self.last_inbound = max(self.last_inbound, self.ws.last_control_frame_at())
-        idle = now - self.last_inbound
-        if idle >= config.idle_timeout_s:
-            logger.info("conn %s idle for %.1f s: closing", self.id, idle)
+        if action is Action.CLOSE_IDLE:
+            logger.info("conn %s idle for %.1f s: closing", self.id, now - keepalive.active_since)
             self.close(CLOSE_IDLE_TIMEOUT, "idle timeout")
             return
-        if idle >= config.heartbeat_interval_s and (
-            self._ping_sent_at is None or self._ping_sent_at < self.last_inbound
-        ):
-            self._ping_sent_at = now
+        if action is Action.PING:
             self._ping_sent_clock = time.monotonic()
-            self.out.put(HEARTBEAT_PING)
+            if keepalive.heartbeat is Heartbeat.BINARY or not self.ws.ping():
+                keepalive.spoke_binary()  # no ping frames here: the binary heartbeat then
+                self.out.put(HEARTBEAT_PING)
         self._arm_timer()

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import functools
 import logging
+import time
 from typing import Any
 from urllib.parse import parse_qs
 
@@ -29,10 +29,11 @@ from seedance.protocol.messages import (
 )
 from seedance.protocol.qos import qos_from_headers
 from seedance.server.connection import Connection, new_connection_id
-from seedance.server.state import ServerState
+from seedance.server.lifecycle.admit import choose_model
+from seedance.server.lifecycle.services import Services
 from seedance.server.transport import AsgiWebSocket
-from seedance.tenants.auth import peer_of, refusal_record
-from seedance.tenants.policy import check_labels, check_model
+from seedance.tenants.auth import peer_of
+from seedance.tenants.policy import check_labels
 
 logger = logging.getLogger(__name__)
 
@@ -40,56 +41,55 @@ logger = logging.getLogger(__name__)
 class InferEndpoint:
     """ASGI app for ``/v2/infer``."""
 
-    def __init__(self, state: ServerState) -> None:
-        self.state = state
+    def __init__(self, services: Services) -> None:
+        self.services = services
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         ws = AsgiWebSocket(scope, receive, send)
         event = await ws.receive()
         if event["type"] != "websocket.connect":
             return
-        state = self.state
+        received = time.monotonic()
+        services = self.services
         subprotocol = SUBPROTOCOL if SUBPROTOCOL in scope.get("subprotocols", ()) else None
         peer = peer_of(scope)
-        if state.draining:
+        if services.shutdown.draining:
             await ws.accept(subprotocol)
             await ws.close(CLOSE_GOING_AWAY, "server shutting down")
             return
-        principal = None
+        config = services.config
+        principal = model = None
         counted = False  # the connection counts against its tenant's quota
         try:
             params = parse_qs(
                 scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True
             )
             # The door first: nothing else is looked at for a caller that is not let in.
-            state.access.check_origin(scope.get("headers", ()))
-            principal = state.access.authenticate(scope)
-            if len(state.connections) >= state.config.max_connections:
+            services.access.check_origin(scope.get("headers", ()))
+            principal = services.access.authenticate(scope)
+            if services.peers.count("infer") >= config.max_connections:
                 raise Overloaded(
-                    f"the server holds {state.config.max_connections} connections; retry later"
+                    f"the server holds {config.max_connections} connections; retry later"
                 )
-            check_labels(principal, state.config.labels)
-            model = state.resolve_model(_param(params, "model"))
-            check_model(principal, model.name, state.models)
+            check_labels(principal, config.labels)
+            model = choose_model(services.models, principal, _param(params, "model"))
             qos = qos_from_headers(scope.get("headers", ()))
-            client_key = _e2e_param(state, params)
+            client_key = _e2e_param(services, params)
             raw_id = _param(params, "session_id")
             session_id = SessionId(validate_session_id(raw_id)) if raw_id is not None else None
             quotas = principal.tenant.quotas
-            state.usage.open_connection(principal.name, quotas)
+            services.usage.open_connection(principal.name, quotas)
             counted = True
-            session, created = await state.sessions.attach(
+            session, created = await services.sessions.attach(
                 TenantId(principal.name), session_id, max_for_tenant=quotas.sessions
             )
-            model = state.resolve_model(model.name, session.session_id)  # a canary's share
+            model = services.models.resolve(model.name, session.session_id)  # a canary's share
         except SeedanceError as exc:
             if counted and principal is not None:
-                state.usage.close_connection(principal.name)
-            logger.info("connect refused peer=%s: %s %s", peer, exc.code, exc.message)
-            state.metrics.refused(exc.code)
-            state.audit_submit(
-                functools.partial(refusal_record, "websocket", scope, principal, exc)
-            )
+                services.usage.close_connection(principal.name)
+            arrival = services.refusals.arrive("websocket", scope, "connect", received=received)
+            arrival.principal, arrival.model = principal, model
+            services.refusals.refuse(arrival, exc)
             await ws.accept(subprotocol)
             await ws.send(encode_error(exc))
             await ws.close(exc.connect_close_code, exc.code)
@@ -98,13 +98,12 @@ class InferEndpoint:
             connection_id = new_connection_id()
             channel = offer = None
             if client_key is not None:
-                assert state.confidential is not None
-                channel, offer = state.confidential.accept(
+                assert services.confidential is not None
+                channel, offer = services.confidential.accept(
                     client_key, session.session_id, principal.name, connection_id
                 )
             await ws.accept(subprotocol)
-            config = state.config
-            streams = state.streams
+            streams = services.streams
             log = await streams.active(principal.name, session.session_id)
             epoch = await streams.epoch_of(principal.name, session.session_id)
             active = (
@@ -133,7 +132,7 @@ class InferEndpoint:
             )
             parent = Tracing.from_headers(scope.get("headers", ()))
             connection = Connection(
-                state,
+                services,
                 ws,
                 session,
                 model,
@@ -144,24 +143,24 @@ class InferEndpoint:
                 connection_id=connection_id,
                 channel=channel,
             )
-            state.connections.add(connection)
+            services.peers.add(connection)
             try:
                 await connection.run()
             finally:
-                state.connections.discard(connection)
+                services.peers.discard(connection)
         except OSError:
             pass  # the client left during the handshake
         finally:
             assert principal is not None
-            state.usage.close_connection(principal.name)
-            await state.sessions.detach(session)
+            services.usage.close_connection(principal.name)
+            await services.sessions.detach(session)
 
 
-def _e2e_param(state: ServerState, params: dict[str, list[str]]) -> X25519PublicKey | None:
+def _e2e_param(services: Services, params: dict[str, list[str]]) -> X25519PublicKey | None:
     """The client's key for end-to-end encryption (parsed), or None when it asks for none;
     refused where the server does not offer it, or requires it and the client did not ask."""
     client_key = _param(params, "e2e")
-    confidential = state.confidential
+    confidential = services.confidential
     if client_key is None:
         if confidential is not None and confidential.required:
             raise Forbidden(

@@ -14,13 +14,13 @@ from seedance.observability.gpu import GpuMemory
 from seedance.observability.metrics import MODEL_LABELS, gauge
 
 if TYPE_CHECKING:
-    from seedance.server.state import ServerState
+    from seedance.server.lifecycle.services import Services
 
 
-def state_metrics(state: ServerState, gpu: GpuMemory | None) -> Iterator[Metric]:
+def state_metrics(state: Services, gpu: GpuMemory | None) -> Iterator[Metric]:
     """The gauges of a server, read when Prometheus scrapes."""
     connections = gauge("seedance_connections", "Open WebSocket connections.")
-    connections.add_metric([], len(state.connections))
+    connections.add_metric([], state.peers.count("infer"))
     sessions = gauge("seedance_sessions", "Live sessions in the session store.")
     sessions.add_metric([], len(state.sessions))
     history = gauge(

@@ -11,7 +11,8 @@ time, as at OpenAI. Both shapes of the ``openai`` package are spoken: GA, and be
 
 Credentials as the SDK sends them (``Authorization: Bearer``), or as browsers do (the
 ``openai-insecure-api-key.KEY`` subprotocol; ``realtime`` is then echoed). Every refusal is an
-OpenAI-shaped ``error`` event; the connection stays open unless it could not be served at all.
+OpenAI-shaped ``error`` event, reported as every API's are (a ``refused`` audit record, a log
+line, a metric, a span); the connection stays open unless it could not be served at all.
 """
 
 from __future__ import annotations
@@ -21,11 +22,18 @@ import contextlib
 import logging
 import secrets
 import time
+from collections.abc import Mapping
 from typing import Any, cast
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketDisconnected
 
-from seedance.protocol.errors import InvalidRequest, SeedanceError, SessionBusy
+from seedance.protocol.errors import (
+    CLOSE_GOING_AWAY,
+    InvalidRequest,
+    SeedanceError,
+    SessionBusy,
+    Unauthorized,
+)
 from seedance.protocol.messages import ChatMessage, DoneFrame, Generate, RequestId, TenantId
 from seedance.protocol.qos import qos_from_headers
 from seedance.protocol.realtime import (
@@ -40,27 +48,33 @@ from seedance.protocol.realtime import (
     response_params,
     update_session,
 )
-from seedance.server.openai_api import HttpFollower, Receive, Scope, Send, authenticate_http
-from seedance.server.requests import Generation, Requester, admit, session_prompt
-from seedance.server.state import ApiSocket, ServedModel, ServerState
+from seedance.server.http_call import Receive, Scope, Send
+from seedance.server.lifecycle.admit import Requester, admit, choose_model, prepare, session_prompt
+from seedance.server.lifecycle.generation import Generation
+from seedance.server.lifecycle.models import ServedModel
+from seedance.server.lifecycle.peers import Kind
+from seedance.server.lifecycle.reader import Reading
+from seedance.server.lifecycle.refusals import Arrival
+from seedance.server.lifecycle.services import Services
 from seedance.sessions.session import Session, Turn
 from seedance.tenants.auth import Principal
-from seedance.tenants.policy import check_model
 
 logger = logging.getLogger(__name__)
 
 BROWSER_SUBPROTOCOL = "realtime"
 BETA_SUBPROTOCOL = "openai-beta.realtime-v1"
+PATH = "/v1/realtime"
 
 
 class RealtimeEndpoint:
     """``/v1/realtime``, a plain ASGI app."""
 
-    def __init__(self, state: ServerState) -> None:
-        self.state = state
+    def __init__(self, services: Services) -> None:
+        self.services = services
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        state = self.state
+        services = self.services
+        received = time.monotonic()
         ws = WebSocket(scope, receive, cast(Any, send))
         offered = list(scope.get("subprotocols", ()))
         headers = dict(scope.get("headers", ()))
@@ -69,42 +83,50 @@ class RealtimeEndpoint:
         # Browsers offer subprotocols and need one back; the Python SDK offers none.
         await ws.accept(BROWSER_SUBPROTOCOL if BROWSER_SUBPROTOCOL in offered else None)
         counted = False
+        principal: Principal | None = None
+        model: ServedModel | None = None
         try:
-            principal = authenticate_http(state, scope)
-            model = state.resolve_model(ws.query_params.get("model"))
-            check_model(principal, model.name, state.models)
+            principal = services.access.authenticate(scope)
+            model = choose_model(services.models, principal, ws.query_params.get("model"))
             quotas = principal.tenant.quotas
-            state.usage.open_connection(principal.name, quotas)
+            services.usage.open_connection(principal.name, quotas)
             counted = True
-            session, _ = await state.sessions.attach(
+            session, _ = await services.sessions.attach(
                 TenantId(principal.name), None, max_for_tenant=quotas.sessions
             )
-            model = state.resolve_model(model.name, session.session_id)  # a canary's share
+            model = services.models.resolve(model.name, session.session_id)  # a canary's share
         except SeedanceError as exc:
-            if counted:
-                state.usage.close_connection(principal.name)
-            state.metrics.refused(exc.code)
+            if counted and principal is not None:
+                services.usage.close_connection(principal.name)
+            arrival = services.refusals.arrive(
+                "websocket", scope, "realtime", received=received, path=PATH
+            )
+            arrival.principal, arrival.model = principal, model
+            services.refusals.refuse(arrival, exc)
             with contextlib.suppress(WebSocketDisconnect, RuntimeError):
                 await ws.send_json(events.error(exc, None))
                 await ws.close(exc.connect_close_code, exc.code)
             return
-        connection = Realtime(state, ws, principal, model, session, beta, scope)
-        socket = ApiSocket(connection.connection_id, principal, scope, connection.shut_out)
-        state.api_sockets.add(socket)
+        connection = Realtime(services, ws, principal, model, session, beta, scope)
+        services.peers.add(connection)
         try:
             await connection.run()
         finally:
-            state.api_sockets.discard(socket)
-            state.usage.close_connection(principal.name)
-            await state.sessions.detach(session)
+            services.peers.discard(connection)
+            services.usage.close_connection(principal.name)
+            await services.sessions.detach(session)
 
 
 class Realtime:
-    """One Realtime connection: its conversation, its settings, its running response."""
+    """One Realtime connection: its conversation, its settings, its running response (a
+    :class:`~seedance.server.lifecycle.peers.Peer` of the server)."""
+
+    kind: Kind = "realtime"
+    movable = False
 
     def __init__(
         self,
-        state: ServerState,
+        services: Services,
         ws: WebSocket,
         principal: Principal,
         model: ServedModel,
@@ -112,7 +134,7 @@ class Realtime:
         beta: bool,
         scope: Scope,
     ) -> None:
-        self.state = state
+        self.services = services
         self.ws = ws
         self.principal = principal
         self.model = model
@@ -122,6 +144,7 @@ class Realtime:
         self.config = SessionConfig()
         self.qos = qos_from_headers(scope.get("headers", ()))
         self.connection_id = "rt-" + secrets.token_hex(6)
+        self.name = f"realtime {self.connection_id}"
         self.last_item: str | None = None
         self.generation: Generation | None = None
         self.responding: asyncio.Task[None] | None = None
@@ -130,7 +153,17 @@ class Realtime:
 
     @property
     def limit(self) -> int:
+        """What an event's token limit is checked against: the engine's (a model's signed
+        limit is applied to the response, by name, with its version)."""
         return self.model.limits.max_tokens
+
+    @property
+    def scope(self) -> Mapping[str, Any]:
+        return self.ws.scope
+
+    @property
+    def idle(self) -> bool:
+        return self.responding is None or self.responding.done()
 
     async def run(self) -> None:
         try:
@@ -139,11 +172,16 @@ class Realtime:
             )
             while True:
                 text = await self.ws.receive_text()
+                received = time.monotonic()
+                arrival: Arrival | None = None
                 event: dict[str, Any] = {}
                 try:
                     event = decode_event(text)
-                    await self.handle(event)
+                    if event["type"] == "response.create":  # a request: it is traced
+                        arrival = self._arrival(received)
+                    await self.handle(event, arrival)
                 except SeedanceError as exc:
+                    self.services.refusals.refuse(arrival or self._arrival(received), exc)
                     client_event = event.get("event_id")
                     await self.send(
                         self.events.error(
@@ -158,20 +196,44 @@ class Realtime:
             tasks = [t for t in (self.responding, self._shutting) if t is not None]
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    def shut_out(self, error: SeedanceError) -> None:
+    def _arrival(self, received: float) -> Arrival:
+        """A client event read at ``received``, as its report names it."""
+        arrival = self.services.refusals.arrive(
+            "websocket", self.scope, "realtime", received=received, path=PATH
+        )
+        arrival.principal, arrival.model = self.principal, self.model
+        arrival.connection_id, arrival.session_id = self.connection_id, self.session.session_id
+        return arrival
+
+    def shut_out(self, error: Unauthorized) -> None:
         """Its credential stopped passing: the response under way is cancelled, then the
         error event, and the socket closes."""
         if self.generation is not None:
             self.generation.cancel(silent=True)
+        self._close_soon(error, error.connect_close_code, error.code)
+
+    def going_away(self) -> None:
+        self._close_soon(None, CLOSE_GOING_AWAY, "server shutting down")
+
+    async def shutdown(self) -> None:
+        """What runs has had its final event (the drain cancelled its generation): close."""
+        if self.responding is not None:
+            await asyncio.gather(self.responding, return_exceptions=True)
+        self.going_away()
+
+    def _close_soon(self, error: SeedanceError | None, code: int, reason: str) -> None:
         if self._shutting is None:
-            self._shutting = asyncio.create_task(self._shut(error), name="realtime-shut-out")
+            self._shutting = asyncio.create_task(
+                self._close(error, code, reason), name="realtime-close"
+            )
 
-    async def _shut(self, error: SeedanceError) -> None:
-        with contextlib.suppress(WebSocketDisconnect, WebSocketDisconnected):
-            await self.send(self.events.error(error, None))
-            await self.ws.close(error.connect_close_code, error.code)
+    async def _close(self, error: SeedanceError | None, code: int, reason: str) -> None:
+        with contextlib.suppress(WebSocketDisconnect, WebSocketDisconnected, RuntimeError):
+            if error is not None:
+                await self.send(self.events.error(error, None))
+            await self.ws.close(code, reason)
 
-    async def handle(self, event: dict[str, Any]) -> None:
+    async def handle(self, event: dict[str, Any], arrival: Arrival | None = None) -> None:
         kind = event["type"]
         if kind == "session.update":
             self.config = update_session(self.config, event.get("session"), self.shape, self.limit)
@@ -187,7 +249,8 @@ class Realtime:
                     "conversation_already_has_active_response: a response is in progress; "
                     "cancel it or wait for its response.done"
                 )
-            started = self.start(params)
+            assert arrival is not None
+            started = self.start(params, arrival)
             self.responding = asyncio.create_task(self.respond(started, params))
         elif kind == "response.cancel":
             running = self.generation
@@ -208,8 +271,8 @@ class Realtime:
             raise SessionBusy("a response is in progress; add the item after its response.done")
         engine = self.model.engine
         turn = Turn(message, engine.count_message_tokens(message), self.model.name)
-        self.session.commit([turn], reset=False, max_tokens=engine.info.context_length)
-        await self.state.sessions.save(self.session)
+        self.session.commit([turn], reset=False, max_tokens=self.model.context_length)
+        await self.services.sessions.save(self.session)
         item_id = item_id if isinstance(item_id, str) else "item_" + secrets.token_hex(12)
         item = self.events.item(item_id, message, "completed")
         added = self.events.item_added(item, self.last_item)
@@ -223,42 +286,43 @@ class Realtime:
         for event in added:
             await self.send(event)
 
-    def start(self, params: ResponseParams) -> Generation:
+    def start(self, params: ResponseParams, arrival: Arrival) -> Generation:
         """Admit the response: a generation over the conversation so far."""
-        # The version served now (a reload may have swapped one in since the last response).
-        self.model = model = self.state.resolve_model(self.model.name, self.session.session_id)
-        response_id = RequestId("resp_" + secrets.token_hex(12))
+        arrival.request_id = response_id = RequestId("resp_" + secrets.token_hex(12))
         fields: dict[str, Any] = {
             "messages": [],  # the items are in the session already
-            "max_tokens": params.max_output_tokens or self.limit,
+            "max_tokens": params.max_output_tokens or self.model.max_tokens,
             "stream": True,
             "request_id": response_id,
         }
         if params.temperature is not None:
             fields["temperature"] = params.temperature
-        message = Generate(**fields)
+        unset = frozenset() if params.temperature is not None else frozenset({"temperature"})
+        # The version served now (a reload may have swapped one in since the last response).
+        self.model, message = prepare(
+            self.services.models,
+            arrival,
+            self.model.name,
+            self.session.session_id,
+            Generate(**fields),
+            unset=unset,
+            field=self.shape.max_tokens,
+        )
         preamble = (ChatMessage("system", params.instructions),) if params.instructions else ()
-        prompt = session_prompt(model, self.session, message, preamble)
+        prompt = session_prompt(self.model, self.session, message, preamble)
         if not prompt.messages:
             raise InvalidRequest("response.create: the conversation is empty; add an item first")
-        if params.temperature is None:
-            prompt.unset = frozenset({"temperature"})
+        prompt.unset = unset
         requester = Requester(
             self.principal,
-            model,
+            self.model,
             "websocket",
             session=self.session,
             connection_id=self.connection_id,
             qos=self.qos,
         )
         self.generation = generation = admit(
-            self.state,
-            requester,
-            message,
-            response_id,
-            time.monotonic(),
-            prompt=prompt,
-            operation="realtime",
+            self.services, arrival, requester, message, prompt=prompt
         )
         return generation
 
@@ -288,24 +352,15 @@ class Realtime:
             await self.send(event)
         await self.send(events.event("response.content_part.added", **where, part=events.part("")))
         log = generation.log
-        follower = HttpFollower(log)
-        log.attach(follower)
-        generation.reader_joined()
         try:
-            while True:
-                await follower.wait()
-                text, _ = follower.take()
-                if text:
+            with Reading(log, generation) as reading:
+                async for text, _ in reading:
                     await self.send(events.event(shape.text_delta, **where, delta=text))
-                if follower.ended:
-                    break
         finally:
-            log.detach(follower)
-            follower.caught_up()
-            generation.reader_left()
             self.generation = None
         text = "".join(log.texts)
-        status, details = ended(follower.end)
+        end = reading.end
+        status, details = ended(end)
         done_item = events.item(
             item_id,
             ChatMessage("assistant", text),
@@ -326,7 +381,6 @@ class Realtime:
             )
         if status in ("completed", "incomplete"):
             self.last_item = item_id  # the reply is in the conversation (the session's turns)
-        end = follower.end
         response = events.response(
             response_id,
             params,

@@ -1,10 +1,13 @@
-"""OpenAI's Responses API over HTTP, text only: ``POST /v1/responses``, ``GET`` and ``DELETE
-/v1/responses/{id}``, ``POST /v1/responses/{id}/cancel``.
+"""OpenAI's Responses API, text only: ``POST /v1/responses``, ``GET`` and ``DELETE
+/v1/responses/{id}``, ``POST /v1/responses/{id}/cancel``, and its WebSocket mode.
 
-The same request lifecycle as every other request (:func:`seedance.server.requests.admit`):
-a response is a generation whose request id is the response id, and whose stream log keeps
-its frames; its events are rendered from the log (:mod:`seedance.protocol.responses`), so a
-live reader and one that comes back with ``starting_after`` see the same events, each once.
+The same request lifecycle as every other request (:mod:`seedance.server.lifecycle`): a
+response is a generation whose request id is the response id, and whose stream log keeps its
+frames; its events are rendered from the log (:mod:`seedance.protocol.responses`), so a live
+reader and one that comes back with ``starting_after`` see the same events, each once. A
+:class:`ResponseCall` is one call of the API whichever transport carries it: its events go to
+an :class:`Events` sink, Server-Sent Events over HTTP (:class:`SseEvents`) or JSON frames over
+the WebSocket mode (:class:`SocketEvents`).
 
 **Stored responses** (``store``, the default) are sessions: response ``resp_X`` is the session
 ``resp_X`` of its tenant, holding the conversation up to and including its reply, so
@@ -25,22 +28,26 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Mapping
-from typing import Any, Final, cast
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Final, Protocol, cast
 
 import msgspec
 from starlette.datastructures import QueryParams
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketDisconnected
 
 from seedance.observability.logs import bind_request
+from seedance.observability.tracing import request_attributes
 from seedance.protocol.codec import FrameLimits, validate_session_id
 from seedance.protocol.errors import (
+    CLOSE_GOING_AWAY,
     HistoryLost,
+    InternalError,
     InvalidJSON,
     InvalidRequest,
     NotFound,
     SeedanceError,
     SessionBusy,
+    Unauthorized,
 )
 from seedance.protocol.messages import ChatMessage, RequestId, SessionId, TenantId
 from seedance.protocol.openai import error_object
@@ -52,26 +59,30 @@ from seedance.protocol.responses import (
     decode_responses,
     deleted,
 )
-from seedance.server.openai_api import (
+from seedance.server.http_call import (
     JSON_HEADERS,
     SSE_HEADERS,
     HttpCall,
-    HttpFollower,
+    HttpResponse,
     Receive,
     Scope,
     Send,
-    authenticate_http,
 )
-from seedance.server.requests import Generation, Requester, admit, session_prompt
-from seedance.server.state import ApiSocket, ServerState
+from seedance.server.lifecycle.admit import Requester, admit, prepare, session_prompt
+from seedance.server.lifecycle.generation import Generation
+from seedance.server.lifecycle.peers import Kind
+from seedance.server.lifecycle.reader import Reading
+from seedance.server.lifecycle.refusals import Arrival
+from seedance.server.lifecycle.services import Services
 from seedance.sessions.session import Session, Turn
 from seedance.streams.log import StreamLog
-from seedance.tenants.policy import check_model
+from seedance.tenants.auth import Principal
 
 logger = logging.getLogger(__name__)
 
 _encode = msgspec.json.Encoder().encode
 API: Final = "responses"  # the log meta's "api": which renderer its frames are for
+PATH: Final = "/v1/responses"
 
 
 def rendered(log: StreamLog) -> Rendered:
@@ -88,83 +99,118 @@ def rendered(log: StreamLog) -> Rendered:
     )
 
 
-class ResponsesEndpoint:
-    """``POST /v1/responses``."""
-
-    kind = API
-    operation = "responses"
-    path = "/v1/responses"
-
-    def __init__(self, state: ServerState) -> None:
-        self.state = state
-        self.limits = FrameLimits(
-            max_frame_bytes=state.config.max_frame_bytes,
-            max_tokens=max(m.limits.max_tokens for m in state.models.values()),
-        )
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        response_id = RequestId("resp_" + secrets.token_hex(24))
-        call = ResponseCall(self.state, response_id, scope, send, self)
-        await call.answer(receive, lambda body: call.create(body, self.limits))
+def new_response_id() -> RequestId:
+    return RequestId("resp_" + secrets.token_hex(24))
 
 
-class ResponseEndpoint:
-    """``GET /v1/responses/{id}`` (``?stream=true&starting_after=N``: its events),
-    ``DELETE /v1/responses/{id}``, and ``POST /v1/responses/{id}/cancel``."""
+# --------------------------------------------------------------------------- where events go
 
-    kind = API
-    operation = "responses"
-    path = "/v1/responses/{response_id}"
 
-    def __init__(self, state: ServerState, action: str = "read") -> None:
-        self.state = state
-        self.action = action
+class Events(Protocol):
+    """Where a call's answer goes."""
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        response_id = RequestId(scope.get("path_params", {}).get("response_id", ""))
-        call = ResponseCall(self.state, response_id, scope, send, self)
-        try:
-            call.principal = authenticate_http(self.state, scope)
-            call.authenticated = True
-        except SeedanceError as exc:
-            await call.fail(exc)
-            call.ended()
+    @property
+    def started(self) -> bool:
+        """Whether a stream of events has begun (an error is then an event of it)."""
+
+    async def open(self) -> None:
+        """A stream of events begins."""
+
+    async def event(self, event: dict[str, Any]) -> None: ...
+
+    async def end(self) -> None:
+        """The stream of events is over."""
+
+    async def whole(self, body: dict[str, Any]) -> None:
+        """A whole answer, not a stream."""
+
+    async def error(self, error: SeedanceError) -> None:
+        """An error: the answer, or an event of the stream once it has begun."""
+
+
+class SseEvents:
+    """Events as Server-Sent Events of an HTTP response."""
+
+    def __init__(self, response: HttpResponse) -> None:
+        self.response = response
+
+    @property
+    def started(self) -> bool:
+        return self.response.started
+
+    async def open(self) -> None:
+        await self.response.start(200, SSE_HEADERS)
+
+    async def event(self, event: dict[str, Any]) -> None:
+        await self.response.event(_encode(event), name=event["type"])
+
+    async def end(self) -> None:
+        await self.response.write(b"", more=False)
+
+    async def whole(self, body: dict[str, Any]) -> None:
+        await self.response.respond(200, JSON_HEADERS, _encode(body))
+
+    async def error(self, error: SeedanceError) -> None:
+        if not self.started:
+            await self.response.refuse(error)
             return
-        if self.action == "cancel":
-            work = call.cancel()
-        elif scope.get("method") == "DELETE":
-            work = call.delete()
-        else:
-            work = call.read(QueryParams(scope.get("query_string", b"")))
-        await call.serve(call.guarded(work), receive)
+        await self.event({"type": "error", "code": error.code, "message": error.message})
+        await self.end()
 
 
-class ResponseCall(HttpCall):
-    """One request of the Responses API, from its body to the last byte of its answer."""
+class SocketEvents:
+    """Events as JSON frames of the WebSocket mode (each with the call's ``stream_id``)."""
 
-    async def guarded(self, work: Awaitable[None]) -> None:
-        """``work``, its refusal answered as an error (an ``error`` event once streaming)."""
-        try:
-            await work
-        except SeedanceError as exc:
-            if not self.started:
-                await self.fail(exc)
-                return
-            self.outcome = exc.code
-            await self._sse({"type": "error", "code": exc.code, "message": exc.message})
-            await self._end_stream()
+    def __init__(self, ws: WebSocket, stream_id: str | None) -> None:
+        self.ws = ws
+        self.stream_id = stream_id
+        self.started = False
 
-    async def create(self, body: bytes, limits: FrameLimits) -> None:
-        try:
-            generation, request = await self._admit_response(body, limits)
-        except Exception as exc:
-            await self.fail(exc)
-            return
+    async def open(self) -> None:
+        self.started = True
+
+    async def event(self, event: dict[str, Any]) -> None:
+        if self.stream_id is not None:
+            event = {**event, "stream_id": self.stream_id}
+        await self.ws.send_text(_encode(event).decode())
+
+    async def end(self) -> None:
+        pass
+
+    async def whole(self, body: dict[str, Any]) -> None:
+        raise AssertionError("the WebSocket mode streams every response")
+
+    async def error(self, error: SeedanceError) -> None:
+        await self.ws.send_text(_encode(socket_error(error, self.stream_id)).decode())
+
+
+# --------------------------------------------------------------------------- one call
+
+
+class ResponseCall:
+    """One call of the Responses API (see the module): ``arrival`` names it, ``events``
+    carries its answer."""
+
+    def __init__(
+        self, services: Services, arrival: Arrival, events: Events, scope: Mapping[str, Any]
+    ) -> None:
+        assert arrival.request_id is not None and arrival.principal is not None
+        self.services = services
+        self.arrival = arrival
+        self.events = events
+        self.scope = scope  # its X-QoS-Priority header
+        self.response_id = RequestId(arrival.request_id)
+        self.principal: Principal = arrival.principal
+        self.generation: Generation | None = None
+        self.outcome = ""
+
+    async def create(self, body: bytes) -> None:
+        generation, request = await self._admit(body)
         log = generation.log
         if request.stream:
-            await self.events(log, generation, after=-1)
+            await self.stream(log, generation, after=-1)
         elif request.background:  # answered at once; it runs on without a reader
-            await self._json(rendered(log).response())
+            await self.events.whole(rendered(log).response())
         else:
             await self.whole(log, generation)
 
@@ -175,143 +221,109 @@ class ResponseCall(HttpCall):
             after = query.get("starting_after", "-1")
             if not after.lstrip("-").isdigit():
                 raise InvalidRequest("starting_after: an integer (a sequence_number)")
-            await self.events(log, self.state.generations.get(log.request_id), int(after))
+            await self.stream(log, self._running(), int(after))
         else:
-            await self._json(rendered(log).response())
+            await self.events.whole(rendered(log).response())
 
     async def delete(self) -> None:
         """The response's conversation and its log go; a running one is stopped first."""
-        state = self.state
+        services = self.services
         tenant = self.principal.name
-        generation = state.generations.get(self.request_id)
+        generation = self._running()
         if generation is not None:
             generation.cancel(silent=True)
         try:
-            session_id = SessionId(validate_session_id(self.request_id))
+            session_id = SessionId(validate_session_id(self.response_id))
         except InvalidRequest:
             raise self._not_found() from None
-        session, created = await state.sessions.attach(TenantId(tenant), session_id)
-        await state.sessions.delete(session)
-        log = await _logged(state, tenant, self.request_id)
-        state.streams.forget(tenant, self.request_id)
+        session, created = await services.sessions.attach(TenantId(tenant), session_id)
+        await services.sessions.delete(session)
+        log = await _logged(services, tenant, self.response_id)
+        services.streams.forget(tenant, self.response_id)
         if created and log is None:
             raise self._not_found()
         self.outcome = "deleted"
-        await self._json(deleted(self.request_id))
+        await self.events.whole(deleted(self.response_id))
 
     async def cancel(self) -> None:
         """Stop a background response; answers the response as it ended."""
         log = await self._find()
-        generation = self.state.generations.get(self.request_id)
+        generation = self._running()
         if log.running:
             assert log.meta is not None
             if not log.meta.get("background"):
                 raise InvalidRequest(
-                    f"response {self.request_id} is not a background response: only those can "
-                    "be cancelled (a foreground one stops when its client disconnects)"
+                    f"response {self.response_id} is not a background response: only those "
+                    "can be cancelled (a foreground one stops when its client disconnects)"
                 )
             if generation is None:
                 raise InvalidRequest(
-                    f"response {self.request_id} runs on another node; cancel it there"
+                    f"response {self.response_id} runs on another node; cancel it there"
                 )
             generation.cancel(silent=False)
             await self.whole(log, None)
             self.outcome = "cancelled"
             return
-        await self._json(rendered(log).response())
+        await self.events.whole(rendered(log).response())
 
     # ---------------------------------------------------------------- answers
 
     async def whole(self, log: StreamLog, generation: Generation | None) -> None:
         """Wait for the end, then answer the Response object."""
-        follower = HttpFollower(log, log.next_seq - 1)
-        log.attach(follower, log.next_seq - 1)
-        if generation is not None:
-            generation.reader_joined()
-        try:
-            while not follower.ended:
-                await follower.wait()
-                follower.take()  # the text is in the log
-        finally:
-            log.detach(follower)
-            follower.caught_up()
-            if generation is not None:
-                generation.reader_left()
-        await self._json(rendered(log).response())
+        with Reading(log, generation, log.next_seq - 1) as reading:
+            async for _ in reading:
+                pass  # the text is in the log
+        await self.events.whole(rendered(log).response())
 
-    async def events(self, log: StreamLog, generation: Generation | None, after: int) -> None:
-        """The response's events numbered above ``after``, to its end, as Server-Sent Events."""
+    async def stream(self, log: StreamLog, generation: Generation | None, after: int) -> None:
+        """The response's events numbered above ``after``, to its end."""
         cursor = max(-1, after - FIRST_DELTA)  # the last token the client holds
         if not log.running:
             cursor = min(cursor, log.next_seq - 1)
-        follower = HttpFollower(log, cursor)
-        log.attach(follower, cursor)  # cursor_ahead, or inside a frame: refused
-        if generation is not None:
-            generation.reader_joined()
-        view = rendered(log)
-        try:
-            await self._start(200, SSE_HEADERS)
+        events = self.events
+        with Reading(log, generation, cursor) as reading:  # cursor_ahead, inside a frame: refused
+            view = rendered(log)
+            await events.open()
             for event in view.opening(after):
-                await self._sse(event)
-            while True:
-                await follower.wait()
-                text, last_seq = follower.take()
-                if text:
-                    await self._sse(view.delta(text, last_seq))
-                if follower.ended:
-                    break
-        finally:
-            log.detach(follower)
-            follower.caught_up()
-            if generation is not None:
-                generation.reader_left()
+                await events.event(event)
+            async for text, last_seq in reading:
+                await events.event(view.delta(text, last_seq))
         for event in rendered(log).closing(after):
-            await self._sse(event)
-        await self._end_stream()
-
-    # ---------------------------------------------------------------- the transport's
-
-    async def _sse(self, event: dict[str, Any]) -> None:
-        """One event of a stream (a Server-Sent Event here)."""
-        data = b"event: " + event["type"].encode() + b"\ndata: " + _encode(event) + b"\n\n"
-        await self.send({"type": "http.response.body", "body": data, "more_body": True})
-
-    async def _end_stream(self) -> None:
-        await self.send({"type": "http.response.body", "body": b""})
-
-    async def _json(self, body: dict[str, Any]) -> None:
-        await self._respond(200, JSON_HEADERS, _encode(body))
+            await events.event(event)
+        await events.end()
 
     # ---------------------------------------------------------------- admission
 
-    async def _admit_response(
-        self, body: bytes, limits: FrameLimits
-    ) -> tuple[Generation, ResponsesRequest]:
-        state = self.state
+    async def _admit(self, body: bytes) -> tuple[Generation, ResponsesRequest]:
+        services = self.services
         principal = self.principal
         quotas = principal.tenant.quotas
+        limits = FrameLimits(services.config.max_frame_bytes, services.models.max_tokens)
         request = decode_responses(body, limits.capped(quotas.max_tokens))
+        self.arrival.attributes = dict(request_attributes(request.generate))
         # A canary's share: by the conversation it continues, else by the response.
-        sticky = request.previous_response_id or self.request_id
-        self.model = model = state.resolve_model(request.model, sticky)
-        check_model(principal, model.name, state.models)
-        message = request.generate
-        if model.limits.max_tokens < message.max_tokens:
-            raise InvalidRequest(
-                f"max_output_tokens must be between 1 and {model.limits.max_tokens}"
-            )
+        sticky = request.previous_response_id or self.response_id
+        model, message = prepare(
+            services.models,
+            self.arrival,
+            request.model,
+            sticky,
+            request.generate,
+            unset=request.unset | ({"max_tokens"} if not request.max_tokens_given else set()),
+            field="max_output_tokens",
+        )
         history = []
         if request.previous_response_id is not None:
             history = await self._conversation(request.previous_response_id)
         tenant = TenantId(principal.name)
-        session_id = SessionId(self.request_id)
+        session_id = SessionId(self.response_id)
         session: Session | None = None
         if request.store:
-            session, _ = await state.sessions.attach(tenant, session_id, quotas.sessions)
+            session, _ = await services.sessions.attach(tenant, session_id, quotas.sessions)
         try:
             holder = session or Session((tenant, session_id), time.monotonic())
             if history:
-                holder.commit(history, reset=True, max_tokens=model.engine.info.context_length)
+                holder.commit(history, reset=True, max_tokens=model.context_length)
             instructions = request.instructions
             preamble = (ChatMessage("system", instructions),) if instructions else ()
             prompt = session_prompt(model, holder, message, preamble)
@@ -319,22 +331,19 @@ class ResponseCall(HttpCall):
             qos = qos_from_headers(self.scope.get("headers", ()))
             requester = Requester(principal, model, "http", session=session, qos=qos)
             self.generation = generation = admit(
-                state,
+                services,
+                self.arrival,
                 requester,
                 message,
-                self.request_id,
-                self.received,
                 prompt=prompt,
-                operation="responses",
-                trace=self.trace,
                 without_readers="finish" if request.background else "abort",
             )
         except BaseException:
             if session is not None:  # a refused response is not stored
-                await state.sessions.delete(session)
+                await services.sessions.delete(session)
             raise
         if session is not None:  # busy while it runs; its TTL counts from its end
-            await state.sessions.detach(session)
+            await services.sessions.detach(session)
         generation.log.meta = {
             "api": API,
             "created_at": int(time.time()),
@@ -352,7 +361,7 @@ class ResponseCall(HttpCall):
 
     async def _conversation(self, previous: str) -> list[Turn]:
         """The stored conversation of response ``previous``."""
-        sessions = self.state.sessions
+        sessions = self.services.sessions
         try:
             session_id = SessionId(validate_session_id(previous))
         except InvalidRequest:
@@ -376,28 +385,97 @@ class ResponseCall(HttpCall):
             else:
                 await sessions.detach(session)
 
+    def _running(self) -> Generation | None:
+        return self.services.generations.get(self.principal.name, self.response_id)
+
     async def _find(self) -> StreamLog:
-        log = await _logged(self.state, self.principal.name, self.request_id)
+        log = await _logged(self.services, self.principal.name, self.response_id)
         if log is None:
             raise self._not_found()
         return log
 
     def _not_found(self) -> NotFound:
         return NotFound(
-            f"no response {self.request_id}: it was not stored, was deleted, or ended more than "
-            f"{self.state.config.resume_window_s:g} s ago"
+            f"no response {self.response_id}: it was not stored, was deleted, or ended more "
+            f"than {self.services.config.resume_window_s:g} s ago"
         )
 
 
-async def _logged(state: ServerState, tenant: str, response_id: str) -> StreamLog | None:
+async def _logged(services: Services, tenant: str, response_id: str) -> StreamLog | None:
     """The log of a Responses API response of ``tenant``, if it is kept."""
     try:
-        log = await state.streams.find(tenant, response_id, response_id, None)
+        log = await services.streams.find(tenant, response_id, response_id, None)
     except HistoryLost:
         return None
     if log.meta is None or log.meta.get("api") != API:
         return None
     return log
+
+
+# --------------------------------------------------------------------------- over HTTP
+
+
+class ResponsesEndpoint:
+    """``POST /v1/responses``."""
+
+    def __init__(self, services: Services) -> None:
+        self.services = services
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        call = HttpCall(self.services, scope, send, "responses", new_response_id())
+        await call.answer(receive, lambda body: _answered(call, lambda rc: rc.create(body)))
+
+
+class ResponseEndpoint:
+    """``GET /v1/responses/{id}`` (``?stream=true&starting_after=N``: its events),
+    ``DELETE /v1/responses/{id}``, and ``POST /v1/responses/{id}/cancel``."""
+
+    def __init__(self, services: Services, action: str = "read") -> None:
+        self.services = services
+        self.action = action
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response_id = scope.get("path_params", {}).get("response_id", "")
+        call = HttpCall(
+            self.services, scope, send, "responses", response_id, path=PATH + "/{response_id}"
+        )
+        try:
+            call.authenticate()
+        except SeedanceError as exc:
+            await call.fail(exc)
+            call.ended()
+            return
+        if self.action == "cancel":
+            await call.serve(_answered(call, ResponseCall.cancel), receive)
+        elif scope.get("method") == "DELETE":
+            await call.serve(_answered(call, ResponseCall.delete), receive)
+        else:
+            query = QueryParams(scope.get("query_string", b""))
+            await call.serve(_answered(call, lambda rc: rc.read(query)), receive)
+
+
+async def _answered(call: HttpCall, work: Callable[[ResponseCall], Awaitable[None]]) -> None:
+    """``work(response call)`` over HTTP; a refusal reported, and answered as an error (an
+    ``error`` event once streaming)."""
+    events = SseEvents(call.response)
+    responses = ResponseCall(call.services, call.arrival, events, call.scope)
+    try:
+        await work(responses)
+    except Exception as exc:
+        error = await call.refuse(exc) if responses.generation is None else _as_error(exc)
+        call.outcome = error.code
+        await events.error(error)
+    finally:
+        call.generation = responses.generation
+        call.outcome = call.outcome or responses.outcome
+
+
+def _as_error(exc: Exception) -> SeedanceError:
+    """``exc`` as the error a client is sent: a fault of ours is logged with its traceback."""
+    if isinstance(exc, SeedanceError):
+        return exc
+    logger.error("a response failed", exc_info=exc)
+    return InternalError("internal error")
 
 
 # --------------------------------------------------------------------------- WebSocket mode
@@ -407,73 +485,133 @@ class ResponsesSocket:
     """The Responses API's WebSocket mode (``client.responses.connect()``): ``ws://.../v1/
     responses``; each ``response.create`` event (a ``POST /v1/responses`` body, flat, with an
     optional ``stream_id``) streams its events back as JSON frames, one response at a time per
-    socket. Errors are OpenAI's nested ``error`` event; the socket stays open."""
+    socket. Errors are OpenAI's nested ``error`` event; the socket stays open. A peer of the
+    server while it is open."""
 
-    kind = API
-    operation = "responses"
-    path = "/v1/responses"
+    kind: Kind = "responses"
 
-    def __init__(self, state: ServerState, endpoint: ResponsesEndpoint) -> None:
-        self.state = state
-        self.endpoint = endpoint
+    def __init__(self, services: Services, ws: WebSocket, principal: Principal) -> None:
+        self.services = services
+        self.ws = ws
+        self.principal = principal
+        self.name = "responses socket"
+        self.running: asyncio.Task[None] | None = None
+        self._shutting: list[asyncio.Task[None]] = []
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    @property
+    def scope(self) -> Mapping[str, Any]:
+        return self.ws.scope
+
+    @property
+    def idle(self) -> bool:
+        return self.running is None or self.running.done()
+
+    movable = False
+
+    @classmethod
+    async def serve(cls, services: Services, scope: Scope, receive: Receive, send: Send) -> None:
+        """The socket, from its handshake to its close."""
         ws = WebSocket(scope, receive, cast(Any, send))
-        state = self.state
         await ws.accept()
         try:
-            principal = authenticate_http(state, scope)
+            principal = services.access.authenticate(scope)
         except SeedanceError as exc:
-            await ws.send_text(_encode(socket_error(exc)).decode())
-            await ws.close(exc.connect_close_code)
+            arrival = services.refusals.arrive("websocket", scope, "responses", path=PATH)
+            services.refusals.refuse(arrival, exc)
+            with contextlib.suppress(WebSocketDisconnect, WebSocketDisconnected, RuntimeError):
+                await ws.send_text(_encode(socket_error(exc)).decode())
+                await ws.close(exc.connect_close_code)
             return
-        running: asyncio.Task[None] | None = None
-        shutting: list[asyncio.Task[None]] = []
+        socket = cls(services, ws, principal)
+        services.peers.add(socket)
+        try:
+            await socket.run()
+        finally:
+            services.peers.discard(socket)
 
-        def shut_out(error: SeedanceError) -> None:
-            """Its credential stopped passing: the response under way is cancelled, then the
-            error event, and the socket closes."""
-            if running is not None:
-                running.cancel()
-            if not shutting:
-                shutting.append(asyncio.create_task(_shut(ws, error), name="responses-shut-out"))
-
-        socket = ApiSocket("responses socket", principal, scope, shut_out)
-        state.api_sockets.add(socket)
+    async def run(self) -> None:
+        services = self.services
         try:
             while True:
-                text = await ws.receive_text()
+                text = await self.ws.receive_text()
+                arrival = services.refusals.arrive(
+                    "websocket", self.scope, "responses", request_id=new_response_id(), path=PATH
+                )
+                arrival.principal = self.principal
                 try:
                     event = _socket_event(text)
-                    if running is not None and not running.done():
+                    stream_id = event.pop("stream_id", None)
+                    if not self.idle:
                         raise InvalidRequest(
                             "a response is in progress on this socket: one at a time (wait "
                             "for its last event, or open another socket)"
                         )
                 except SeedanceError as exc:
-                    await ws.send_text(_encode(socket_error(exc)).decode())
+                    services.refusals.refuse(arrival, exc)
+                    await self.ws.send_text(_encode(socket_error(exc)).decode())
                     continue
-                call = SocketResponseCall(
-                    state, RequestId("resp_" + secrets.token_hex(24)), scope, ws, self.endpoint
-                )
-                call.principal, call.authenticated = principal, True
-                call.stream_id = event.pop("stream_id", None)
                 body = _encode({**event, "stream": True})
-                running = asyncio.create_task(call.respond(body, self.endpoint.limits))
+                self.running = asyncio.create_task(self._respond(arrival, stream_id, body))
         except (WebSocketDisconnect, WebSocketDisconnected):  # its client left, or shut out
             pass
         finally:
-            state.api_sockets.discard(socket)
+            running = self.running
             if running is not None and not running.done():
                 running.cancel()  # a foreground response stops when its client leaves
-            tasks = [t for t in (running, *shutting) if t is not None]
+            tasks = [t for t in (running, *self._shutting) if t is not None]
             await asyncio.gather(*tasks, return_exceptions=True)
 
+    async def _respond(self, arrival: Arrival, stream_id: str | None, body: bytes) -> None:
+        """One ``response.create``: a refusal is reported and sent as the error event."""
+        bind_request(arrival.request_id or "-", arrival.trace.trace_id)
+        events = SocketEvents(self.ws, stream_id)
+        call = ResponseCall(self.services, arrival, events, self.scope)
+        try:
+            await call.create(body)
+        except Exception as exc:
+            error = _as_error(exc)
+            if call.generation is None:
+                self.services.refusals.refuse(arrival, error)
+            with contextlib.suppress(WebSocketDisconnect, WebSocketDisconnected):
+                await events.error(error)
 
-async def _shut(ws: WebSocket, error: SeedanceError) -> None:
-    with contextlib.suppress(WebSocketDisconnect, WebSocketDisconnected):
-        await ws.send_text(_encode(socket_error(error)).decode())
-        await ws.close(error.connect_close_code, error.code)
+    def shut_out(self, error: Unauthorized) -> None:
+        """Its credential stopped passing: the response under way is cancelled, then the
+        error event, and the socket closes."""
+        if self.running is not None:
+            self.running.cancel()
+        if not self._shutting:
+            self._shutting.append(
+                asyncio.create_task(self._close(error, error.connect_close_code, error.code))
+            )
+
+    def going_away(self) -> None:
+        if not self._shutting:
+            self._shutting.append(
+                asyncio.create_task(self._close(None, CLOSE_GOING_AWAY, "server shutting down"))
+            )
+
+    async def shutdown(self) -> None:
+        """What runs has had its final event (the drain cancelled its generation): close."""
+        if self.running is not None:
+            await asyncio.gather(self.running, return_exceptions=True)
+        self.going_away()
+
+    async def _close(self, error: SeedanceError | None, code: int, reason: str) -> None:
+        with contextlib.suppress(WebSocketDisconnect, WebSocketDisconnected, RuntimeError):
+            if error is not None:
+                await self.ws.send_text(_encode(socket_error(error)).decode())
+            await self.ws.close(code, reason)
+
+
+class ResponsesSocketEndpoint:
+    """``ws:// /v1/responses``, a plain ASGI app."""
+
+    def __init__(self, services: Services) -> None:
+        self.services = services
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await ResponsesSocket.serve(self.services, scope, receive, send)
 
 
 def _socket_event(text: str) -> dict[str, Any]:
@@ -503,45 +641,3 @@ def socket_error(error: SeedanceError, stream_id: str | None = None) -> dict[str
         "sequence_number": None,
         "stream_id": stream_id,
     }
-
-
-class SocketResponseCall(ResponseCall):
-    """One ``response.create`` of a socket: a :class:`ResponseCall` whose events go out as
-    WebSocket frames."""
-
-    def __init__(
-        self,
-        state: ServerState,
-        request_id: RequestId,
-        scope: Scope,
-        ws: WebSocket,
-        endpoint: ResponsesEndpoint,
-    ) -> None:
-        super().__init__(state, request_id, scope, _no_http, endpoint)
-        self.ws = ws
-        self.stream_id: str | None = None
-
-    async def respond(self, body: bytes, limits: FrameLimits) -> None:
-        bind_request(self.request_id, self.trace.trace_id)
-        try:
-            await self.create(body, limits)
-        finally:
-            self.ended()
-
-    async def _start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
-        self.started = True
-
-    async def _sse(self, event: dict[str, Any]) -> None:
-        if self.stream_id is not None:
-            event = {**event, "stream_id": self.stream_id}
-        await self.ws.send_text(_encode(event).decode())
-
-    async def _end_stream(self) -> None:
-        pass
-
-    async def _render_error(self, error: SeedanceError) -> None:
-        await self.ws.send_text(_encode(socket_error(error, self.stream_id)).decode())
-
-
-async def _no_http(message: dict[str, Any]) -> None:
-    raise AssertionError("a socket's response call writes frames, not HTTP")

@@ -99,8 +99,8 @@ class SeedanceServer(uvicorn.Server):
                     "Seedance %s serving model %s (engine %s): connect to %s://%s:%d/v2/infer "
                     "(health: %s://%s:%d/healthz)",
                     __version__,
-                    self.state.default_model,
-                    self.state.models[self.state.default_model].engine.info.engine,
+                    self.state.models.default,
+                    self.state.models[self.state.models.default].engine.info.engine,
                     ws,
                     host,
                     port,
@@ -129,15 +129,15 @@ class SeedanceServer(uvicorn.Server):
         again = self.should_exit
         super().handle_exit(sig, frame)
         if again:
-            self.force_exit = self.state.hurry
-            self.state.hurry = True
+            shutdown = self.state.shutdown
+            self.force_exit = shutdown.hurry
+            shutdown.hurry = True
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         state = self.state
         for server in self.servers:
             server.close()  # 1. stop accepting
-        open_now = len(state.connections) + len(state.http_calls)
-        logger.info("shutting down: %d connection(s) open", open_now)
+        logger.info("shutting down: %d connection(s) open", len(state.peers))
         drain = asyncio.create_task(state.drain(state.config.drain_timeout_s))
         while not drain.done():
             if self.force_exit:  # a third signal: leave now

@@ -21,7 +21,17 @@ Receiver = Callable[[bytes, bool], bool]
 class AsgiWebSocket:
     """The ASGI side of one WebSocket: receive events, send frames, close, abort."""
 
-    __slots__ = ("_abort", "_last_control", "_receive", "_send", "_set_receiver", "scope", "writer")
+    __slots__ = (
+        "_abort",
+        "_last_control",
+        "_ping",
+        "_receive",
+        "_send",
+        "_set_pong_handler",
+        "_set_receiver",
+        "scope",
+        "writer",
+    )
 
     def __init__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         self.scope = scope
@@ -32,6 +42,10 @@ class AsgiWebSocket:
         self._last_control: Callable[[], float] | None = extension.get("last_control_frame_at")
         self.writer: FrameWriter | None = extension.get("writer")
         self._set_receiver: Callable[[Receiver | None], None] | None = extension.get("set_receiver")
+        self._ping: Callable[[], bool] | None = extension.get("ping")
+        self._set_pong_handler: Callable[[Callable[[], None] | None], None] | None = extension.get(
+            "set_pong_handler"
+        )
 
     async def receive(self) -> dict[str, Any]:
         event: dict[str, Any] = await self._receive()
@@ -57,6 +71,21 @@ class AsgiWebSocket:
             return False
         self._set_receiver(receiver)
         return True
+
+    @property
+    def can_ping(self) -> bool:
+        """Whether :meth:`ping` can send a WebSocket ping frame (the server offers it)."""
+        return self._ping is not None
+
+    def ping(self) -> bool:
+        """Send a standard WebSocket ping frame, which every client answers by itself; false
+        when the server does not offer it or the connection is closing."""
+        return self._ping() if self._ping is not None else False
+
+    def on_pong(self, handler: Callable[[], None] | None) -> None:
+        """Have ``handler`` called when the client answers the last :meth:`ping`."""
+        if self._set_pong_handler is not None:
+            self._set_pong_handler(handler)
 
     def last_control_frame_at(self) -> float:
         """Loop time of the last ping or pong control frame received (0: none, or unknown)."""

@@ -11,13 +11,15 @@ a release that moves one fails there by name.
   (sealed on an encrypted connection);
 - the ``seedance.transport`` extension lets the app write frames in one ``write`` (no ASGI
   message per frame), receive messages without the ASGI queue, drop a connection that does
-  not read, and see control frames (inbound traffic for the idle timeout);
+  not read, send ping frames and hear their pongs (the keepalive every client answers), and
+  see control frames (inbound traffic for the idle timeout);
 - an upgrade request that does not parse is answered (400 or 431) and closed.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import struct
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -52,6 +54,8 @@ class SeedanceWebSocketProtocol(WebSocketsSansIOProtocol):
     last_control_frame_at = 0.0
     receiver: Receiver | None = None
     seal: Callable[[OutFrame], OutFrame] | None = None
+    pong_handler: Callable[[], None] | None = None
+    _ping_payload: bytes | None = None
 
     def handle_connect(self, event: Any) -> None:
         super().handle_connect(event)
@@ -62,10 +66,35 @@ class SeedanceWebSocketProtocol(WebSocketsSansIOProtocol):
                 "last_control_frame_at": lambda: self.last_control_frame_at,
                 "writer": self,
                 "set_receiver": self._set_receiver,
+                "ping": self._send_ping,
+                "set_pong_handler": self._set_pong_handler,
             }
 
     def _set_receiver(self, receiver: Receiver | None) -> None:
         self.receiver = receiver
+
+    def _set_pong_handler(self, handler: Callable[[], None] | None) -> None:
+        self.pong_handler = handler
+
+    @property
+    def _open(self) -> bool:
+        """Whether frames can still be written (the handshake done, no close either way)."""
+        return not (
+            self.close_sent
+            or self.disconnected
+            or not self.handshake_complete
+            or self.conn.state is not State.OPEN
+            or self.transport.is_closing()
+        )
+
+    def _send_ping(self) -> bool:
+        """A WebSocket ping frame with a payload of its own, answered by the client's pong."""
+        if not self._open:
+            return False
+        self._ping_payload = os.urandom(4)
+        self.conn.send_ping(self._ping_payload)
+        self.transport.write(b"".join(self.conn.data_to_send()))
+        return True
 
     def send_receive_event_to_app(self) -> None:
         """Hand a complete message to the app's receiver when it has one (the direct path)."""
@@ -95,19 +124,17 @@ class SeedanceWebSocketProtocol(WebSocketsSansIOProtocol):
 
     def write_frames(self, frames: Sequence[bytes | str]) -> bool:
         """:class:`FrameWriter`: frame and write data frames in one ``write``."""
-        if (
-            self.close_sent
-            or self.disconnected
-            or not self.handshake_complete
-            or self.conn.state is not State.OPEN
-            or self.transport.is_closing()
-        ):
+        if not self._open:
             return False
         self.transport.write(_framed(frames))
         return True
 
     def handle_pong(self, event: Frame) -> None:
         self.last_control_frame_at = self.loop.time()
+        if self._ping_payload is not None and bytes(event.data) == self._ping_payload:
+            self._ping_payload = None
+            if self.pong_handler is not None:
+                self.pong_handler()
         super().handle_pong(event)
 
     def handle_ping(self) -> None:

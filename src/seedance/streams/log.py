@@ -47,11 +47,12 @@ class LogReader(Protocol):
 class StreamLog:
     """One generation's frames, in memory (the embedded default).
 
-    The token path is an append and one call: :class:`~seedance.server.requests.Generation`
-    writes it inline (``texts``, then :attr:`push`) and :meth:`append` is the same for other
-    writers. An entry holds one token unless :meth:`counted` said otherwise (a delta of several
-    tokens, rare), so nothing else is touched per token: at a thousand streams, every object a
-    token touches is a cache miss.
+    The token path is an append and one call: the generation
+    (:class:`~seedance.server.lifecycle.generation.Generation`) writes it inline (``texts``,
+    then :attr:`push`) and :meth:`append` is the same for other writers. An entry holds one
+    token unless :meth:`counted` said otherwise (a delta of several tokens, rare), so nothing
+    else is touched per token: at a thousand streams, every object a token touches is a cache
+    miss.
     """
 
     __slots__ = (

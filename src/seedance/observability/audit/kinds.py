@@ -20,7 +20,8 @@ class AuditRecord(msgspec.Struct, kw_only=True):
 
 
 class Request(AuditRecord, kw_only=True):
-    """A request ended, or was refused before it started (then only the first fields)."""
+    """A request ended (an HTTP call answered without a generation, a response read say:
+    only the first fields)."""
 
     kind: Literal["request"] = "request"
     api: Literal["websocket", "http"]
@@ -59,7 +60,8 @@ class Connection(AuditRecord, kw_only=True):
 
 
 class Refused(AuditRecord, kw_only=True):
-    """A connection or HTTP request refused at the door."""
+    """A connection, a request or an API call refused before it started: one shape for every
+    API (what was known of it when it was refused; the rest left out)."""
 
     kind: Literal["refused"] = "refused"
     api: str
@@ -69,6 +71,11 @@ class Refused(AuditRecord, kw_only=True):
     credential: str | None
     outcome: str  # the error code
     message: str
+    request_id: str | UnsetType = UNSET
+    model: str | UnsetType = UNSET
+    connection: str | UnsetType = UNSET
+    session: str | UnsetType = UNSET
+    trace_id: str | UnsetType = UNSET
 
 
 class Admin(AuditRecord, kw_only=True):

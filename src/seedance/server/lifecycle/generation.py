@@ -1,14 +1,12 @@
-"""One request's lifecycle, whatever transport asked for it: admission to the last frame.
+"""One admitted request's lifecycle, whatever API asked for it: admission to the last frame.
 
-:func:`admit` runs the checks every request meets, in one order for every transport (the
-server draining, the audit log, the priority, the session busy, the context window, the
-tenant's quotas), and starts a :class:`Generation`. The generation owns each begin/end pair
-(usage, the session's busy mark, the admission slot), runs the engine, and writes every frame
-to its stream log (:mod:`seedance.streams`): ``start``, the tokens by ``seq``, and ``done`` or
-``error`` once the audit record is written. It knows its :class:`Requester`, not a socket:
-transports are readers of the log (a WebSocket connection, an OpenAI SSE response), so a
-``resumable`` generation runs on for ``--resume-grace`` after its last reader left, and
-another connection can resume it.
+A :class:`Generation` owns each begin/end pair (usage, the session's busy mark, the admission
+slot), runs the engine, and writes every frame to its stream log (:mod:`seedance.streams`):
+``start``, the tokens by ``seq``, and ``done`` or ``error`` once the audit record is written.
+It knows its :class:`~seedance.server.lifecycle.admit.Requester`, not a socket: transports are
+readers of the log (:mod:`seedance.server.lifecycle.reader`), so a ``resumable`` generation
+runs on for ``--resume-grace`` after its last reader left, and another connection can resume
+it.
 
 Cancelling the task aborts the generation: the engine's iterator is closed, which stops the
 engine. A cancel that a client asked for (``cancel``, shutdown, the grace running out) ends
@@ -21,30 +19,21 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import secrets
 import time
-from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, Protocol
 
-from msgspec import UNSET, structs
+import msgspec
+from msgspec import UNSET
 
 from seedance.engines.base import GenerationRequest, SamplingParams
 from seedance.observability.audit import kinds as audit
 from seedance.observability.audit.records import json_text, text_sha256
 from seedance.observability.logs import bind_request
 from seedance.observability.metrics import RequestMeter
-from seedance.observability.tracing import Attributes, request_attributes
+from seedance.observability.tracing import request_attributes
 from seedance.protocol.codec import error_frame
-from seedance.protocol.errors import (
-    ContextOverflow,
-    EngineError,
-    InternalError,
-    Overloaded,
-    SeedanceError,
-    SessionBusy,
-)
+from seedance.protocol.errors import EngineError, InternalError, Overloaded, SeedanceError
 from seedance.protocol.messages import (
     ChatMessage,
     DoneFrame,
@@ -57,19 +46,20 @@ from seedance.protocol.messages import (
     Usage,
     ms,
 )
-from seedance.protocol.qos import QoS, parse_qos
-from seedance.sessions.context import fit_context
-from seedance.sessions.session import Session, Turn
+from seedance.protocol.qos import QoS
+from seedance.server.lifecycle.request import Prompt, Requester, session_prompt
+from seedance.sessions.session import Turn
 from seedance.streams.log import StreamLog
-from seedance.tenants.auth import Principal
-from seedance.tenants.policy import check_priority
 
 if TYPE_CHECKING:
-    from opentelemetry.context import Context
-
     from seedance.cluster.claims import Claim
-    from seedance.observability.tracing import ConnectionTrace, RequestTrace
-    from seedance.server.state import ServedModel, ServerState
+    from seedance.cluster.node import ClusterNode
+    from seedance.config import ServerConfig
+    from seedance.observability.metrics import Metrics
+    from seedance.server.lifecycle.audit import AuditGate
+    from seedance.server.lifecycle.refusals import Arrival
+    from seedance.sessions.store import SessionStore
+    from seedance.tenants.usage import Usage as TenantUsage
 
 logger = logging.getLogger(__name__)
 
@@ -79,177 +69,29 @@ logger = logging.getLogger(__name__)
 WithoutReaders = Literal["abort", "grace", "finish"]
 
 
-def new_request_id() -> RequestId:
-    return RequestId("r-" + secrets.token_hex(6))
+class Registry(Protocol):
+    def ended(self, generation: Generation) -> None:
+        """``generation`` is over (its log gets its last frame)."""
 
 
-@dataclass(slots=True)
-class Requester:
-    """Who asked for a generation: what its accounting, trace and audit record name."""
+class Parts(Protocol):
+    """What a generation uses of the server's parts (the
+    :class:`~seedance.server.lifecycle.services.Services` it is handed)."""
 
-    principal: Principal
-    model: ServedModel
-    api: Literal["websocket", "http"]
-    #: The session whose context the request continues (the WebSocket API).
-    session: Session | None = None
-    connection_id: str | None = None
-    connection_trace: ConnectionTrace | None = None
-    #: The quality of service its handshake or HTTP request asked for (``X-QoS-Priority``).
-    qos: QoS | None = None
-    tenant: str = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.tenant = self.principal.name
-
-    def log_key(self, request_id: str) -> str:
-        """Where its stream log is kept: the session's, or one of its own (no session)."""
-        return self.session.session_id if self.session is not None else request_id
-
-
-@dataclass(slots=True)
-class Prompt:
-    """What the engine is asked to continue, and what a successful reply adds to the session."""
-
-    messages: tuple[ChatMessage, ...]
-    tokens: int
-    #: The turns appended to the session with the reply (none without a session).
-    new_turns: Sequence[Turn] = ()
-    #: The completions API: the one message is the whole prompt, continued as it is.
-    raw: bool = False
-    #: Sampling fields the client left out where its API lets the server choose.
-    unset: frozenset[str] = frozenset()
-
-
-def admit(
-    state: ServerState,
-    requester: Requester,
-    message: Generate,
-    request_id: RequestId,
-    received: float,
-    *,
-    prompt: Prompt | None = None,
-    operation: str = "chat",
-    trace_parent: Context | None = None,
-    trace: RequestTrace | None = None,
-    without_readers: WithoutReaders | None = None,
-) -> Generation:
-    """Check a request and start its generation; raises the :class:`SeedanceError` that
-    refuses it. The same checks, in the same order, for every transport. Without ``prompt``
-    the request continues ``requester.session`` (its history trimmed to fit).
-    ``without_readers``: what the generation does when its last reader leaves (by default
-    ``grace`` for a resumable request, else ``abort``)."""
-    if state.draining:
-        raise Overloaded("the server is shutting down; retry on another server")
-    state.check_cluster()
-    state.check_audit()
-    qos = parse_qos(message.qos) if message.qos is not None else requester.qos
-    if qos is not None and message.priority == 0:
-        # The class's priority, lowered to the tenant's highest (never refused for it).
-        highest = requester.principal.tenant.max_priority
-        message = structs.replace(message, priority=qos.priority_within(highest))
-    check_priority(requester.principal, message.priority)
-    session = requester.session
-    if session is not None and session.active_request is not None:
-        raise SessionBusy(
-            f"request {session.active_request} is still running on this session; "
-            "cancel it or wait for its done frame"
-        )
-    if prompt is None:
-        assert session is not None
-        prompt = session_prompt(requester.model, session, message)
-    else:
-        check_fits(requester.model, prompt.tokens)
-    usage = state.usage
-    tenant = requester.tenant
-    usage.start_request(
-        tenant, requester.principal.tenant.quotas, prompt.tokens, message.max_tokens
-    )
-    try:
-        log = state.streams.open(
-            tenant,
-            requester.log_key(request_id),
-            request_id,
-            resumable=message.resumable,
-            stream=message.stream,
-        )
-        generation = Generation(
-            state,
-            requester,
-            log,
-            message,
-            request_id,
-            prompt,
-            received,
-            operation=operation,
-            trace_parent=trace_parent,
-            trace=trace,
-            qos=qos,
-            without_readers=without_readers,
-        )
-    except BaseException:
-        usage.end_request(tenant, 0)
-        raise
-    if session is not None:
-        session.begin(request_id)
-    state.generation_started(generation)
-    return generation
-
-
-def check_fits(model: ServedModel, prompt_tokens: int) -> None:
-    """A prompt must leave room for at least one token of reply; a reply that would run past
-    the window ends with ``length`` when it is full."""
-    engine = model.engine
-    context_length = engine.info.context_length
-    if prompt_tokens + engine.reply_overhead_tokens >= context_length:
-        raise ContextOverflow(
-            f"the prompt takes {prompt_tokens + engine.reply_overhead_tokens} tokens and the "
-            f"model's context holds {context_length}; shorten it"
-        )
-
-
-def session_prompt(
-    model: ServedModel,
-    session: Session,
-    message: Generate,
-    preamble: Sequence[ChatMessage] = (),
-) -> Prompt:
-    """The session's history and the request's turns, trimmed so that the prompt leaves room
-    for ``max_tokens``. ``preamble`` (the Responses API's ``instructions``) opens the prompt
-    and is never trimmed nor kept in the session.
-
-    Turn counts are estimates (each message tokenized alone); an engine that counts the
-    rendered prompt exactly may find more, and then the history is trimmed further.
-    """
-    engine, name = model.engine, model.name
-    new_turns = [Turn(m, engine.count_message_tokens(m), name) for m in message.turns()]
-    history = [] if message.reset else _history(model, session)
-    max_tokens = message.max_tokens
-    fixed = sum(engine.count_message_tokens(m) for m in preamble)
-    room = engine.info.context_length - fixed
-    for _ in range(4):
-        context, estimate = fit_context(
-            history,
-            new_turns,
-            context_length=room,
-            reply_overhead=engine.reply_overhead_tokens,
-            max_tokens=max_tokens,
-        )
-        messages = [*preamble, *(t.message for t in context)]
-        exact = engine.prompt_tokens(messages, estimate + fixed)
-        over = exact + max_tokens - engine.info.context_length
-        if exact <= estimate + fixed or over <= 0 or len(context) == len(new_turns):
-            break
-        room -= max(over, exact - estimate - fixed)
-    return Prompt(tuple(messages), exact, new_turns)
-
-
-def _history(model: ServedModel, session: Session) -> list[Turn]:
-    """The session's turns, recounted if they were counted for another model."""
-    engine, name = model.engine, model.name
-    return [
-        t if t.model == name else Turn(t.message, engine.count_message_tokens(t.message), name)
-        for t in session.turns
-    ]
+    @property
+    def config(self) -> ServerConfig: ...
+    @property
+    def metrics(self) -> Metrics: ...
+    @property
+    def sessions(self) -> SessionStore: ...
+    @property
+    def usage(self) -> TenantUsage: ...
+    @property
+    def audit(self) -> AuditGate: ...
+    @property
+    def cluster(self) -> ClusterNode | None: ...
+    @property
+    def generations(self) -> Registry: ...
 
 
 class Generation:
@@ -257,32 +99,28 @@ class Generation:
 
     def __init__(
         self,
-        state: ServerState,
+        services: Parts,
+        arrival: Arrival,
         requester: Requester,
         log: StreamLog,
         message: Generate,
-        request_id: RequestId,
         prompt: Prompt,
-        received: float,
         *,
-        operation: str = "chat",
-        trace_parent: Context | None = None,
-        trace: RequestTrace | None = None,
         qos: QoS | None = None,
         without_readers: WithoutReaders | None = None,
     ) -> None:
-        self.state = state
+        self.services = services
         self.without_readers: WithoutReaders = without_readers or (
             "grace" if log.resumable else "abort"
         )
         self.requester = requester
         self.log = log
         self.message = message
-        self.request_id = request_id
+        self.request_id = RequestId(log.request_id)
         self.prompt = prompt
         self.prompt_tokens = prompt.tokens
-        self.received = received
-        self.operation = operation
+        self.received = arrival.received
+        self.operation = arrival.operation
         self.qos = qos  # the quality of service it was admitted with (X-QoS-Priority)
         self.admitted_at: float | None = None
         self.completion_tokens = 0
@@ -296,20 +134,14 @@ class Generation:
         self.task: asyncio.Task[None] | None = None
         self._grace: asyncio.TimerHandle | None = None
         model = requester.model
-        self.trace = trace or state.tracing.request(
-            f"{operation} {model.name}",
-            trace_parent,
-            received,
-            self._span_attributes,
-            requester.connection_trace,
-        )
+        self.trace = arrival.trace  # opened when the request was read
         self.trace_id = self.trace.trace_id
         self.meter = RequestMeter(
-            state.metrics,
+            services.metrics,
             model.name,
             model.engine.info.engine,
             requester.tenant,
-            received,
+            self.received,
             self.trace.token_times,
             qos,
             model.version,
@@ -344,7 +176,7 @@ class Generation:
         if policy == "abort":
             self.cancel(silent=True)
         elif policy == "grace" and self._grace is None:
-            grace_s = self.state.config.resume_grace_s
+            grace_s = self.services.config.resume_grace_s
             self._grace = asyncio.get_running_loop().call_later(grace_s, self._abandon)
 
     def reader_joined(self) -> None:
@@ -358,24 +190,24 @@ class Generation:
             logger.info(
                 "request %s: no reader for %g s, cancelling",
                 self.request_id,
-                self.state.config.resume_grace_s,
+                self.services.config.resume_grace_s,
             )
             self.cancel(silent=False)
 
     async def run(self) -> None:
         """The task: the generation, then its log's last frame, whatever happened."""
         requester = self.requester
-        state = self.state
+        services = self.services
         session = requester.session
         model = requester.model
         audited: Future[None] | None = None
         bind_request(self.request_id, self.trace_id)
-        if state.config.log_prompts:
+        if services.config.log_prompts:
             logger.debug("request %s prompt=%r", self.request_id, self.prompt.new_turns)
         try:
             try:
                 tenant = requester.principal.tenant
-                if state.cluster is not None:
+                if services.cluster is not None:
                     await self._claim()
                 if session is not None:
                     # Room for the new turns' history (a reset frees what the session held).
@@ -383,7 +215,9 @@ class Generation:
                     if self.message.reset:
                         growth -= session.size
                     if growth > 0:
-                        await state.sessions.reserve(session, growth, tenant.quotas.session_bytes)
+                        await services.sessions.reserve(
+                            session, growth, tenant.quotas.session_bytes
+                        )
                 await model.admission.acquire(
                     self.message.priority, tenant=tenant.name, weight=tenant.tier
                 )
@@ -404,10 +238,8 @@ class Generation:
                     # The reply's tokens are known: no need to tokenize it again.
                     reply_tokens = self.completion_tokens + model.engine.message_overhead_tokens
                     turns = [*self.prompt.new_turns, Turn(reply, reply_tokens, model.name)]
-                    session.commit(
-                        turns, reset=self.message.reset, max_tokens=model.engine.info.context_length
-                    )
-                    await state.sessions.save(session)
+                    session.commit(turns, reset=self.message.reset, max_tokens=model.context_length)
+                    await services.sessions.save(session)
                 self.outcome, self.end = finish, self._done(finish)
             except asyncio.CancelledError:
                 if not self.cancel_requested:
@@ -431,31 +263,30 @@ class Generation:
                 self.reader_joined()  # no grace timer past the end
                 if self.admitted_at is not None:
                     model.admission.release()
-                state.usage.end_request(requester.tenant, self.completion_tokens)
+                services.usage.end_request(requester.tenant, self.completion_tokens)
                 if session is not None:
                     session.end(self.request_id)
                 outcome = self.outcome or "aborted"
                 self.meter.ended(time.monotonic(), outcome)
                 self._end_trace(outcome)
                 self._log(outcome)
-                audited = state.audit_submit(lambda: self._audit_record(outcome))
+                audited = services.audit.submit(lambda: self._audit_record(outcome))
             try:  # the reply ends once its record is on disk
-                await state.audit_wait(audited, f"request {self.request_id}")
+                await services.audit.wait(audited, f"request {self.request_id}")
             except Overloaded as unaudited:
                 if self.error is None:  # a reply that cannot be audited is not confirmed
                     self.end = error_frame(unaudited, self.request_id)
         finally:
             if self.claim is not None:
                 await self._release()
-            state.generation_ended(self, self.end)
+            services.generations.ended(self)
 
     async def _claim(self) -> None:
         """Cluster mode: lock the session (or the request's own log) and reserve the
         tenant's quotas; the log is written to Redis under that lock from now on."""
         from seedance.cluster.streams import ReplicatedLog
-        from seedance.cluster.takeover import header_of
 
-        cluster = self.state.cluster
+        cluster = self.services.cluster
         assert cluster is not None
         requester = self.requester
         session = requester.session
@@ -476,7 +307,7 @@ class Generation:
                 self.prompt_tokens = self.prompt.tokens
         log = self.log
         if isinstance(log, ReplicatedLog) and self.claim.lock is not None:
-            log.own(self.claim.lock[1], header_of(self))
+            log.own(self.claim.lock[1], self.header())
             log.on_lost = lambda: self.cancel(silent=True)
 
     async def _release(self) -> None:
@@ -484,7 +315,7 @@ class Generation:
         not write it: another node has the stream), then the claim is given back."""
         from seedance.cluster.streams import ReplicatedLog
 
-        cluster = self.state.cluster
+        cluster = self.services.cluster
         assert cluster is not None and self.claim is not None
         log = self.log
         self.claim.ending = True
@@ -504,6 +335,40 @@ class Generation:
                 log.lost = True
                 self.end = None
         await cluster.claims.release(self.claim, self.prompt_tokens, self.completion_tokens)
+
+    def header(self) -> bytes:
+        """What a node taking this generation over needs (cluster mode), as Redis keeps it
+        with the ``start`` frame: the request, its prompt as the engine saw it, who asked,
+        and the trace it belongs to (:mod:`seedance.server.lifecycle.takeover`)."""
+        requester = self.requester
+        principal = requester.principal
+        prompt = self.prompt
+        log = self.log
+        session = requester.session
+        qos = self.qos  # its class and tag (the health it reported is counted where it began)
+        return msgspec.json.encode(
+            {
+                "tenant": requester.tenant,
+                "credential": principal.credential,
+                "role": principal.role,
+                "session": None if session is None else session.session_id,
+                "log_key": requester.log_key(self.request_id),
+                "model": requester.model.name,
+                "api": requester.api,
+                "operation": self.operation,
+                "qos": None if qos is None else QoS(qos.service_class, qos.slatag).header(),
+                "request": msgspec.to_builtins(self.message),
+                "messages": [[m.role, m.content] for m in prompt.messages],
+                "prompt_tokens": prompt.tokens,
+                "raw": prompt.raw,
+                "unset": sorted(prompt.unset),
+                "resumable": log.resumable,
+                "stream": log.stream,
+                "meta": log.meta,
+                "traceparent": self.trace.traceparent,
+                "tracestate": self.trace.tracestate,
+            }
+        )
 
     async def _stream(self) -> FinishReason:
         """Run the engine and log its tokens; returns the finish reason."""
@@ -527,6 +392,8 @@ class Generation:
             raw=prompt.raw,
             continuation="".join(log.texts) if already else "",
             continuation_tokens=already,
+            traceparent=self.trace.traceparent,
+            tracestate=self.trace.tracestate,
         )
         stream = self.requester.model.engine.generate(request)
         tokens_at = self.meter.tokens
@@ -587,37 +454,28 @@ class Generation:
             total_ms=timing.total_ms,
         )
 
-    def _span_attributes(self) -> Attributes:
-        """The request span's attributes when it opens (OpenTelemetry's GenAI names)."""
-        requester, message = self.requester, self.message
-        attributes: dict[str, str | int] = {
-            "gen_ai.operation.name": self.operation,
-            "gen_ai.request.model": requester.model.name,
-            "seedance.engine": requester.model.engine.info.engine,
-            "seedance.request_id": self.request_id,
-            "seedance.tenant": requester.tenant,
-            "gen_ai.usage.input_tokens": self.prompt_tokens,
-        }
-        if requester.session is not None:
-            attributes["seedance.session_id"] = requester.session.session_id
-        if requester.connection_id is not None:
-            attributes["seedance.connection_id"] = requester.connection_id
-        return {**attributes, **request_attributes(message)}
-
     def _end_trace(self, outcome: str) -> None:
         trace = self.trace
         if trace.span is None:
             return
         error = self.error
         model = self.requester.model
+        requester = self.requester
         attributes: dict[str, str | int | float] = {
+            "gen_ai.operation.name": self.operation,
             "gen_ai.response.id": self.request_id,
             "gen_ai.request.model": model.name,
             "gen_ai.response.model": model.name,
             "seedance.engine": model.engine.info.engine,
+            "seedance.request_id": self.request_id,
+            "seedance.tenant": requester.tenant,
             "gen_ai.usage.input_tokens": self.prompt_tokens,
             "gen_ai.usage.output_tokens": self.completion_tokens,
         }
+        if requester.session is not None:
+            attributes["seedance.session_id"] = requester.session.session_id
+        if requester.connection_id is not None:
+            attributes["seedance.connection_id"] = requester.connection_id
         attributes.update(request_attributes(self.message))
         trace.span.update_name(f"{self.operation} {model.name}")
         trace.end(
@@ -685,5 +543,5 @@ class Generation:
             "-" if timing.ttft_ms is None else f"{timing.ttft_ms:.1f}",
             timing.total_ms,
         )
-        if self.state.config.log_prompts and self.parts:
+        if self.services.config.log_prompts and self.parts:
             logger.debug("request %s completion=%r", self.request_id, "".join(self.parts))

@@ -1,0 +1,150 @@
+"""Admission: the recipe every API follows before a generation starts, written once.
+
+1. :func:`choose_model`: the model a call names (a canary's share by a sticky key), which its
+   tenant must be allowed to use;
+2. :meth:`ServedModel.check <seedance.server.lifecycle.models.ServedModel.check>`: the request
+   held to the model's limits, the signed ones included (the API's own name for
+   ``max_tokens`` in the message); :func:`prepare` is these two steps;
+3. the prompt: a session's history trimmed to fit (:func:`session_prompt`), or a whole
+   conversation counted (:func:`explicit_prompt`);
+4. :func:`admit`: the checks every request meets, in one order (the server draining, the
+   cluster's store, the audit log, the priority, the session busy, the context window, the
+   tenant's quotas), then :func:`start`, which a takeover shares: the generation is registered
+   and its task started.
+
+Whatever refuses a call raises the :class:`~seedance.protocol.errors.SeedanceError` that says
+why, and the API hands it to the one reporter
+(:meth:`~seedance.server.lifecycle.refusals.Refusals.refuse`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from msgspec import structs
+
+from seedance.protocol.errors import SessionBusy
+from seedance.protocol.messages import Generate, RequestId
+from seedance.protocol.qos import parse_qos
+from seedance.server.lifecycle.generation import Generation, WithoutReaders
+from seedance.server.lifecycle.request import (
+    Prompt,
+    Requester,
+    check_fits,
+    explicit_prompt,
+    new_request_id,
+    session_prompt,
+)
+from seedance.tenants.auth import Principal
+from seedance.tenants.policy import check_model, check_priority
+
+if TYPE_CHECKING:
+    from seedance.server.lifecycle.models import ModelTable, ServedModel
+    from seedance.server.lifecycle.refusals import Arrival
+    from seedance.server.lifecycle.services import Services
+
+__all__ = [
+    "Prompt",
+    "Requester",
+    "admit",
+    "choose_model",
+    "explicit_prompt",
+    "new_request_id",
+    "prepare",
+    "session_prompt",
+    "start",
+]
+
+
+def choose_model(
+    models: ModelTable, principal: Principal, name: str | None, sticky: str | None = None
+) -> ServedModel:
+    """The model ``name`` names (None: the default), the version of it ``sticky`` falls on (a
+    canary's share), which ``principal`` must be allowed to use."""
+    model = models.resolve(name, sticky)
+    check_model(principal, model.name, models)
+    return model
+
+
+def prepare(
+    models: ModelTable,
+    arrival: Arrival,
+    name: str | None,
+    sticky: str | None,
+    message: Generate,
+    *,
+    unset: frozenset[str] = frozenset(),
+    field: str = "max_tokens",
+) -> tuple[ServedModel, Generate]:
+    """Steps 1 and 2 of the recipe (see the module): the model for ``arrival``'s caller, and
+    ``message`` held to its limits (the fields the client left out, ``unset``, ``max_tokens``
+    among them, moved inside them first; ``field``: the API's name for ``max_tokens``)."""
+    assert arrival.principal is not None
+    model = arrival.model = choose_model(models, arrival.principal, name, sticky)
+    message = model.within_defaults(message, unset)
+    return model, model.check(message, field=field)
+
+
+def admit(
+    services: Services,
+    arrival: Arrival,
+    requester: Requester,
+    message: Generate,
+    *,
+    prompt: Prompt | None = None,
+    without_readers: WithoutReaders | None = None,
+) -> Generation:
+    """Check a request and start its generation; raises the :class:`SeedanceError` that
+    refuses it. The same checks, in the same order, for every API. Without ``prompt`` the
+    request continues ``requester.session`` (its history trimmed to fit).
+    ``without_readers``: what the generation does when its last reader leaves (by default
+    ``grace`` for a resumable request, else ``abort``)."""
+    services.shutdown.check()
+    if services.cluster is not None:
+        services.cluster.check()  # refused while the cluster's Redis does not answer
+    services.audit.check()
+    model = requester.model
+    qos = parse_qos(message.qos) if message.qos is not None else requester.qos
+    if qos is not None and message.priority == 0:
+        # The class's priority, lowered to the tenant's highest (never refused for it).
+        highest = requester.principal.tenant.max_priority
+        message = structs.replace(message, priority=qos.priority_within(highest))
+    check_priority(requester.principal, message.priority)
+    session = requester.session
+    if session is not None and session.active_request is not None:
+        raise SessionBusy(
+            f"request {session.active_request} is still running on this session; "
+            "cancel it or wait for its done frame"
+        )
+    if prompt is None:
+        assert session is not None
+        prompt = session_prompt(model, session, message)
+    else:
+        check_fits(model, prompt.tokens)
+    usage = services.usage
+    tenant = requester.tenant
+    usage.start_request(
+        tenant, requester.principal.tenant.quotas, prompt.tokens, message.max_tokens
+    )
+    try:
+        request_id = RequestId(arrival.request_id or new_request_id())
+        arrival.request_id = request_id
+        log = services.generations.open_log(requester, request_id, message)
+        generation = Generation(
+            services, arrival, requester, log, message, prompt, qos=qos,
+            without_readers=without_readers,
+        )  # fmt: skip
+    except BaseException:
+        usage.end_request(tenant, 0)
+        raise
+    return start(services, generation)
+
+
+def start(services: Services, generation: Generation) -> Generation:
+    """An admitted generation (or one taken over from a dead node) starts: its session is
+    busy with it, and its task runs."""
+    session = generation.requester.session
+    if session is not None:
+        session.begin(generation.request_id)
+    services.generations.add(generation)
+    return generation

@@ -1,0 +1,139 @@
+"""A request as the lifecycle knows it: who asked (:class:`Requester`), and what the engine is
+asked to continue (:class:`Prompt`): a session's history trimmed to fit (:func:`session_prompt`)
+or a whole conversation counted (:func:`explicit_prompt`), within the model's window."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+from seedance.protocol.errors import ContextOverflow
+from seedance.protocol.messages import ChatMessage, Generate, RequestId
+from seedance.protocol.qos import QoS
+from seedance.sessions.context import fit_context
+from seedance.sessions.session import Session, Turn
+from seedance.tenants.auth import Principal
+
+if TYPE_CHECKING:
+    from seedance.observability.tracing import ConnectionTrace
+    from seedance.server.lifecycle.models import ServedModel
+
+
+def new_request_id() -> RequestId:
+    return RequestId("r-" + secrets.token_hex(6))
+
+
+@dataclass(slots=True)
+class Requester:
+    """Who asked for a generation: what its accounting, trace and audit record name."""
+
+    principal: Principal
+    model: ServedModel
+    api: Literal["websocket", "http"]
+    #: The session whose context the request continues (the WebSocket API).
+    session: Session | None = None
+    connection_id: str | None = None
+    connection_trace: ConnectionTrace | None = None
+    #: The quality of service its handshake or HTTP request asked for (``X-QoS-Priority``).
+    qos: QoS | None = None
+    tenant: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.tenant = self.principal.name
+
+    def log_key(self, request_id: str) -> str:
+        """Where its stream log is kept: the session's, or one of its own (no session)."""
+        return self.session.session_id if self.session is not None else request_id
+
+
+@dataclass(slots=True)
+class Prompt:
+    """What the engine is asked to continue, and what a successful reply adds to the session."""
+
+    messages: tuple[ChatMessage, ...]
+    tokens: int
+    #: The turns appended to the session with the reply (none without a session).
+    new_turns: Sequence[Turn] = ()
+    #: The completions API: the one message is the whole prompt, continued as it is.
+    raw: bool = False
+    #: Sampling fields the client left out where its API lets the server choose.
+    unset: frozenset[str] = frozenset()
+
+
+def explicit_prompt(
+    model: ServedModel, messages: Sequence[ChatMessage], *, raw: bool, unset: frozenset[str]
+) -> Prompt:
+    """A whole conversation sent with the request (the OpenAI HTTP API), counted."""
+    messages = tuple(messages)
+    return Prompt(messages, model.engine.prompt_tokens(messages, raw=raw), raw=raw, unset=unset)
+
+
+def check_fits(model: ServedModel, prompt_tokens: int) -> None:
+    """A prompt must leave room for at least one token of reply; a reply that would run past
+    the window ends with ``length`` when it is full."""
+    engine = model.engine
+    context_length = engine.info.context_length
+    if prompt_tokens + engine.reply_overhead_tokens >= context_length:
+        raise ContextOverflow(
+            f"the prompt takes {prompt_tokens + engine.reply_overhead_tokens} tokens and the "
+            f"model's context holds {context_length}; shorten it"
+        )
+    signed = model.context_refusal(prompt_tokens)
+    if signed is not None:
+        raise signed
+
+
+def session_prompt(
+    model: ServedModel,
+    session: Session,
+    message: Generate,
+    preamble: Sequence[ChatMessage] = (),
+) -> Prompt:
+    """The session's history and the request's turns, trimmed so that the prompt leaves room
+    for ``max_tokens``. ``preamble`` (the Responses API's ``instructions``) opens the prompt
+    and is never trimmed nor kept in the session.
+
+    Turn counts are estimates (each message tokenized alone); an engine that counts the
+    rendered prompt exactly may find more, and then the history is trimmed further.
+    """
+    engine, name = model.engine, model.name
+    new_turns = [Turn(m, engine.count_message_tokens(m), name) for m in message.turns()]
+    history = [] if message.reset else _history(model, session)
+    max_tokens = message.max_tokens
+    window = model.context_length  # the signed context_length, where it is lower
+    fixed = sum(engine.count_message_tokens(m) for m in preamble)
+    room = window - fixed
+    for _ in range(4):
+        try:
+            context, estimate = fit_context(
+                history,
+                new_turns,
+                context_length=room,
+                reply_overhead=engine.reply_overhead_tokens,
+                max_tokens=max_tokens,
+            )
+        except ContextOverflow:
+            if window < engine.info.context_length:  # the signed limit is what refuses it
+                need = sum(t.tokens for t in new_turns) + fixed
+                refusal = model.context_refusal(need)
+                if refusal is not None:
+                    raise refusal from None
+            raise
+        messages = [*preamble, *(t.message for t in context)]
+        exact = engine.prompt_tokens(messages, estimate + fixed)
+        over = exact + max_tokens - window
+        if exact <= estimate + fixed or over <= 0 or len(context) == len(new_turns):
+            break
+        room -= max(over, exact - estimate - fixed)
+    return Prompt(tuple(messages), exact, new_turns)
+
+
+def _history(model: ServedModel, session: Session) -> list[Turn]:
+    """The session's turns, recounted if they were counted for another model."""
+    engine, name = model.engine, model.name
+    return [
+        t if t.model == name else Turn(t.message, engine.count_message_tokens(t.message), name)
+        for t in session.turns
+    ]
