@@ -16,7 +16,7 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from seedance.config import load_access
+from seedance.config_loader import load_access
 from seedance.keyfiles import load_public
 from seedance.observability.audit import AuditLog, AuditSettings
 from seedance.observability.audit.kinds import Request

@@ -12,7 +12,7 @@ import pytest
 from playwright.async_api import Browser
 
 from seedance.client import connect
-from seedance.config import load_access
+from seedance.config_loader import load_access
 from seedance.engines.synthetic import SyntheticEngine
 from seedance.tenants.keys import add_key
 from seedance.testing.faults import FaultProxy

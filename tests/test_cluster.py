@@ -24,7 +24,8 @@ from websockets.exceptions import ConnectionClosed
 
 from seedance.bench.suites import free_port
 from seedance.client import Reconnect, connect
-from seedance.config import ConfigError, load_access, load_config
+from seedance.config import ConfigError
+from seedance.config_loader import load_access, load_config
 from seedance.tenants.keys import add_key
 from tests.support.redis import RedisServer
 from tests.support.servers import SEEDANCE, RunningServer, ServerProcess, slow_engine
@@ -92,8 +93,9 @@ def test_the_cluster_settings_come_from_flags_and_the_cluster_table(tmp_path: Pa
     path = tmp_path / "s.toml"
     path.write_text('[cluster]\nredis = "redis://db:6379/2"\nnode_id = "a"\nlease = 3\n')
     config = load_config({"config": str(path)})
-    assert (config.redis_url, config.node_id, config.lease_s) == ("redis://db:6379/2", "a", 3.0)
-    assert load_config({"config": str(path), "redis_url": "unix:///r.sock"}).redis_url == (
+    cluster = config.cluster
+    assert (cluster.redis_url, cluster.node_id, cluster.lease_s) == ("redis://db:6379/2", "a", 3.0)
+    assert load_config({"config": str(path), "redis_url": "unix:///r.sock"}).cluster.redis_url == (
         "unix:///r.sock"
     )
     with pytest.raises(ConfigError, match="redis://, rediss:// or unix://"):

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from seedance.config import OPTIONS, TABLE_FIELDS, ConfigError, ServerConfig, load_config
+from seedance.config import OPTIONS, PLAIN_FIELDS, SECTIONS, ConfigError, ServerConfig
+from seedance.config_loader import load_config
 from seedance.engines.llamacpp import LlamaCppOptions
 from seedance.engines.registry import create_engine, engine_specs
 from seedance.engines.synthetic import SyntheticOptions
@@ -49,8 +50,15 @@ def test_trusted_proxies_are_addresses_networks_or_any() -> None:
 
 
 def test_every_option_has_an_env_name_and_a_field() -> None:
-    fields = set(ServerConfig.__dataclass_fields__) - set(TABLE_FIELDS)
-    assert {opt.field for opt in OPTIONS} == fields
+    """Each setting is one field, of the config or of one of its sections, and a field that
+    is a setting is declared once (its flag, variable and TOML keys come from there)."""
+    sections = set(SECTIONS)
+    fields = set(ServerConfig.__dataclass_fields__) - set(PLAIN_FIELDS) - sections
+    fields |= {f"{s}.{f}" for s in sections for f in SECTIONS[s].__dataclass_fields__}
+    assert {
+        opt.attr if opt.section is None else f"{opt.section}.{opt.attr}" for opt in OPTIONS
+    } == fields
+    assert len({opt.field for opt in OPTIONS}) == len(OPTIONS)  # flat names, each once
     names = {opt.env for opt in OPTIONS}
     assert "SEEDANCE_HEARTBEAT_INTERVAL" in names and "SEEDANCE_PARALLEL" not in names
 
@@ -225,3 +233,20 @@ def test_help_groups_flags_by_engine(plugins: Path) -> None:
     assert "Also takes --parallel, --n-ctx, --threads (above)." in " ".join(transformers.split())
     assert "--serve-as" in text.partition("--engine named:")[2]
     assert text.count("  --parallel") == 1  # one flag, shown where first declared
+
+
+def test_each_section_has_its_table_and_its_top_level_keys(tmp_path: Path) -> None:
+    """A setting of a section may be given in the section's table or at the top level, and
+    lands in its section either way (``config.resume.grace_s``)."""
+    path = tmp_path / "seedance.toml"
+    path.write_text('[resume]\ngrace = 5\n[tls]\ncert = "c.pem"\nkey = "k.pem"\n')
+    config = load_config({"config": str(path)})
+    assert config.resume.grace_s == 5.0 and (config.tls.cert, config.tls.key) == ("c.pem", "k.pem")
+    path.write_text("resume_grace = 7\n[handshake]\ntimeout = 3\n")
+    config = load_config({"config": str(path)}, {"SEEDANCE_RESUME_WINDOW": "9"})
+    assert (config.resume.grace_s, config.resume.window_s) == (7.0, 9.0)
+    assert config.handshake.timeout_s == 3.0
+    path.write_text("[e2e]\nkeys = 1\n")
+    with pytest.raises(ConfigError, match=r"\[e2e\]: unknown setting 'keys' \(its settings: key, "):
+        load_config({"config": str(path)})
+    assert ServerConfig.of(audit_file="a.log").replace(lease_s=2).cluster.lease_s == 2

@@ -24,7 +24,8 @@ from typing import Any
 import pytest
 
 from seedance.client import connect
-from seedance.config import ServerConfig, load_config
+from seedance.config import ServerConfig
+from seedance.config_loader import load_config
 from tests.support.servers import RunningServer, server_config
 from tests.support.waits import eventually
 from tests.support.ws import assert_contiguous, read

@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from seedance.config import ConfigError, ServerConfig, load_config
+from seedance.config import ConfigError, ServerConfig
+from seedance.config_loader import load_config
 from seedance.engines.base import GenerationRequest, SamplingParams, TokenDelta
 from seedance.engines.registry import available_engines, create_engine
 from seedance.engines.stops import StopMatcher

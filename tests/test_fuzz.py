@@ -20,7 +20,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from seedance.config import ConfigError, load_config
+from seedance.config import ConfigError
+from seedance.config_loader import load_config
 from seedance.keyfiles import load_public
 from seedance.observability.audit import AuditLog, AuditSettings
 from seedance.observability.audit.kinds import Request

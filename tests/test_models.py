@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from seedance.client import connect
-from seedance.config import load_access
+from seedance.config_loader import load_access
 from seedance.engines.local import default_model_path
 from seedance.models.registry import (
     MANIFEST,

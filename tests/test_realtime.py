@@ -18,7 +18,7 @@ from openai.types.beta import realtime as beta_types
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosedError
 
-from seedance.config import load_access
+from seedance.config_loader import load_access
 from seedance.engines.synthetic import SyntheticEngine
 from seedance.tenants.keys import add_key
 from tests.support.servers import RunningServer, slow_engine

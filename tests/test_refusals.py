@@ -17,7 +17,7 @@ import openai
 import pytest
 from websockets.asyncio.client import connect as ws_connect
 
-from seedance.config import load_access
+from seedance.config_loader import load_access
 from seedance.tenants.keys import add_key
 from tests.support.servers import RunningServer
 from tests.support.waits import eventually

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from seedance.config import load_access
+from seedance.config_loader import load_access
 from seedance.tenants.keys import add_key
 from tests.support.servers import RunningServer
 from tests.support.waits import eventually

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from seedance.config import load_access, load_config
+from seedance.config_loader import load_access, load_config
 from seedance.tenants.keys import add_key
 from tests.support.servers import SEEDANCE, RunningServer, ServerProcess, serve_fails, slow_engine
 from tests.support.waits import eventually

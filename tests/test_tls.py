@@ -25,7 +25,8 @@ from cryptography.hazmat.primitives import serialization
 from websockets.exceptions import InvalidHandshake
 
 from seedance.client import ConnectionClosed, Unauthorized, connect
-from seedance.config import ConfigError, load_access, load_config
+from seedance.config import ConfigError
+from seedance.config_loader import load_access, load_config
 from seedance.server.tls import ServerTls, TlsFiles, server_context
 from seedance.tenants.auth import Authenticator, ClientCertificate
 from seedance.tenants.keys import add_key

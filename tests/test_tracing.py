@@ -375,9 +375,9 @@ def test_exporter_choice_follows_flags_and_otel_variables(monkeypatch: pytest.Mo
         OTLPSpanExporter as HttpExporter,
     )
 
-    plain = ServerConfig()
+    plain = ServerConfig().tracing
     assert otlp_exporter(plain, {}) is None
-    flagged = ServerConfig(otlp_endpoint="http://collector:4318")
+    flagged = ServerConfig.of(otlp_endpoint="http://collector:4318").tracing
     exporter = otlp_exporter(flagged, {})
     assert isinstance(exporter, HttpExporter)
     assert exporter._endpoint == "http://collector:4318/v1/traces"
@@ -391,10 +391,12 @@ def test_exporter_choice_follows_flags_and_otel_variables(monkeypatch: pytest.Mo
         otlp_exporter(flagged, {"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"})
     monkeypatch.setitem(sys.modules, "opentelemetry.exporter.otlp.proto.grpc.trace_exporter", None)
     with pytest.raises(ConfigError, match=r"seedance\[otlp-grpc\]"):
-        otlp_exporter(ServerConfig(otlp_endpoint="http://c:4317", otlp_protocol="grpc"), {})
+        grpc = ServerConfig.of(otlp_endpoint="http://c:4317", otlp_protocol="grpc")
+        otlp_exporter(grpc.tracing, {})
 
 
 @pytest.mark.subprocess
 def test_serve_refuses_a_bad_otlp_setting() -> None:
     assert "--otlp-protocol" in serve_fails("--otlp-protocol", "carrier-pigeon")
     assert "--otlp-endpoint" in serve_fails("--otlp-endpoint", "collector:4318")
+

@@ -15,7 +15,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from seedance import __version__
-from seedance.config import ConfigError, ServerConfig, add_arguments, load_config
+from seedance.config import ConfigError, ServerConfig
+from seedance.config_loader import add_arguments, load_config
 from seedance.protocol.errors import SeedanceError
 
 if TYPE_CHECKING:

@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from seedance.config import Option
 from seedance.engines.registry import EngineSpec
 from seedance.engines.synthetic import SyntheticEngine
+from seedance.settings import Option
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from typing import Any
 
 import uvicorn
 
-from seedance.config import ServerConfig
+from seedance.config import OPTIONS, PLAIN_FIELDS, ServerConfig
 from seedance.engines.base import Engine
 from seedance.engines.registry import engine_spec
 from seedance.engines.synthetic import SyntheticEngine
@@ -37,11 +37,11 @@ SEEDANCE = str(Path(sys.executable).with_name("seedance"))
 def server_config(**fields: Any) -> ServerConfig:
     """A :class:`ServerConfig` from server fields and the engine's own options together:
     ``server_config(engine="llamacpp", port=0, parallel=2)``."""
-    server = {f.name for f in dataclasses.fields(ServerConfig)}
+    server = {opt.field for opt in OPTIONS} | set(PLAIN_FIELDS)
     options = {k: v for k, v in fields.items() if k not in server}
     settings = {k: v for k, v in fields.items() if k in server}
     engine = settings.get("engine", ServerConfig.engine)
-    return ServerConfig(**settings, engine_options=engine_spec(engine).options(**options))
+    return ServerConfig.of(**settings, engine_options=engine_spec(engine).options(**options))
 
 
 class RunningServer:

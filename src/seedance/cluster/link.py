@@ -79,13 +79,13 @@ class ClusterLink:
     """
 
     def __init__(self, config: ServerConfig) -> None:
-        assert config.redis_url is not None
-        self.url = redacted(config.redis_url)
-        self.node_id = config.node_id or default_node_id(config)
-        self.lease_s = config.lease_s
+        assert config.cluster.redis_url is not None
+        self.url = redacted(config.cluster.redis_url)
+        self.node_id = config.cluster.node_id or default_node_id(config)
+        self.lease_s = config.cluster.lease_s
         # A bounded pool that waits for a free connection (the default one refuses).
         pool = aioredis.BlockingConnectionPool.from_url(
-            config.redis_url,
+            config.cluster.redis_url,
             max_connections=MAX_CONNECTIONS,
             timeout=TIMEOUT_S,
             socket_timeout=TIMEOUT_S,
@@ -95,17 +95,17 @@ class ClusterLink:
         # Reads that wait for new entries (XREAD BLOCK) hold a connection each, for up to
         # half a lease: a pool of their own, with a timeout past the wait.
         blocking = aioredis.BlockingConnectionPool.from_url(
-            config.redis_url,
+            config.cluster.redis_url,
             max_connections=MAX_BLOCKING_CONNECTIONS,
             timeout=TIMEOUT_S,
-            socket_timeout=config.lease_s + TIMEOUT_S,
+            socket_timeout=config.cluster.lease_s + TIMEOUT_S,
             socket_connect_timeout=TIMEOUT_S,
         )
         self.blocking: aioredis.Redis = aioredis.Redis(connection_pool=blocking)
         # The batch's connection: no timer per reply (one per exchange covers them all), and
         # commands packed by hiredis.
         batched = aioredis.ConnectionPool.from_url(
-            config.redis_url, socket_timeout=None, socket_connect_timeout=TIMEOUT_S
+            config.cluster.redis_url, socket_timeout=None, socket_connect_timeout=TIMEOUT_S
         )
         batched.connection_class = type(
             "Hiredis" + batched.connection_class.__name__,

@@ -19,14 +19,14 @@ class ClusterNode:
         self.link = ClusterLink(config)
         self.claims = Claims(self.link)
         at_rest = None
-        if config.encrypt_at_rest and identity is not None:
+        if config.cluster.encrypt_at_rest and identity is not None:
             at_rest = AtRest.from_identity(identity)
         self.sessions = RedisSessionStore(self.link, ttl_s=config.session_ttl_s, at_rest=at_rest)
         self.revocations = Revocations(self.link)
         self.streams = RedisStreamStore(
             self.link,
-            window_s=config.resume_window_s,
-            max_bytes_per_tenant=config.resume_max_bytes,
+            window_s=config.resume.window_s,
+            max_bytes_per_tenant=config.resume.max_bytes,
             session_ttl_s=config.session_ttl_s,
             at_rest=at_rest,
         )

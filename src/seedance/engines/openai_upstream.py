@@ -32,13 +32,14 @@ from typing import TYPE_CHECKING, Any, Final
 import aiohttp
 import msgspec
 
-from seedance.config import ConfigError, Option, non_negative, positive, urls
+from seedance.config import ConfigError
 from seedance.engines.base import Engine, EngineHealth, GenerationRequest, ModelInfo, TokenDelta
 from seedance.engines.registry import EngineSpec
 from seedance.engines.routing import Upstream, choose
 from seedance.protocol.errors import EngineError, InvalidRequest
 from seedance.protocol.messages import FinishReason
 from seedance.protocol.openai import decode_stream_chunk, sse_data
+from seedance.settings import Option, non_negative, positive, urls
 
 if TYPE_CHECKING:
     from seedance.config import ServerConfig

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from seedance.config import OPTIONS, ConfigError, Option
+from seedance.config import OPTIONS, ConfigError
 from seedance.engines.base import Engine
+from seedance.settings import Option
 
 if TYPE_CHECKING:
     from seedance.config import ServerConfig

@@ -28,12 +28,12 @@ from collections.abc import AsyncGenerator, Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
-from seedance.config import Option, boolean, non_negative
 from seedance.engines.base import Engine, GenerationRequest, ModelInfo, TokenDelta
 from seedance.engines.registry import EngineSpec
 from seedance.engines.stops import StopMatcher
 from seedance.protocol.errors import EngineError
 from seedance.protocol.messages import FinishReason
+from seedance.settings import Option, boolean, non_negative
 
 if TYPE_CHECKING:
     from seedance.config import ServerConfig

@@ -32,12 +32,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
-from seedance.config import ConfigError, Option, non_negative
+from seedance.config import ConfigError
 from seedance.engines.base import EngineHealth, GenerationRequest, ModelInfo, TokenDelta
 from seedance.engines.prompts import PromptedEngine
 from seedance.engines.registry import EngineSpec
 from seedance.protocol.errors import EngineError, InvalidRequest, SeedanceError
 from seedance.protocol.messages import FinishReason
+from seedance.settings import Option, non_negative
 
 if TYPE_CHECKING:
     from seedance.config import ServerConfig

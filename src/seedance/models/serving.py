@@ -78,14 +78,14 @@ class ModelManager:
     """The registry a server serves from, and its reloads."""
 
     def __init__(self, config: ServerConfig) -> None:
-        assert config.model_registry is not None
-        if not config.model_trust:
+        assert config.registry.path is not None
+        if not config.registry.trust:
             raise ConfigError("--model-registry needs --model-trust (the signers' public keys)")
         self.config = config
-        self.registry = Registry(Path(config.model_registry))
+        self.registry = Registry(Path(config.registry.path))
         try:
             self.trusted: dict[str, TrustedKey] = load_trusted(
-                [Path(p) for p in config.model_trust]
+                [Path(p) for p in config.registry.trust]
             )
         except (OSError, ValueError) as exc:
             raise ConfigError(f"--model-trust: {exc}") from None
@@ -329,7 +329,7 @@ class ModelManager:
         """Serve into ``table`` from now on (its versions audited to ``audit_gate``; one is
         retired once ``in_use`` says no request needs it), and watch the registry."""
         self.table, self._audit, self._in_use = table, audit_gate, in_use
-        if self.config.model_watch_s > 0 and self._watcher is None:
+        if self.config.registry.watch_s > 0 and self._watcher is None:
             self._watcher = asyncio.create_task(self._watch(), name="model-watch")
 
     async def stop(self) -> None:
@@ -346,7 +346,7 @@ class ModelManager:
 
     async def _watch(self) -> None:
         while True:
-            await asyncio.sleep(self.config.model_watch_s)
+            await asyncio.sleep(self.config.registry.watch_s)
             try:
                 await self.reload()
             except Exception:  # the next round tries again; never silently

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SpanExporter
 
-    from seedance.config import ServerConfig
+    from seedance.config import TracingConfig
     from seedance.protocol.messages import Generate
 
 logger = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ class Tracing:
         self._tracer = provider.get_tracer("seedance", __version__) if provider else None
 
     @classmethod
-    def from_config(cls, config: ServerConfig, environ: Mapping[str, str] = os.environ) -> Tracing:
+    def from_config(cls, config: TracingConfig, environ: Mapping[str, str] = os.environ) -> Tracing:
         """Spans exported over OTLP when an endpoint is configured; ids only otherwise."""
         exporter = otlp_exporter(config, environ)
         if exporter is None:
@@ -322,7 +322,7 @@ def _valid(context: otel_context.Context) -> otel_context.Context | None:
 # ---------------------------------------------------------------------- export
 
 
-def otlp_exporter(config: ServerConfig, environ: Mapping[str, str]) -> SpanExporter | None:
+def otlp_exporter(config: TracingConfig, environ: Mapping[str, str]) -> SpanExporter | None:
     """The OTLP exporter ``--otlp-endpoint`` or the ``OTEL_*`` variables ask for, or None."""
     if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return None

@@ -95,7 +95,7 @@ def create_app(
     config = config or ServerConfig()
     manager = None
     verified: dict[str, VerifiedModel] = {}
-    if engines is None and config.model_registry is not None:
+    if engines is None and config.registry.path is not None:
         from seedance.models.serving import ModelManager
 
         manager = ModelManager(config)

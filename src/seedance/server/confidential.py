@@ -66,12 +66,12 @@ def load_identity(config: ServerConfig) -> Ed25519PrivateKey | None:
     """The server's identity (``--e2e-key``; None without it), which signs each key agreement
     and from which ``--encrypt-at-rest`` derives its key; :class:`ConfigError` if it does not
     load."""
-    if config.e2e_key is None:
+    if config.e2e.key is None:
         return None
     try:
-        return load_private(config.e2e_key)
+        return load_private(config.e2e.key)
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"--e2e-key: cannot use {config.e2e_key}: {exc}") from None
+        raise ConfigError(f"--e2e-key: cannot use {config.e2e.key}: {exc}") from None
 
 
 class Confidential:
@@ -89,13 +89,13 @@ class Confidential:
         self.identity_id = key_id(identity.public_key())
         logger.info(
             "end-to-end encryption offered%s: identity %s (clients pin %s)",
-            " and required" if config.e2e_required else "",
+            " and required" if config.e2e.required else "",
             self.identity_id,
             e2e.b64url(e2e.raw_public(self.identity.public_key())),
         )
-        self.required = config.e2e_required
-        self.rotate_bytes = config.e2e_rotate_bytes
-        self.rotate_s = config.e2e_rotate_s
+        self.required = config.e2e.required
+        self.rotate_bytes = config.e2e.rotate_bytes
+        self.rotate_s = config.e2e.rotate_s
         self._base = hashlib.sha256(
             f"seedance build {build_digest()}\0config {config_digest(config)}".encode()
         )

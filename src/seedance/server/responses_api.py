@@ -397,7 +397,7 @@ class ResponseCall:
     def _not_found(self) -> NotFound:
         return NotFound(
             f"no response {self.response_id}: it was not stored, was deleted, or ended more "
-            f"than {self.services.config.resume_window_s:g} s ago"
+            f"than {self.services.config.resume.window_s:g} s ago"
         )
 
 

@@ -178,7 +178,7 @@ class SeedanceServer(uvicorn.Server):
 def build_server(config: ServerConfig, app: Starlette | None = None) -> SeedanceServer:
     """The server for ``config``, serving ``app`` (default: ``create_app(config)``);
     :class:`ConfigError` when its TLS files do not load."""
-    tls = ServerTls.of(config)
+    tls = ServerTls.of(config.tls)
     app = app or create_app(config)
     state: ServerState = app.state.seedance
     if tls is not None:
@@ -190,10 +190,10 @@ def build_server(config: ServerConfig, app: Starlette | None = None) -> Seedance
         port=config.port,
         http=http_protocol(
             HandshakeLimits(
-                timeout_s=config.handshake_timeout_s,
-                max_total=config.max_handshakes,
-                max_per_address=config.max_handshakes_per_address,
-                max_header_bytes=config.max_header_bytes,
+                timeout_s=config.handshake.timeout_s,
+                max_total=config.handshake.max_total,
+                max_per_address=config.handshake.max_per_address,
+                max_header_bytes=config.handshake.max_header_bytes,
                 trusted_proxies=config.trusted_proxies,
             )
         ),
@@ -201,7 +201,7 @@ def build_server(config: ServerConfig, app: Starlette | None = None) -> Seedance
         # these (uvicorn's ProxyHeadersMiddleware); none: the header is ignored.
         proxy_headers=True,
         forwarded_allow_ips=list(config.trusted_proxies),
-        h11_max_incomplete_event_size=config.max_header_bytes,
+        h11_max_incomplete_event_size=config.handshake.max_header_bytes,
         ws=websocket_protocol(config.max_pending_bytes),
         ws_max_size=config.max_frame_bytes,
         ws_ping_interval=None,  # the protocol's own heartbeat replaces it

@@ -56,7 +56,7 @@ class ServerState:
         self.models = ModelTable(config, engines)
         identity = load_identity(config)  # --e2e-key: end-to-end, and the key at rest
         self.cluster: ClusterNode | None = None
-        if config.redis_url is not None:
+        if config.cluster.redis_url is not None:
             from seedance.cluster.node import ClusterNode
 
             self.cluster = ClusterNode(config, identity)
@@ -74,15 +74,15 @@ class ServerState:
             cluster.streams
             if cluster is not None
             else MemoryStreamStore(
-                window_s=config.resume_window_s, max_bytes_per_tenant=config.resume_max_bytes
+                window_s=config.resume.window_s, max_bytes_per_tenant=config.resume.max_bytes
             )
         )
         self.merger = (
             FrameMerger(config.merge_window_ms / 1000.0) if config.merge_window_ms > 0 else None
         )
         self.metrics = Metrics()
-        self.tracing = tracing or Tracing.from_config(config)
-        self.audit = AuditGate(audit_log(config), required=config.audit_required)
+        self.tracing = tracing or Tracing.from_config(config.tracing)
+        self.audit = AuditGate(audit_log(config.audit), required=config.audit.required)
         self.generations = Generations(self.streams)
         self.peers = Peers()
         self.access = Access(config)

@@ -39,7 +39,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives.serialization import load_pem_private_key
 from prometheus_client.core import CounterMetricFamily, Metric
 
-from seedance.config import ConfigError, ServerConfig
+from seedance.config import ConfigError, TlsConfig
 from seedance.observability.metrics import gauge
 
 logger = logging.getLogger(__name__)
@@ -62,9 +62,9 @@ class TlsFiles:
     client_ca: str | None = None
 
     @classmethod
-    def of(cls, config: ServerConfig) -> TlsFiles:
-        assert config.tls_cert is not None and config.tls_key is not None
-        return cls(config.tls_cert, config.tls_key, config.tls_client_ca)
+    def of(cls, config: TlsConfig) -> TlsFiles:
+        assert config.cert is not None and config.key is not None
+        return cls(config.cert, config.key, config.client_ca)
 
     def stamp(self) -> Stamp:
         """Each file's modification time and size (None: cannot be read now)."""
@@ -161,12 +161,12 @@ class ServerTls:
         self.reloads = {"loaded": 0, "failed": 0}
 
     @classmethod
-    def of(cls, config: ServerConfig) -> ServerTls | None:
+    def of(cls, config: TlsConfig) -> ServerTls | None:
         """The TLS of ``config`` (None without ``--tls-cert``); :class:`ConfigError` when its
         files do not load."""
-        if config.tls_cert is None:
+        if config.cert is None:
             return None
-        return cls(TlsFiles.of(config), config.tls_watch_s)
+        return cls(TlsFiles.of(config), config.watch_s)
 
     def describe(self) -> str:
         """One line for the startup log."""

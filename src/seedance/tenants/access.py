@@ -10,7 +10,8 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Final
 
-from seedance.config import ConfigError, ServerConfig, load_access
+from seedance.config import ConfigError, ServerConfig
+from seedance.config_loader import load_access
 from seedance.protocol.errors import Forbidden
 from seedance.tenants.auth import (
     OPEN_PRINCIPAL,

@@ -48,7 +48,7 @@ from typing import Annotated, Any, Final, Literal
 
 import msgspec
 
-from seedance.config import ConfigError
+from seedance.settings import ConfigError
 
 Role = Literal["user", "admin"]
 ROLES: Final = ("user", "admin")

@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from seedance.config import Option
 from seedance.engines.local import N_CTX, PARALLEL, THREADS
 from seedance.engines.registry import EngineSpec
+from seedance.settings import Option
 
 if TYPE_CHECKING:
     from seedance.config import ServerConfig

@@ -3,34 +3,38 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from seedance.config import ConfigError, ServerConfig
 from seedance.keyfiles import load_private
 from seedance.observability.audit.writer import AuditLog, AuditSettings, DamagedLog, last_record
+from seedance.settings import ConfigError
+
+if TYPE_CHECKING:
+    from seedance.config import AuditConfig
 
 __all__ = ["AuditLog", "AuditSettings", "audit_log"]
 
 
-def audit_log(config: ServerConfig) -> AuditLog | None:
-    """The log ``config`` asks for (None without ``audit_file``)."""
-    if not config.audit_file:
+def audit_log(config: AuditConfig) -> AuditLog | None:
+    """The log the ``[audit]`` section asks for (None without ``--audit-file``)."""
+    if not config.file:
         return None
     key = None
-    if config.audit_signing_key:
-        path = Path(config.audit_signing_key).expanduser()
+    if config.signing_key:
+        path = Path(config.signing_key).expanduser()
         try:
             key = load_private(path)
         except (OSError, ValueError) as exc:
             raise ConfigError(f"--audit-signing-key: cannot load {path}: {exc}") from None
     settings = AuditSettings(
-        path=Path(config.audit_file).expanduser(),
-        fsync=config.audit_fsync,
-        fsync_interval_s=config.audit_fsync_interval_s,
+        path=Path(config.file).expanduser(),
+        fsync=config.fsync,
+        fsync_interval_s=config.fsync_interval_s,
         signing_key=key,
-        checkpoint_interval_s=config.audit_checkpoint_interval_s,
-        rotate_bytes=config.audit_rotate_bytes or None,
-        rotate_interval_s=config.audit_rotate_interval_s or None,
-        required=config.audit_required,
+        checkpoint_interval_s=config.checkpoint_interval_s,
+        rotate_bytes=config.rotate_bytes or None,
+        rotate_interval_s=config.rotate_interval_s or None,
+        required=config.required,
     )
     try:  # a chain that cannot be continued stops the server now, with one line
         last_record(settings.path)

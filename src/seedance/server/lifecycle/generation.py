@@ -176,7 +176,7 @@ class Generation:
         if policy == "abort":
             self.cancel(silent=True)
         elif policy == "grace" and self._grace is None:
-            grace_s = self.services.config.resume_grace_s
+            grace_s = self.services.config.resume.grace_s
             self._grace = asyncio.get_running_loop().call_later(grace_s, self._abandon)
 
     def reader_joined(self) -> None:
@@ -190,7 +190,7 @@ class Generation:
             logger.info(
                 "request %s: no reader for %g s, cancelling",
                 self.request_id,
-                self.services.config.resume_grace_s,
+                self.services.config.resume.grace_s,
             )
             self.cancel(silent=False)
 
