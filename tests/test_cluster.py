@@ -27,6 +27,7 @@ from seedance.client import Reconnect, connect
 from seedance.config import ConfigError
 from seedance.config_loader import load_access, load_config
 from seedance.tenants.keys import add_key
+from tests.support.otlp import http_receiver
 from tests.support.redis import RedisServer
 from tests.support.servers import SEEDANCE, RunningServer, ServerProcess, slow_engine
 from tests.support.tools import tool
@@ -373,15 +374,20 @@ async def begin_reply(
     *,
     max_tokens: int,
     until_seq: int,
+    extra: tuple[str, ...] = (),
+    traceparent: str | None = None,
 ) -> tuple[ServerProcess, ServerProcess, str, Any, Reading]:
-    """Two nodes (``--lease 1``): the owner and the survivor; the undisturbed text of the
-    reply; and the reply ``r1`` begun resumable on the owner, read up to ``until_seq``."""
-    args = ("--redis", redis_server.url, "--lease", "1", "--synthetic-tokens-per-s", "300")
+    """Two nodes (``--lease 1``, and ``extra`` flags): the owner and the survivor; the
+    undisturbed text of the reply; and the reply ``r1`` begun resumable on the owner, read up
+    to ``until_seq``."""
+    args = ("--redis", redis_server.url, "--lease", "1", "--synthetic-tokens-per-s", "300", *extra)
     owner = server_process(*args, "--node-id", "n1")
     survivor = server_process(*args, "--node-id", "n2")
     expected = await undisturbed(survivor, max_tokens=max_tokens)  # type: ignore[arg-type]
     ws, _ = await open_session(owner.url, f"session_id={session}")
     request = {"prompt": PROMPT, "seed": 7, "max_tokens": max_tokens, "resumable": True}
+    if traceparent is not None:
+        request["traceparent"] = traceparent
     await ws.send(json.dumps({**request, "request_id": "r1", "qos": "high; slatag=moved"}))
     reading = Reading("r1")
     await read(ws, reading, until_seq=until_seq)
@@ -394,10 +400,32 @@ async def test_a_dead_nodes_stream_is_taken_over_where_it_stopped(
 ) -> None:
     """kill -9 of the node running a reply: the client resumes on another node, which takes
     the generation over after the lease and goes on at the next seq; every seq once, and
-    (the synthetic model being deterministic) the very text of an undisturbed run."""
-    owner, survivor, expected, ws, reading = await begin_reply(
-        redis_server, server_process, "doomed", max_tokens=400, until_seq=100
-    )
+    (the synthetic model being deterministic) the very text of an undisturbed run; and the
+    survivor's span is in the client's trace (a real OTLP receiver gets it)."""
+    trace = "4bf92f3577b34da6a3ce929d0e0e4736"
+    with http_receiver() as (otlp, received):
+        owner, survivor, expected, ws, reading = await begin_reply(
+            redis_server,
+            server_process,
+            "doomed",
+            max_tokens=400,
+            until_seq=100,
+            extra=("--otlp-endpoint", otlp),
+            traceparent=f"00-{trace}-00f067aa0ba902b7-01",
+        )
+        await took_over(owner, survivor, ws, reading, expected)
+        survivor.signal(signal.SIGTERM)  # its spans are exported as it stops
+        await asyncio.to_thread(survivor.wait)
+        spans = received.wait_for(lambda found: any(s.trace_id == trace for s in found))
+    (taken,) = [s for s in spans if s.name == "chat synthetic" and s.trace_id == trace]
+    # A child of the dead node's request span (which never ended, so never came).
+    assert taken.parent_span_id not in ("", "00f067aa0ba902b7")
+    assert taken.attributes["seedance.request_id"] == "r1"
+
+
+async def took_over(
+    owner: ServerProcess, survivor: ServerProcess, ws: Any, reading: Reading, expected: str
+) -> None:
     owner.signal(signal.SIGKILL)
     with contextlib.suppress(ConnectionClosed, asyncio.TimeoutError):
         await read(ws, reading)  # what was on its way before the socket went

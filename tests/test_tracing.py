@@ -400,3 +400,31 @@ def test_serve_refuses_a_bad_otlp_setting() -> None:
     assert "--otlp-protocol" in serve_fails("--otlp-protocol", "carrier-pigeon")
     assert "--otlp-endpoint" in serve_fails("--otlp-endpoint", "collector:4318")
 
+
+@pytest.mark.slow
+async def test_one_trace_spans_the_client_the_gateway_and_its_upstream(
+    make_server: Callable[..., RunningServer],
+) -> None:
+    """A gateway sends its request span's ``traceparent`` (and the client's ``tracestate``)
+    on to the upstream: an upstream Seedance's request span is its child, both in the trace
+    the client began, as a real OTLP receiver gets them."""
+    with http_receiver() as (url, received):
+        upstream = make_server(otlp_endpoint=url)
+        gateway = make_server(
+            engine="openai", upstream=(f"{upstream.http_url}/v1",), otlp_endpoint=url
+        )
+        headers = {"traceparent": TRACEPARENT, "tracestate": "vendor=7"}
+        async with httpx.AsyncClient(base_url=gateway.http_url) as client:
+            body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+            reply = await client.post("/v1/chat/completions", json=body, headers=headers)
+        assert reply.status_code == 200, reply.text
+        await asyncio.to_thread(gateway.stop)
+        await asyncio.to_thread(upstream.stop)
+        spans = received.spans
+    requests = [s for s in spans if s.name == "chat synthetic"]  # the upstream's model
+    assert len(requests) == 2 and {s.trace_id for s in requests} == {TRACE}, spans
+    (edge,) = [s for s in requests if s.parent_span_id == PARENT]  # the client's span
+    (inner,) = [s for s in requests if s is not edge]
+    assert inner.parent_span_id == edge.span_id  # the gateway's request span
+    assert edge.attributes["seedance.engine"] == "openai"
+    assert inner.attributes["seedance.engine"] == "synthetic"

@@ -212,6 +212,11 @@ class OpenAIUpstreamEngine(Engine):
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
         path, body = self._body(request)
+        headers = self._headers
+        if request.traceparent is not None:  # the trace goes on at the upstream (W3C)
+            headers = {**headers, "traceparent": request.traceparent}
+            if request.tracestate:
+                headers["tracestate"] = request.tracestate
         tried: Upstream | None = None
         for attempt in (1, 2):
             upstream = self._pick(tried, request.qos_class)
@@ -221,7 +226,7 @@ class OpenAIUpstreamEngine(Engine):
             started = False
             asked = time.monotonic()
             try:
-                async for delta in self._stream(upstream, path, body):
+                async for delta in self._stream(upstream, path, body, headers):
                     if not started:
                         started = True
                         upstream.ttft.add(time.monotonic() - asked)
@@ -271,7 +276,7 @@ class OpenAIUpstreamEngine(Engine):
         return path, _encode(body)
 
     async def _stream(
-        self, upstream: Upstream, path: str, body: bytes
+        self, upstream: Upstream, path: str, body: bytes, headers: dict[str, str]
     ) -> AsyncIterator[TokenDelta]:
         assert self._session is not None, "start() first"
         timeout = aiohttp.ClientTimeout(
@@ -281,7 +286,7 @@ class OpenAIUpstreamEngine(Engine):
             async with self._session.post(
                 upstream.base_url + path,
                 data=body,
-                headers=self._headers,
+                headers=headers,
                 timeout=timeout,
             ) as response:
                 if response.status != 200:
