@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from seedance.config import ServerConfig
@@ -51,7 +52,12 @@ class ServerState:
         engines: Sequence[Engine],
         sessions: SessionStore | None = None,
         tracing: Tracing | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        audit: AuditGate | None = None,
     ) -> None:
+        """``clock`` is the stores' and the quotas' (tests pass a fake one), ``audit`` an
+        audit gate of the caller's (default: the log the config names)."""
         self.config = config
         self.models = ModelTable(config, engines)
         identity = load_identity(config)  # --e2e-key: end-to-end, and the key at rest
@@ -68,13 +74,16 @@ class ServerState:
                 ttl_s=config.session_ttl_s,
                 max_sessions=config.max_sessions,
                 max_bytes=config.max_session_bytes,
+                clock=clock,
             )
         )
         self.streams: StreamStore = (
             cluster.streams
             if cluster is not None
             else MemoryStreamStore(
-                window_s=config.resume.window_s, max_bytes_per_tenant=config.resume.max_bytes
+                window_s=config.resume.window_s,
+                max_bytes_per_tenant=config.resume.max_bytes,
+                clock=clock,
             )
         )
         self.merger = (
@@ -82,7 +91,7 @@ class ServerState:
         )
         self.metrics = Metrics()
         self.tracing = tracing or Tracing.from_config(config.tracing)
-        self.audit = AuditGate(audit_log(config.audit), required=config.audit.required)
+        self.audit = audit or AuditGate(audit_log(config.audit), required=config.audit.required)
         self.generations = Generations(self.streams)
         self.peers = Peers()
         self.access = Access(config)
@@ -102,7 +111,7 @@ class ServerState:
             generations=self.generations,
             peers=self.peers,
             access=self.access,
-            usage=Usage(shared=cluster is not None),
+            usage=Usage(clock, shared=cluster is not None),
             audit=self.audit,
             refusals=Refusals(self.metrics, self.audit, self.tracing),
             tracing=self.tracing,

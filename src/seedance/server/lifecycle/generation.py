@@ -132,6 +132,8 @@ class Generation:
         self.end: DoneFrame | ErrorFrame | None = None
         self.outcome = ""
         self.task: asyncio.Task[None] | None = None
+        self._running = False  # the task has begun
+        self._cancel_first = False  # cancelled before it began: it stops at its first step
         self._grace: asyncio.TimerHandle | None = None
         model = requester.model
         self.trace = arrival.trace  # opened when the request was read
@@ -158,7 +160,10 @@ class Generation:
         ``cancelled``."""
         if self.task is not None and not self.task.done() and not self.ending:
             self.cancel_requested = not silent
-            self.task.cancel()
+            if self._running:
+                self.task.cancel()
+            else:  # a task cancelled before its first step never runs: no end, nothing freed
+                self._cancel_first = True
 
     def hand_off(self) -> None:
         """Cluster mode, this node stopping: stop without an end, and release the lock, so
@@ -201,11 +206,14 @@ class Generation:
         session = requester.session
         model = requester.model
         audited: Future[None] | None = None
+        self._running = True
         bind_request(self.request_id, self.trace_id)
         if services.config.log_prompts:
             logger.debug("request %s prompt=%r", self.request_id, self.prompt.new_turns)
         try:
             try:
+                if self._cancel_first:
+                    raise asyncio.CancelledError
                 tenant = requester.principal.tenant
                 if services.cluster is not None:
                     await self._claim()
