@@ -74,19 +74,19 @@ test-fast: $(VENV)/.installed-test
 # BENCH_ARGS=--quick for a short run,
 # BENCH_ARGS="--suites 5" for one suite.
 bench: $(VENV)/.installed-bench $(LITELLM_VENV)/.installed
-	LITELLM=$(LITELLM_VENV)/bin/litellm $(BIN)/python -m seedance.bench.suites $(BENCH_ARGS)
+	LITELLM=$(LITELLM_VENV)/bin/litellm $(BIN)/python -m benchmarks.suites $(BENCH_ARGS)
 
 # This tree against another revision (BASELINE=REV: a commit, a tag), side by side on the loads of
 # suites 1 and 2, and a token's cost in instructions and cache misses under cachegrind (valgrind)
 # (~25 min); writes docs/benchmarks-baseline.md. COMPARE_ARGS="--rounds 9" for more rounds.
 bench-compare: $(VENV)/.installed-bench
 	@test -n "$(BASELINE)" || { echo "usage: make bench-compare BASELINE=REV"; exit 2; }
-	$(BIN)/python -m seedance.bench.compare $(BASELINE) $(COMPARE_ARGS)
+	$(BIN)/python -m benchmarks.compare $(BASELINE) $(COMPARE_ARGS)
 
 # Ten minutes of mixed traffic against the synthetic engine and the embedded model, watching RSS,
 # file descriptors, tasks and p99 TTFT (docs/soak.md), then the parsers' fuzzing at length.
 soak: $(VENV)/.installed-test
-	$(BIN)/python -m seedance.bench.soak $(SOAK_ARGS)
+	$(BIN)/python -m benchmarks.soak $(SOAK_ARGS)
 	HYPOTHESIS_PROFILE=soak $(BIN)/python -m pytest -q tests/test_fuzz.py
 
 # The vLLM engine on this machine's CUDA GPU, in a few minutes (docs/gpu.md): a virtual
@@ -102,8 +102,8 @@ $(LITELLM_VENV)/.installed:
 	@touch $@
 
 lint: $(VENV)/.installed-dev
-	$(BIN)/ruff check src tests scripts
-	$(BIN)/ruff format --check src tests scripts
+	$(BIN)/ruff check src tests scripts benchmarks
+	$(BIN)/ruff format --check src tests scripts benchmarks
 	$(BIN)/mypy
 
 clean:

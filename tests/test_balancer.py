@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 from websockets.asyncio.client import ClientConnection
 
-from seedance.bench.suites import free_port
 from seedance.cluster.local import haproxy_env
+from seedance.netutil import free_port
 from tests.support.servers import ServerProcess
 from tests.support.tools import tool, wait_listening
 from tests.support.waits import eventually

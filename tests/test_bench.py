@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from benchmarks import compare
+from benchmarks.peers.openai_sse import create_app as openai_app
 
-from seedance.bench import compare
 from seedance.bench.metrics import Distribution, Sample, percentile, summarize
-from seedance.bench.peers.openai_sse import create_app as openai_app
 from seedance.engines.synthetic import SyntheticEngine
 from tests.support.servers import SEEDANCE, RunningServer, asgi_server, slow_engine
 from tests.support.tools import tool
@@ -146,7 +146,7 @@ def test_idle_connections_with_heartbeats(server: RunningServer, tmp_path: Path)
 @pytest.mark.parametrize("peer", ["raw_websockets", "raw_picows"])
 def test_raw_peers(peer: str, tmp_path: Path) -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", f"seedance.bench.peers.{peer}", "--port", "0"],
+        [sys.executable, "-m", f"benchmarks.peers.{peer}", "--port", "0"],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -229,7 +229,7 @@ def quick_suite(tmp_path: Path, suite: int, timeout_s: float) -> tuple[str, str]
     # servers and peers it started go with it.
     proc = subprocess.Popen(
         [
-            *(sys.executable, "-m", "seedance.bench.suites", "--quick", "--rounds", "1"),
+            *(sys.executable, "-m", "benchmarks.suites", "--quick", "--rounds", "1"),
             *("--suites", str(suite), "--out", str(out)),
         ],
         stdout=subprocess.PIPE,
@@ -295,7 +295,7 @@ def test_compare_counts_a_servers_instructions_under_cachegrind() -> None:
 def test_bar_chart_is_valid_svg() -> None:
     import xml.etree.ElementTree as ET
 
-    from seedance.bench.svg import bar_chart
+    from benchmarks.svg import bar_chart
 
     svg = bar_chart("t <&>", ["a", "b"], [("x", [1.0, 2000.0]), ("y", [30.0, 0.0])], unit="tok/s")
     root = ET.fromstring(svg)
@@ -327,7 +327,7 @@ def test_temperature_reaches_the_server(make_server) -> None:  # type: ignore[no
 def test_bare_llama_loop_reports_its_rates() -> None:
     def run(*args: str) -> dict[str, float]:
         out = subprocess.run(
-            [sys.executable, "-m", "seedance.bench.peers.llama_bare", *args, "--threads", "2"],
+            [sys.executable, "-m", "benchmarks.peers.llama_bare", *args, "--threads", "2"],
             capture_output=True,
             text=True,
             timeout=120,
@@ -436,7 +436,7 @@ def test_a_target_that_goes_away_ends_the_run_with_a_clear_message(
 
 
 def test_soak_drives_mixed_traffic_and_judges_it(tmp_path: Path) -> None:
-    from seedance.bench import soak
+    from benchmarks import soak
 
     out = tmp_path / "soak.md"
     code = soak.main(
@@ -453,7 +453,7 @@ def test_soak_drives_mixed_traffic_and_judges_it(tmp_path: Path) -> None:
 def test_the_resume_suite_clients_drop_and_resume_whole(make_server: Any) -> None:
     server: RunningServer = make_server(tokens_per_s=1000.0)
     out = subprocess.run(
-        [sys.executable, "-m", "seedance.bench.resume_suite", f"{server.url}/v2/infer", "6", "3"],
+        [sys.executable, "-m", "benchmarks.resume_suite", f"{server.url}/v2/infer", "6", "3"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -504,7 +504,7 @@ def test_the_openai_suite_times_each_way_to_ask(server: RunningServer, way: str)
     # Suite 13's client, one way at a time, against a synthetic server.
     out = subprocess.run(
         [
-            *(sys.executable, "-m", "seedance.bench.openai_suite", server.http_url),
+            *(sys.executable, "-m", "benchmarks.openai_suite", server.http_url),
             *("synthetic", way, "5", "--max-tokens", "4"),
         ],
         capture_output=True,

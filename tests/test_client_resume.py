@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from seedance.bench.suites import free_port
 from seedance.client import ConnectionClosed, HistoryLost, Reconnect, connect
+from seedance.netutil import free_port
 from tests.support.servers import SEEDANCE, RunningServer, ServerProcess
 
 PROMPT = "a long story please"

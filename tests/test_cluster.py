@@ -22,10 +22,10 @@ import httpx
 import pytest
 from websockets.exceptions import ConnectionClosed
 
-from seedance.bench.suites import free_port
 from seedance.client import Reconnect, connect
 from seedance.config import ConfigError
 from seedance.config_loader import load_access, load_config
+from seedance.netutil import free_port
 from seedance.tenants.keys import add_key
 from tests.support.otlp import http_receiver
 from tests.support.redis import RedisServer
@@ -646,7 +646,7 @@ async def test_the_cluster_bench_times_a_resume_on_another_node(
     redis_server: RedisServer, make_server: Callable[..., RunningServer]
 ) -> None:
     """Suite 10's resume trial, as make bench runs it (the owner alive)."""
-    from seedance.bench.cluster_suite import drop_and_resume
+    from benchmarks.cluster_suite import drop_and_resume
 
     first, second = nodes(make_server, 2, redis_server, engines=lambda: slow_engine(200))
     elapsed_ms = await drop_and_resume(first.infer_url, second.infer_url, "bench")

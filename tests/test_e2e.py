@@ -23,8 +23,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from websockets.asyncio.client import ClientConnection
 from websockets.exceptions import ConnectionClosed as WsConnectionClosed
 
-from seedance.bench.suites import free_port
 from seedance.client import connect
+from seedance.netutil import free_port
 from seedance.observability.audit.records import GENESIS, seal
 from seedance.observability.audit.verify import verify
 from seedance.protocol import e2e

@@ -18,19 +18,19 @@ from typing import Any
 
 import httpx
 import pytest
+from benchmarks.peers.openai_sse import create_app as openai_app
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from seedance.bench.peers.openai_sse import create_app as openai_app
-from seedance.bench.suites import free_port
 from seedance.client import connect
 from seedance.engines.llamacpp.native import backend_cwd
 from seedance.engines.local import default_model_path
 from seedance.engines.openai_upstream import OpenAIUpstreamEngine
 from seedance.engines.routing import LatencyWindow, Upstream, choose
 from seedance.engines.synthetic import SyntheticEngine
+from seedance.netutil import free_port
 from seedance.protocol.errors import SeedanceError
 from seedance.protocol.qos import QoS
 from tests.support.servers import RunningServer, asgi_server

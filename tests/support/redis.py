@@ -9,8 +9,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from seedance.bench.suites import free_port
 from seedance.cluster.local import redis_command
+from seedance.netutil import free_port
 from tests.support.tools import tool
 
 

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Final
 
-from seedance.bench.suites import free_port
+from seedance.netutil import free_port
 
 #: HAProxy's configuration names three servers.
 MAX_NODES: Final = 3

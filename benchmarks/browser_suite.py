@@ -10,7 +10,7 @@ each window's fragments and lays the page out; that append is what is timed, per
 run, the same windows parsed, escaped and appended on the main thread (no worker), which is what
 a page without the worker pays.
 
-``python -m seedance.bench.browser_suite`` prints the table alone.
+``python -m benchmarks.browser_suite`` prints the table alone.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ import statistics
 import sys
 from typing import TYPE_CHECKING, Any
 
+from benchmarks.harness import fmt, seedance, servers
 from seedance.bench.metrics import percentile
-from seedance.bench.suites import fmt, seedance, servers
 
 if TYPE_CHECKING:
-    from seedance.bench.suites import Report, Server
+    from benchmarks.harness import Report, Server
 
 # (window in tokens, the round trip that asks for it, the design's target in ms)
 WINDOWS = ((128, 80, 16.0), (64, 160, 22.0), (32, 200, 12.0))
@@ -205,7 +205,7 @@ def browser_suite(report: Report) -> None:
                 "",
                 "```",
                 contender.display(),
-                "python -m seedance.bench.browser_suite",
+                "python -m benchmarks.browser_suite",
                 "```",
                 "",
             ]

@@ -9,7 +9,7 @@ there is nothing to compare with side by side; the figure to read is the resume 
 against a fresh request's time to first token, measured in the same run.
 
 The clients run in a child process pinned to the client core
-(``python -m seedance.bench.resume_suite URL``), the server on the server core.
+(``python -m benchmarks.resume_suite URL``), the server on the server core.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from benchmarks.harness import CLIENT_CORE, fmt, pin_to, seedance, servers
 from seedance.bench.metrics import percentile
-from seedance.bench.suites import CLIENT_CORE, fmt, pin_to, seedance, servers
 
 if TYPE_CHECKING:
-    from seedance.bench.suites import Report
+    from benchmarks.harness import Report
 
 TOKENS_PER_S = "200"
 MAX_TOKENS = 200
@@ -132,7 +132,7 @@ def resume_suite(report: Report) -> None:
                 "",
                 "```",
                 contender.display(),
-                f"python -m seedance.bench.resume_suite URL {trials} {concurrency}",
+                f"python -m benchmarks.resume_suite URL {trials} {concurrency}",
                 "```",
                 "",
             ]

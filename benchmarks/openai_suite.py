@@ -10,7 +10,7 @@ to the first text. Two engines: the synthetic one (no model time: what each way 
 server and the client pinned to cores of their own, and the embedded SmolLM2 (what a user
 sees).
 
-The clients run in a child process on the client core (``python -m seedance.bench.openai_suite
+The clients run in a child process on the client core (``python -m benchmarks.openai_suite
 HTTP_URL MODEL WAY N``), the server on the server core.
 """
 
@@ -25,20 +25,20 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from seedance.bench.http_suite import _server
-from seedance.bench.metrics import percentile
-from seedance.bench.suites import (
+from benchmarks.harness import (
     CLIENT_CORE,
-    _cores,
+    cores,
     fmt,
     machine_lines,
     pin_to,
     ratio,
     servers,
 )
+from benchmarks.http_suite import _server
+from seedance.bench.metrics import percentile
 
 if TYPE_CHECKING:
-    from seedance.bench.suites import Report
+    from benchmarks.harness import Report
 
 WAYS: tuple[tuple[str, str], ...] = (
     ("v2", "`/v2/infer`, one WebSocket"),
@@ -155,7 +155,7 @@ def openai_suite(report: Report) -> None:
             16,
         ),
         (
-            _server("model", "SmolLM2-135M (llamacpp)", "--threads", str(_cores()), pinned=False),
+            _server("model", "SmolLM2-135M (llamacpp)", "--threads", str(cores()), pinned=False),
             "smollm2-135m",
             8 if report.quick else 20,
             8,
@@ -191,7 +191,7 @@ def openai_suite(report: Report) -> None:
                 f"| {contender.label} | {label} | {fmt(p50, 3)} ({ratio(p50, base50)}) "
                 f"| {fmt(p99, 3)} ({ratio(p99, base99)}) | {len(times)} |"
             )
-    commands.append("python -m seedance.bench.openai_suite HTTP_URL MODEL WAY N --max-tokens T")
+    commands.append("python -m benchmarks.openai_suite HTTP_URL MODEL WAY N --max-tokens T")
     report.sections.append(
         "\n".join(
             [

@@ -13,11 +13,11 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from seedance.bench.suites import (
+from benchmarks.harness import (
     Cell,
     Contender,
-    _cores,
     command_line,
+    cores,
     fmt,
     ratio,
     run_bench,
@@ -25,7 +25,7 @@ from seedance.bench.suites import (
 )
 
 if TYPE_CHECKING:
-    from seedance.bench.suites import Report
+    from benchmarks.harness import Report
 
 WAYS: tuple[tuple[str, str, list[str]], ...] = (
     ("ws", "WebSocket, one reused connection", []),
@@ -49,7 +49,7 @@ def http_suite(report: Report) -> None:
             ["-c", "1", "-n", str(synthetic_n), "--max-tokens", "16", "--warmup", "5"],
         ),
         (
-            _server("model", "SmolLM2-135M (llamacpp)", "--threads", str(_cores()), pinned=False),
+            _server("model", "SmolLM2-135M (llamacpp)", "--threads", str(cores()), pinned=False),
             [
                 *("-c", "1", "-n", str(model_n), "--max-tokens", "8", "--warmup", "2"),
                 *("--temperature", "0", "--prompt-tokens", "16"),

@@ -5,7 +5,7 @@ It speaks just enough of protocol v2 for ``seedance bench``: a ``generate`` text
 no sessions, no admission control, no limits and no merging: what a team writes by hand in an
 afternoon, and the bar Seedance's token path is measured against.
 
-    python -m seedance.bench.peers.raw_websockets --port 9001 [--tokens-per-s R] [--ttft-ms T]
+    python -m benchmarks.peers.raw_websockets --port 9001 [--tokens-per-s R] [--ttft-ms T]
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import json
 
 from websockets.asyncio.server import ServerConnection, serve
 
-from seedance.bench.peers._common import (
+from benchmarks.peers._common import (
     decode_generate,
     done_frame,
     encode,

@@ -9,7 +9,7 @@ warms and swaps each in while the requests run. Reported per half: requests, err
 time to first token (p50, p99), measured by the clients; and which versions answered.
 
 The clients run in a child process on the client core (``python -m
-seedance.bench.reload_suite URL SECONDS CLIENTS``).
+benchmarks.reload_suite URL SECONDS CLIENTS``).
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from benchmarks.harness import Contender, fmt, machine_lines, servers
 from seedance.bench.metrics import percentile
-from seedance.bench.suites import Contender, fmt, machine_lines, servers
 
 if TYPE_CHECKING:
-    from seedance.bench.suites import Report
+    from benchmarks.harness import Report
 
 VERSIONS = ("1.0.0", "1.1.0", "1.2.0", "1.3.0", "1.4.0", "1.5.0")
 CLIENTS = 4
@@ -193,7 +193,7 @@ def reload_suite(report: Report) -> None:
                 contender.display()
                 .replace(str(registry), "REGISTRY")
                 .replace(str(public), "KEY.pub"),
-                f"python -m seedance.bench.reload_suite URL {seconds} {CLIENTS}",
+                f"python -m benchmarks.reload_suite URL {seconds} {CLIENTS}",
                 "```",
                 "",
             ]

@@ -1,6 +1,6 @@
 """Suite 5 of ``make bench``: the ``llamacpp`` engine on the embedded SmolLM2 against
 llama.cpp's own C++ server (``llama-server``, built from the llama.cpp source that the pinned
-llama-cpp-python vendors, with the engine's CMake flags: :mod:`seedance.bench.llama_server`),
+llama-cpp-python vendors, with the engine's CMake flags: :mod:`benchmarks.llama_server`),
 llama-cpp-python's server, and llama.cpp driven by a bare loop, in one run.
 
 Every contender uses the same GGUF file, the same number of threads (all cores) and the same
@@ -25,18 +25,18 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 
-from seedance.bench.llama_server import ensure_built
-from seedance.bench.load import make_prompt
-from seedance.bench.suites import (
+from benchmarks.harness import (
     Contender,
-    _commands,
-    _cores,
+    commands,
+    cores,
     fmt,
     ratio,
     servers,
     verdict,
 )
-from seedance.bench.svg import bar_chart
+from benchmarks.llama_server import ensure_built
+from benchmarks.svg import bar_chart
+from seedance.bench.load import make_prompt
 from seedance.client import connect
 from seedance.engines.llamacpp.cpu import resolve_repack
 from seedance.engines.llamacpp.native import backend_cwd
@@ -44,7 +44,7 @@ from seedance.engines.local import default_model_path
 from seedance.protocol.openai import decode_stream_chunk, sse_data
 
 if TYPE_CHECKING:
-    from seedance.bench.suites import Report
+    from benchmarks.harness import Report
 
 PROMPT = "Write a long story about a dragon who learns to sail."
 STREAMS = (1, 4, 8)
@@ -54,12 +54,12 @@ SECOND_MESSAGE = "Which word came first?"
 
 
 def _threads() -> str:
-    return str(_cores())
+    return str(cores())
 
 
 def _repack() -> bool:
     """The engine's own decision for this machine (probed once, then cached)."""
-    return resolve_repack("auto", default_model_path(), _cores()).repack
+    return resolve_repack("auto", default_model_path(), cores()).repack
 
 
 def seedance_llama(label: str, key: str, *extra: str) -> Contender:
@@ -89,8 +89,8 @@ def llama_cpp_server() -> Contender:
 
 
 def bare(*args: str) -> dict[str, float]:
-    """One measurement of the bare llama.cpp loop (``seedance.bench.peers.llama_bare``)."""
-    argv = [sys.executable, "-m", "seedance.bench.peers.llama_bare", *args]
+    """One measurement of the bare llama.cpp loop (``benchmarks.peers.llama_bare``)."""
+    argv = [sys.executable, "-m", "benchmarks.peers.llama_bare", *args]
     out = subprocess.run([*argv, "--threads", _threads()], capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"llama_bare failed: {out.stderr}")
@@ -234,7 +234,7 @@ def _decode(report: Report) -> None:
                 f"A {tokens}-token reply to one prompt: tokens/s after the first token, as the "
                 "client receives them over a WebSocket, against the same prompt decoded by "
                 "llama.cpp in a bare Python loop with no server (`python -m "
-                f"seedance.bench.peers.llama_bare generate --tokens {tokens}`: prefill, then "
+                f"benchmarks.peers.llama_bare generate --tokens {tokens}`: prefill, then "
                 "sample and decode one token at a time, end-of-text ignored), the physical "
                 "limit here. Goal: at least 0.95x the bare loop: " + verdict(ok) + ".",
                 "",
@@ -341,7 +341,7 @@ def _concurrency(report: Report) -> None:
                 "running stream when another request arrives), which runs one generation at a "
                 "time. The decode-alone figure is llama.cpp's batched decode with no serving: N "
                 "sequences, one token each per `llama_decode`, logits computed but nothing "
-                "sampled, no prefill (`python -m seedance.bench.peers.llama_bare batch "
+                "sampled, no prefill (`python -m benchmarks.peers.llama_bare batch "
                 f"--sequences N --steps {steps}`). Cells: **Seedance / llama-server (ratio) / "
                 "llama-cpp-python server**. Goal at 4 and 8 streams: at least llama-server's "
                 "tokens/s and at most its TTFT p50: " + verdict(goal_llama) + ".",
@@ -352,7 +352,7 @@ def _concurrency(report: Report) -> None:
                 "|---|---|---|---|---|---|---|",
                 *rows,
                 "",
-                _commands(contenders, loads),
+                commands(contenders, loads),
                 "",
             ]
         )

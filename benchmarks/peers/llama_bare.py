@@ -10,9 +10,9 @@ Two measurements, each printed as one JSON line:
 
 ``--repack on|off`` chooses llama.cpp's weight layout (default off: the layout every CPU runs).
 
-    python -m seedance.bench.peers.llama_bare generate --tokens 200 --threads 2
-    python -m seedance.bench.peers.llama_bare batch --sequences 8 --steps 40 --threads 2
-    python -m seedance.bench.peers.llama_bare prefill --tokens 1024 --threads 2
+    python -m benchmarks.peers.llama_bare generate --tokens 200 --threads 2
+    python -m benchmarks.peers.llama_bare batch --sequences 8 --steps 40 --threads 2
+    python -m benchmarks.peers.llama_bare prefill --tokens 1024 --threads 2
 """
 
 from __future__ import annotations

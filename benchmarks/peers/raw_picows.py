@@ -2,7 +2,7 @@
 written in Cython): what the fastest Python WebSocket stack gives without any of Seedance.
 Used by ``make bench`` to decide Seedance's server stack.
 
-    python -m seedance.bench.peers.raw_picows --port 9003 [--tokens-per-s R] [--ttft-ms T]
+    python -m benchmarks.peers.raw_picows --port 9003 [--tokens-per-s R] [--ttft-ms T]
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import json
 
 from picows import WSFrame, WSListener, WSMsgType, WSTransport, WSUpgradeRequest, ws_create_server
 
-from seedance.bench.peers._common import (
+from benchmarks.peers._common import (
     GenerateFrame,
     decode_generate,
     done_frame,

@@ -1,18 +1,15 @@
-"""``make bench``: Seedance against a minimal server on the raw ``websockets`` library, in one
-run, written to ``docs/benchmarks.md``.
+"""What every suite of ``make bench`` shares: its contenders and their server processes, runs
+of the load generator taken in turn, the figures' formatting, and the report they are written
+to (``docs/benchmarks.md``, by :mod:`benchmarks.suites`).
 
 Every suite starts the servers it needs, pins them to core 0 and the load generator
 (``seedance bench``, run as its own process) to core 1, and runs the contenders in turn
 (A B A B ...). Figures are the median over rounds; ratios are what count.
-
-    python -m seedance.bench.suites [--quick] [--rounds N] [--out docs/benchmarks.md]
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import functools
 import json
 import os
 import platform
@@ -25,13 +22,13 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from seedance.bench.svg import bar_chart
+from seedance.netutil import free_port
 
 SERVER_CORE = 0
 CLIENT_CORE = 1
@@ -40,21 +37,14 @@ CLIENT_CORE = 1
 # --------------------------------------------------------------------------- processes
 
 
-def _cores() -> int:
+def cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def pin_to(core: int) -> Any:
-    if _cores() < 2 or not hasattr(os, "sched_setaffinity"):
+    if cores() < 2 or not hasattr(os, "sched_setaffinity"):
         return None
     return lambda: os.sched_setaffinity(0, {core})
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @dataclass(slots=True)
@@ -88,12 +78,12 @@ def seedance(label: str, key: str, *extra: str) -> Contender:
 
 
 def raw(*extra: str) -> Contender:
-    argv = [sys.executable, "-m", "seedance.bench.peers.raw_websockets", "--port", "{port}"]
+    argv = [sys.executable, "-m", "benchmarks.peers.raw_websockets", "--port", "{port}"]
     return Contender("raw", "raw websockets", [*argv, *extra], "/")
 
 
 def raw_picows(*extra: str) -> Contender:
-    argv = [sys.executable, "-m", "seedance.bench.peers.raw_picows", "--port", "{port}"]
+    argv = [sys.executable, "-m", "benchmarks.peers.raw_picows", "--port", "{port}"]
     return Contender("picows", "raw picows", [*argv, *extra], "/")
 
 
@@ -272,7 +262,7 @@ class Cell:
         return sum(sum(r["summary"]["errors"].values()) for r in self.runs if "summary" in r)
 
 
-def _pair(seedance_cell: Cell, raw_cell: Cell, *path: str) -> tuple[float, float]:
+def pair(seedance_cell: Cell, raw_cell: Cell, *path: str) -> tuple[float, float]:
     """The same figure for Seedance and the raw server."""
     return seedance_cell.median(*path), raw_cell.median(*path)
 
@@ -345,307 +335,6 @@ class Report:
                     self.client_costs.append((summary["chunks"], client["cpu_s"], share))
         return cells
 
-    # ---- suite 1
-    def token_path(self) -> None:
-        rate = TOKEN_PATH_RATE
-        contenders = [
-            seedance("Seedance", "seedance", "--synthetic-tokens-per-s", str(rate)),
-            raw("--tokens-per-s", str(rate)),
-        ]
-        loads = token_path_loads(self.quick)
-        with servers(contenders) as running:
-            cells = self.alternate(running, loads, "1 token path")
-        rows = []
-        ok_all = True
-        for load, _ in loads:
-            sd, rw = cells[(load, "seedance")], cells[(load, "raw")]
-            t50 = _pair(sd, rw, "summary", "ttft", "p50_ms")
-            t99 = _pair(sd, rw, "summary", "ttft", "p99_ms")
-            tps = _pair(sd, rw, "summary", "output_tokens_per_s")
-            ok = t50[0] <= 1.2 * t50[1] and t99[0] <= 1.2 * t99[1] and tps[0] >= tps[1] * 0.99
-            ok_all &= ok
-            rows.append(
-                f"| {load} | {fmt(t50[0])} / {fmt(t50[1])} ({ratio(*t50)}) "
-                f"| {fmt(t99[0])} / {fmt(t99[1])} ({ratio(*t99)}) "
-                f"| {fmt(tps[0])} / {fmt(tps[1])} ({ratio(*tps)}) "
-                f"| {fmt(sd.median('summary', 'itl', 'p99_ms'))} / {fmt(rw.median('summary', 'itl', 'p99_ms'))} "
-                f"| {sd.errors()} / {rw.errors()} | {'yes' if ok else 'no'} |"
-            )
-        self.goals.append(
-            (
-                "1. Token path overhead: TTFT p50, p99 within 1.2x, tokens/s at least equal",
-                "",
-                ok_all,
-            )
-        )
-        self.sections.append(
-            "\n".join(
-                [
-                    "## 1. Token path overhead",
-                    "",
-                    f"The synthetic engine paced at {rate} tokens/s per stream (a typical model speed), "
-                    "16-token replies, closed loop, one reused connection per stream; the streams start "
-                    "spread over one second (`--ramp-up 1`) so that they do not tick in lockstep, and the "
-                    "first request of each is warm-up. At 1,000 streams both servers are CPU-bound "
-                    f"({rate * 1000:,} tokens/s asked for): TTFT is then mostly time spent waiting for the "
-                    "event loop, and output tokens/s (of the replies completed in the run) is what counts. "
-                    "Each cell: **Seedance / raw websockets (ratio)**. "
-                    "Goal: TTFT p50 and p99 within 1.2x of the raw server's, output tokens/s at least equal: "
-                    + verdict(ok_all)
-                    + ".",
-                    "",
-                    "| load | TTFT p50 ms | TTFT p99 ms | output tokens/s | ITL p99 ms | errors | goal |",
-                    "|---|---|---|---|---|---|---|",
-                    *rows,
-                    "",
-                    _commands(contenders, loads),
-                ]
-            )
-        )
-
-    # ---- suite 2
-    def fan_out(self) -> None:
-        contenders = [
-            seedance("Seedance, merging on (5 ms)", "merge"),
-            seedance("Seedance, merging off", "nomerge", "--merge-window-ms", "0"),
-            raw(),
-            raw_picows(),
-        ]
-        loads = fan_out_loads(self.quick)
-        with servers(contenders) as running:
-            cells = self.alternate(running, loads, "2 fan-out")
-        rows = []
-        chart: dict[str, list[float]] = {c.key: [] for c in contenders}
-        goal_ok = False
-        for load, _ in loads:
-            base = cells[(load, "raw")].median("summary", "delivered_tokens_per_s")
-            base_ttft = cells[(load, "raw")].median("summary", "ttft", "p99_ms")
-            for c in contenders:
-                cell = cells[(load, c.key)]
-                tps = cell.median("summary", "delivered_tokens_per_s")
-                chart[c.key].append(tps)
-                per_chunk = cell.median("summary", "output_tokens") / max(
-                    cell.median("summary", "chunks"), 1
-                )
-                alone = sum(r["summary"]["first_chunk_alone"] for r in cell.runs)
-                completed = sum(r["summary"]["completed"] for r in cell.runs)
-                ttft99 = cell.median("summary", "ttft", "p99_ms")
-                rows.append(
-                    f"| {load} | {c.label} | {fmt(tps)} | {ratio(tps, base)} | {fmt(per_chunk)} "
-                    f"| {alone:,} of {completed:,} "
-                    f"| {fmt(cell.median('summary', 'ttft', 'p50_ms'))} | {fmt(ttft99)} ({ratio(ttft99, base_ttft)}) "
-                    f"| {cell.errors()} |"
-                )
-                if load.startswith("1000") and c.key == "merge":
-                    goal_ok = tps >= 3 * base and alone == completed
-        self.goals.append(
-            (
-                "2. Fan-out: merging on, 1,000 streams, at least 3x the raw server's tokens/s, first token never merged",
-                "",
-                goal_ok,
-            )
-        )
-        self.stack = {
-            (load, c.key): cells[(load, c.key)].median("summary", "delivered_tokens_per_s")
-            for load, _ in loads
-            for c in contenders
-        }
-        self.images.mkdir(parents=True, exist_ok=True)
-        (self.images / "fan-out.svg").write_text(
-            bar_chart(
-                "Delivered tokens/s, unlimited token rate (higher is better)",
-                [load for load, _ in loads],
-                [(c.label, chart[c.key]) for c in contenders],
-                unit="tokens/s",
-            )
-        )
-        self.sections.append(
-            "\n".join(
-                [
-                    "## 2. Fan-out ceiling",
-                    "",
-                    "The synthetic engine with no delay at all, 128-token replies, no warm-up (delivered "
-                    "tokens/s counts every token received, from the first request sent to the last token): every server is CPU-bound, "
-                    "and what it delivers is its ceiling. Goal: with merging on, at least 3x the raw server's "
-                    "tokens/s at 1,000 streams, and the first token never delayed by merging (it always "
-                    "travels alone in its frame, written as soon as the engine yields it; the TTFT columns "
-                    "show the time spent waiting for a saturated event loop, with the ratio to the raw "
-                    "server's p99): " + verdict(goal_ok) + ".",
-                    "",
-                    "![delivered tokens/s](bench/fan-out.svg)",
-                    "",
-                    "| load | server | delivered tokens/s | vs raw | tokens per frame | first frame alone | TTFT p50 ms | TTFT p99 ms | errors |",
-                    "|---|---|---|---|---|---|---|---|---|",
-                    *rows,
-                    "",
-                    _commands(contenders, loads),
-                ]
-            )
-        )
-
-    # ---- suite 3
-    def idle(self) -> None:
-        big = 2000 if self.quick else 10_000
-        hold = "10" if self.quick else "30"
-        # The many connections heartbeat every 10 s (more often than the protocol's default
-        # 25 s); the 10-connection baseline pings often enough to give a p99 of its own.
-        intervals = {10: "0.2", big: "10"}
-        contenders = [seedance("Seedance", "seedance"), raw()]
-        sizes = (10, big)
-        results: dict[tuple[int, str], list[dict[str, Any]]] = {}
-        total = self.rounds * len(sizes) * len(contenders)
-        done = 0
-        for _ in range(self.rounds):
-            for n in sizes:
-                for c in contenders:
-                    done += 1
-                    self.log(f"[3 idle] {done}/{total}: {c.label}, {n} connections")
-                    server = Server(c)
-                    try:
-                        run_bench(
-                            server.url,
-                            ["-c", "1", "-n", "20", "--warmup", "5", "--max-tokens", "8"],
-                        )
-                        time.sleep(0.5)
-                        base = server.rss_bytes()
-                        args = [
-                            "--idle-connections",
-                            str(n),
-                            "-d",
-                            hold,
-                            "--ping-interval",
-                            intervals[n],
-                        ]
-                        result = run_bench(server.url, args, watch=server)
-                        result["base_rss"] = base
-                        results.setdefault((n, c.key), []).append(result)
-                    finally:
-                        server.stop()
-
-        def per_conn(n: int, key: str) -> float:
-            return float(
-                statistics.median((r["peak_rss"] - r["base_rss"]) / n for r in results[(n, key)])
-            )
-
-        def p99(n: int, key: str) -> float:
-            values = [r["heartbeat"]["p99_ms"] or float("nan") for r in results[(n, key)]]
-            return float(statistics.median(values))
-
-        def failures(n: int, key: str) -> int:
-            return sum(r["failures"] for r in results[(n, key)])
-
-        mem_sd, mem_raw = per_conn(big, "seedance"), per_conn(big, "raw")
-        p_small, p_big = p99(10, "seedance"), p99(big, "seedance")
-        ok_mem = mem_sd <= 1.5 * mem_raw
-        ok_p99 = p_big <= 2 * p_small
-        self.goals.append(
-            (f"3. Idle: memory per connection within 1.5x of raw ({big:,} connections)", "", ok_mem)
-        )
-        self.goals.append(
-            (
-                f"3. Idle: heartbeat p99 with {big:,} connections within 2x of the p99 with 10",
-                "",
-                ok_p99,
-            )
-        )
-        rows = []
-        for c in contenders:
-            rows.append(
-                f"| {c.label} | {fmt(per_conn(big, c.key) / 1024, 1)} KiB | {fmt(p99(10, c.key), 3)} "
-                f"| {fmt(p99(big, c.key), 3)} | {ratio(p99(big, c.key), p99(10, c.key))} "
-                f"| {failures(10, c.key) + failures(big, c.key)} |"
-            )
-        self.sections.append(
-            "\n".join(
-                [
-                    "## 3. Idle connections",
-                    "",
-                    f"{big:,} open connections (each a session on Seedance) held for {hold} s, each sending a "
-                    f"heartbeat ping every {intervals[big]} s ({big // int(intervals[big]):,} pings/s in all), "
-                    f"against 10 connections pinging every {intervals[10]} s; the server also sends its own "
-                    "heartbeats. Memory is the server's resident set at its peak minus the same server's after "
-                    "a short warm-up, divided by the connections. "
-                    f"Goals: memory per connection no more than 1.5x the raw library's ({verdict(ok_mem)}), and "
-                    f"heartbeat round-trip p99 with {big:,} connections within 2x of the p99 with 10 "
-                    f"({verdict(ok_p99)}).",
-                    "",
-                    f"| server | memory per connection | heartbeat p99 ms, 10 conns | p99 ms, {big:,} conns | ratio | failures |",
-                    "|---|---|---|---|---|---|",
-                    *rows,
-                    "",
-                    "```",
-                    *(c.display() for c in contenders),
-                    shlex.join(
-                        [
-                            "seedance",
-                            "bench",
-                            "URL",
-                            "--idle-connections",
-                            "N",
-                            "-d",
-                            hold,
-                            "--ping-interval",
-                            "S",
-                        ]
-                    ),
-                    "```",
-                ]
-            )
-        )
-
-    # ---- suite 4
-    def design_table(self) -> None:
-        duration = "3" if self.quick else "6"
-        contenders = [seedance("Seedance", "seedance"), raw()]
-        loads = [
-            (
-                f"{n} clients",
-                ["-c", str(n), "-d", duration, "--max-tokens", "16", "--prompt-tokens", "32"],
-            )
-            for n in (50, 500)
-        ]
-        claims = {"50 clients": (218, 142), "500 clients": (1943, 287)}
-        with servers(contenders) as running:
-            cells = self.alternate(running, loads, "4 design table")
-        rows = []
-        ok_all = True
-        for load, _ in loads:
-            sd, rw = cells[(load, "seedance")], cells[(load, "raw")]
-            rps = _pair(sd, rw, "summary", "requests_per_s")
-            p99 = _pair(sd, rw, "summary", "e2el", "p99_ms")
-            ok = rps[0] >= 0.8 * rps[1] and p99[0] <= 1.25 * p99[1]
-            ok_all &= ok
-            claim = claims[load]
-            rows.append(
-                f"| {load} | {fmt(rps[0])} | {fmt(p99[0])} | {fmt(rps[1])} | {fmt(p99[1])} "
-                f"| {ratio(*rps)} | {ratio(*p99)} | {claim[0]:,} / {claim[1]} | {'yes' if ok else 'no'} |"
-            )
-        self.goals.append(
-            (
-                "4. Design table: at least 0.8x the raw server's req/s, p99 within 1.25x (50 and 500 clients)",
-                "",
-                ok_all,
-            )
-        )
-        self.sections.append(
-            "\n".join(
-                [
-                    "## 4. The design document's table",
-                    "",
-                    "50 and 500 concurrent clients, 16-token replies, the synthetic engine without delays; "
-                    "latency is the whole reply (E2EL). The design document claimed the figures in the "
-                    "*design* column (req/s / p99 ms). Goal: at least 0.8x the raw server's requests/s with "
-                    "p99 within 1.25x of its p99: " + verdict(ok_all) + ".",
-                    "",
-                    "| load | Seedance req/s | Seedance p99 ms | raw req/s | raw p99 ms | req/s ratio | p99 ratio | design | goal |",
-                    "|---|---|---|---|---|---|---|---|---|",
-                    *rows,
-                    "",
-                    _commands(contenders, loads),
-                ]
-            )
-        )
-
     def _stack_section(self) -> list[str]:
         if not self.stack:
             return []
@@ -679,7 +368,7 @@ class Report:
         lines = [
             "# Benchmarks",
             "",
-            "Generated by `make bench` (`python -m seedance.bench.suites`); do not edit by hand. "
+            "Generated by `make bench` (`python -m benchmarks.suites`); do not edit by hand. "
             "Servers run pinned to core 0 and the load generator (`seedance bench`) to core 1; "
             "the contenders take turns (A B A B ...) and each figure is the median of "
             f"{self.rounds} rounds. Absolute figures depend on the machine; the ratios are what count. "
@@ -727,7 +416,7 @@ def _stack_rows(stack: dict[tuple[str, str], float]) -> list[str]:
     return rows
 
 
-def _commands(contenders: Sequence[Contender], loads: Sequence[Load]) -> str:
+def commands(contenders: Sequence[Contender], loads: Sequence[Load]) -> str:
     lines = ["Commands (PORT and URL filled in by the runner):", "", "```"]
     lines += [c.display() for c in contenders]
     lines += [command_line(args) for _, args in loads]
@@ -781,62 +470,6 @@ def machine_lines() -> list[str]:
         kib = int(Path("/proc/meminfo").read_text().split()[1])
         mem = f", {kib / 1024 / 1024:.0f} GiB"
     return [
-        f"- machine: {cpu_name}, {_cores()} cores{mem}; {platform.system()} {platform.release()}",
+        f"- machine: {cpu_name}, {cores()} cores{mem}; {platform.system()} {platform.release()}",
         f"- Python {platform.python_version()}; " + ", ".join(versions),
     ]
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="shorter runs, 2,000 idle connections")
-    parser.add_argument("--rounds", type=int, default=2, help="rounds per contender (default 2)")
-    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks.md"))
-    parser.add_argument(
-        "--suites",
-        default="1,2,3,4,5,6,7,8,9,10,11,12,13,14,15",
-        help="which suites to run (default all: 1-15)",
-    )
-    args = parser.parse_args(argv)
-    if _cores() < 2:
-        print("note: fewer than 2 cores; server and load generator share them", file=sys.stderr)
-    from seedance.bench.browser_suite import browser_suite
-    from seedance.bench.cluster_suite import cluster_suite
-    from seedance.bench.confidential_suite import confidential_suite
-    from seedance.bench.gateway_suite import gateway_suite
-    from seedance.bench.http_suite import http_suite
-    from seedance.bench.llama_suite import llama_suite
-    from seedance.bench.observability_suite import observability_suite
-    from seedance.bench.openai_suite import openai_suite
-    from seedance.bench.qos_suite import qos_suite
-    from seedance.bench.reload_suite import reload_suite
-    from seedance.bench.resume_suite import resume_suite
-
-    report = Report(args.quick, args.rounds, args.out)
-    started = time.time()
-    chosen = {s.strip() for s in args.suites.split(",")}
-    suites: dict[str, Callable[[], None]] = {
-        "1": report.token_path,
-        "2": report.fan_out,
-        "3": report.idle,
-        "4": report.design_table,
-        "5": functools.partial(llama_suite, report),
-        "6": functools.partial(http_suite, report),
-        "7": functools.partial(gateway_suite, report),
-        "8": functools.partial(observability_suite, report),
-        "9": functools.partial(resume_suite, report),
-        "10": functools.partial(cluster_suite, report),
-        "11": functools.partial(qos_suite, report),
-        "12": functools.partial(browser_suite, report),
-        "13": functools.partial(openai_suite, report),
-        "14": functools.partial(reload_suite, report),
-        "15": functools.partial(confidential_suite, report),
-    }
-    for key in sorted(chosen, key=int):
-        suites[key]()
-    report.write(started)
-    print(f"wrote {args.out}", file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

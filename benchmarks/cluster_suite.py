@@ -30,13 +30,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from seedance.bench.suites import (
+from benchmarks.harness import (
     CLIENT_CORE,
     Contender,
     Server,
     fan_out_loads,
     fmt,
-    free_port,
     pin_to,
     ratio,
     run_bench,
@@ -52,9 +51,10 @@ from seedance.cluster.local import (
     redis_command,
     wait_until,
 )
+from seedance.netutil import free_port
 
 if TYPE_CHECKING:
-    from seedance.bench.suites import Report
+    from benchmarks.harness import Report
 
 LEASE_S = 2.0
 RESUME_RATE = "200"  # tokens/s of the replies that are dropped and resumed

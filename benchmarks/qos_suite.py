@@ -17,7 +17,7 @@ they share the machine's noise second by second and meet the same incidents (tur
 other suites, would double the run: an incident period is long). Each client runs ``rounds``
 periods back to back; figures are over every request of them.
 
-A client is one process (``python -m seedance.bench.qos_suite``) on the client core, with
+A client is one process (``python -m benchmarks.qos_suite``) on the client core, with
 ``CONCURRENCY`` workers: A's each hold a session (a session runs one request at a time); B's
 share one ResilientClient (one set of breakers, one retry budget, one cache, one health score:
 one service), which takes an idle session per call or opens another.
@@ -40,8 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from seedance.bench.metrics import percentile
-from seedance.bench.suites import (
+from benchmarks.harness import (
     CLIENT_CORE,
     Contender,
     cpu,
@@ -51,9 +50,10 @@ from seedance.bench.suites import (
     servers,
     verdict,
 )
+from seedance.bench.metrics import percentile
 
 if TYPE_CHECKING:
-    from seedance.bench.suites import Report
+    from benchmarks.harness import Report
 
 #: The design document's table: p99 latency ms, error rate %, fallback rate %.
 DESIGN = {"a": (312, 4.8, 0.0), "b": (186, 1.2, 3.7)}
@@ -539,7 +539,7 @@ def _section(
             "",
             "```",
             *(c.display().replace(incident_at, f"START+{at}") for c in contenders),
-            "python -m seedance.bench.qos_suite PLAN_JSON   # one per group, at once",
+            "python -m benchmarks.qos_suite PLAN_JSON   # one per group, at once",
             "# START: the Unix time of the first request",
             "```",
             "",

@@ -3,7 +3,7 @@
 ``POST /v1/traces`` decodes the exporter's ``ExportTraceServiceRequest`` (as a collector must)
 and answers as a collector does; ``GET /count`` returns the spans received so far.
 
-    python -m seedance.bench.peers.otlp_sink --port 4318
+    python -m benchmarks.peers.otlp_sink --port 4318
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Suite 7 of ``make bench``: Seedance in gateway mode against LiteLLM's proxy and against no
 gateway at all, all in front of the same fast synthetic OpenAI upstream.
 
-The upstream (``seedance.bench.peers.openai_sse``, no model time) and the load generator share
+The upstream (``benchmarks.peers.openai_sse``, no model time) and the load generator share
 the client core; the gateway under test has the server core to itself. Two loads: one user
 sending request after request (the TTFT a gateway adds: its p50 minus the direct p50) and 32
 users at once (the most requests a second the gateway passes on). LiteLLM runs from its own
@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from seedance.bench.suites import (
+from benchmarks.harness import (
     CLIENT_CORE,
     Cell,
     Contender,
@@ -30,7 +30,7 @@ from seedance.bench.suites import (
 )
 
 if TYPE_CHECKING:
-    from seedance.bench.suites import Report
+    from benchmarks.harness import Report
 
 #: Where ``make bench`` installs LiteLLM (override with ``LITELLM=/path/to/litellm``).
 LITELLM_DEFAULT = ".venv-litellm/bin/litellm"
@@ -58,7 +58,7 @@ def litellm_version(exe: Path) -> str:
 
 
 def _upstream() -> Contender:
-    argv = [sys.executable, "-m", "seedance.bench.peers.openai_sse", "--port", "{port}"]
+    argv = [sys.executable, "-m", "benchmarks.peers.openai_sse", "--port", "{port}"]
     return Contender("upstream", "synthetic upstream", argv, "/v1", core=CLIENT_CORE)
 
 
@@ -201,7 +201,7 @@ def _write(
         "Commands (PORT, URL and UPSTREAM filled in by the runner):",
         "",
         "```",
-        "python -m seedance.bench.peers.openai_sse --port PORT",
+        "python -m benchmarks.peers.openai_sse --port PORT",
         *(g.display() for g in gateways),
         *(command_line([*args, "--model", MODEL]) for args in loads.values()),
         "```",

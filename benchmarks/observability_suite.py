@@ -17,7 +17,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from seedance.bench.suites import (
+from benchmarks.harness import (
     CLIENT_CORE,
     Cell,
     Contender,
@@ -32,14 +32,14 @@ from seedance.bench.suites import (
 )
 
 if TYPE_CHECKING:
-    from seedance.bench.suites import Report
+    from benchmarks.harness import Report
 
 SCRAPES = 60
 SAMPLE_10 = {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.1"}
 
 
 def _sink() -> Contender:
-    argv = [sys.executable, "-m", "seedance.bench.peers.otlp_sink", "--port", "{port}"]
+    argv = [sys.executable, "-m", "benchmarks.peers.otlp_sink", "--port", "{port}"]
     return Contender("sink", "OTLP collector", argv, "/", core=CLIENT_CORE)
 
 

@@ -6,7 +6,7 @@ build (``LLAMA_CMAKE_ARGS``, which the Makefile also gives to llama-cpp-python's
 cached per version and flags under the Seedance cache folder (about 5 minutes on 2 cores the
 first time, nothing after).
 
-    python -m seedance.bench.llama_server      # builds if needed; prints the binary's path
+    python -m benchmarks.llama_server      # builds if needed; prints the binary's path
 """
 
 from __future__ import annotations

@@ -37,10 +37,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from seedance.bench.suites import (
+from benchmarks.harness import (
     Cell,
     Contender,
-    _cores,
+    cores,
     fmt,
     machine_lines,
     ratio,
@@ -50,7 +50,7 @@ from seedance.bench.suites import (
 )
 
 if TYPE_CHECKING:
-    from seedance.bench.suites import Report, Server
+    from benchmarks.harness import Report, Server
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,7 +138,7 @@ def _server(files: Files, key: str, label: str, tls: bool, *extra: str, model: b
     exe = str(Path(sys.executable).with_name("seedance"))
     argv = [exe, "serve", "--port", "{port}", "--log-level", "warning"]
     if model:
-        argv += ["--threads", str(_cores())]
+        argv += ["--threads", str(cores())]
     else:
         argv += ["--engine", "synthetic", "--max-connections", "20000", "--max-waiting", "20000"]
     argv += ["--e2e-key", str(files.identity)]

@@ -2,7 +2,7 @@
 ``/v1/chat/completions`` (streaming with SSE, or not). A target for ``seedance bench --openai``
 in tests, and a fast upstream for gateway benchmarks.
 
-    python -m seedance.bench.peers.openai_sse --port 9002 [--tokens-per-s R] [--ttft-ms T]
+    python -m benchmarks.peers.openai_sse --port 9002 [--tokens-per-s R] [--ttft-ms T]
 """
 
 from __future__ import annotations
