@@ -69,8 +69,8 @@ def smollm() -> Iterator[RunningServer]:
 def server_process() -> Iterator[Callable[..., ServerProcess]]:
     procs: list[ServerProcess] = []
 
-    def factory(*args: str, env: dict[str, str] | None = None) -> ServerProcess:
-        proc = ServerProcess(*args, env=env)
+    def factory(*args: str, env: dict[str, str] | None = None, **kwargs: Any) -> ServerProcess:
+        proc = ServerProcess(*args, env=env, **kwargs)
         procs.append(proc)
         return proc
 

@@ -114,8 +114,9 @@ async def test_a_trusted_proxy_is_held_to_the_total_cap_only(make_server: Any) -
     idle = [await _open(server.port) for _ in range(5)]  # a balancer's many clients
     await eventually(lambda: server.handshakes.total == 5)
     reader, writer = await _open(server.port)
-    status, _ = await _answer(reader)
-    assert status == 503  # the total cap still holds
+    status, _ = await _answer(idle[0][0])  # the total cap still holds: the oldest goes
+    assert status == 503
+    assert server.handshakes.total == 5
     for _, w in [*idle, (reader, writer)]:
         w.close()
     await eventually(lambda: server.handshakes.total == 0)
@@ -138,14 +139,22 @@ async def test_the_client_address_comes_from_a_trusted_proxys_forwarded_header(
 
 
 @pytest.mark.slow
-async def test_connections_still_sending_headers_are_capped_in_all(make_server: Any) -> None:
+async def test_connections_still_sending_headers_are_capped_in_all_the_oldest_going(
+    make_server: Any,
+) -> None:
+    """At the cap in all, the oldest connection still sending headers is answered 503 and
+    closed, and the new one is let in: a real client, which sends its headers at once, is
+    never locked out by silent ones."""
     server: RunningServer = make_server(max_handshakes=2)
     idle = [await _open(server.port) for _ in range(2)]
     await eventually(lambda: server.handshakes.total == 2)
-    reader, writer = await _open(server.port)
-    status, _ = await _answer(reader)
-    assert status == 503
-    for _, w in [*idle, (reader, writer)]:
+    ws, hello = await open_session(server.url)  # a third: the oldest silent one goes
+    async with ws:
+        assert hello["type"] == "session"
+    status, body = await _answer(idle[0][0])
+    assert status == 503 and body["error"]["code"] == "overloaded"
+    assert not idle[1][1].is_closing() and server.handshakes.total == 1
+    for _, w in idle:
         w.close()
 
 

@@ -52,7 +52,7 @@ WS_METHODS = {
     "send": ["message"],
 }
 #: H11Protocol's, for handshake.py.
-HTTP_ATTRIBUTES = ["app", "transport", "client", "conn"]
+HTTP_ATTRIBUTES = ["app", "transport", "client", "conn", "connections"]
 HTTP_METHODS = {
     "connection_made": ["transport"],
     "connection_lost": ["exc"],

@@ -201,8 +201,9 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         config = load_config(vars(args), os.environ)
         configure_logging(config)
-        from seedance.server.runner import build_server
+        from seedance.server.runner import build_server, raise_descriptors
 
+        raise_descriptors()
         server = build_server(config)
     except ConfigError as exc:
         print(f"seedance serve: error: {exc.message}", file=sys.stderr)

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -134,7 +134,13 @@ def slow_engine(tokens_per_s: float = 50.0, ttft_ms: float = 0.0, **kwargs: Any)
 class ServerProcess:
     """``seedance serve`` in a subprocess (for signals and the CLI)."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        *args: str,
+        env: dict[str, str] | None = None,
+        preexec: Callable[[], None] | None = None,
+    ) -> None:
+        """``preexec`` runs in the child before it starts (a lower resource limit, say)."""
         self.proc = subprocess.Popen(
             [SEEDANCE, "serve", "--port", "0", *args],
             stdout=subprocess.PIPE,
@@ -142,6 +148,7 @@ class ServerProcess:
             text=True,
             # The synthetic engine unless a test names another (the default loads a model).
             env={**os.environ, "SEEDANCE_ENGINE": "synthetic", **(env or {})},
+            preexec_fn=preexec,
         )
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)

@@ -30,7 +30,13 @@ from starlette.applications import Starlette
 from seedance import __version__
 from seedance.config import ServerConfig
 from seedance.server.app import create_app
-from seedance.server.handshake import HandshakeLimits, http_protocol
+from seedance.server.handshake import (
+    HandshakeLimits,
+    descriptor_limit,
+    http_protocol,
+    raise_descriptor_limit,
+    sized_for,
+)
 from seedance.server.state import ServerState
 from seedance.server.tls import ServerTls
 from seedance.server.uvicorn_ws import websocket_protocol
@@ -189,12 +195,15 @@ def build_server(config: ServerConfig, app: Starlette | None = None) -> Seedance
         host=config.host,
         port=config.port,
         http=http_protocol(
-            HandshakeLimits(
-                timeout_s=config.handshake.timeout_s,
-                max_total=config.handshake.max_total,
-                max_per_address=config.handshake.max_per_address,
-                max_header_bytes=config.handshake.max_header_bytes,
-                trusted_proxies=config.trusted_proxies,
+            sized_for(
+                HandshakeLimits(
+                    timeout_s=config.handshake.timeout_s,
+                    max_total=config.handshake.max_total,
+                    max_per_address=config.handshake.max_per_address,
+                    max_header_bytes=config.handshake.max_header_bytes,
+                    trusted_proxies=config.trusted_proxies,
+                ),
+                descriptor_limit(),  # the caps leave descriptors for established connections
             )
         ),
         # The client's address from X-Forwarded-For, when the connection comes from one of
@@ -216,6 +225,15 @@ def build_server(config: ServerConfig, app: Starlette | None = None) -> Seedance
     return SeedanceServer(uv_config, state, tls)
 
 
+def raise_descriptors() -> None:
+    """A serving process's first step: its soft descriptor limit up to its hard one (logged),
+    so that the caps sized from it (:func:`~seedance.server.handshake.sized_for`) are wide."""
+    raised = raise_descriptor_limit()
+    if raised is not None:
+        logger.info("file descriptors: soft limit raised from %d to %d", *raised)
+
+
 def serve(config: ServerConfig) -> None:
-    """Serve until a signal stops the server."""
+    """Serve until a signal stops the server (the descriptor limit raised first)."""
+    raise_descriptors()
     build_server(config).run()
