@@ -7,7 +7,7 @@ PORT   ?= 8000
 LITELLM_VENV    ?= .venv-litellm
 LITELLM_VERSION ?= 1.108.7
 
-.PHONY: serve cluster test test-fast bench bench-compare soak gpu-smoke lint clean
+.PHONY: serve cluster test test-bench test-fast bench bench-compare soak gpu-smoke lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -58,8 +58,16 @@ serve: $(VENV)/.installed-base
 cluster: $(VENV)/.installed-base
 	$(BIN)/seedance cluster --nodes 3 --port $(PORT) -- $(SERVE_ARGS)
 
+# The whole suite but the quick bench suites, over TEST_WORKERS processes (pytest-xdist); what
+# it skipped for want of a program, and the command that installs them, close its report.
+TEST_WORKERS ?= 2
 test: $(VENV)/.installed-test
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) -m "not bench" $(PYTEST_ARGS)
+
+# The quick runs of make bench's suites and the load generator's tests, one at a time (they pin
+# servers and clients to cores of their own). CI runs both targets.
+test-bench: $(VENV)/.installed-test
+	$(BIN)/python -m pytest -m bench $(PYTEST_ARGS)
 
 # The logic without models, processes, long waits or benchmarks (markers in pyproject.toml).
 test-fast: $(VENV)/.installed-test

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -85,3 +86,28 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "server_process" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.subprocess)
+
+
+#: How a test says it was skipped for want of a program (tests/support/tools.py).
+_MISSING = re.compile(r"\(Debian package ([\w.+-]+);")
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Say what was skipped for want of a program, and the one command that installs them
+    all (a fresh machine has only Python: ``.ci/run`` installs the rest as root)."""
+    packages: dict[str, int] = {}
+    for report in terminalreporter.stats.get("skipped", []):
+        reason = str(report.longrepr[-1]) if isinstance(report.longrepr, tuple) else ""
+        found = _MISSING.search(reason)
+        if found:
+            packages[found.group(1)] = packages.get(found.group(1), 0) + 1
+    if not packages:
+        return
+    skipped = sum(packages.values())
+    names = " ".join(sorted(packages))
+    write = terminalreporter.write_line
+    terminalreporter.section("skipped for want of a program", sep="-")
+    for package, count in sorted(packages.items()):
+        write(f"  {count:3d} test(s): Debian package {package} is not installed")
+    write(f"  {skipped} test(s) in all; to run them: sudo apt-get install {names}")
+    write("  (or run .ci/run as root: it installs every package the tests need, then make test)")
