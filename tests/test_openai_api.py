@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 import openai
@@ -206,3 +208,47 @@ async def test_unknown_paths_and_methods_get_openai_shaped_errors(server: Runnin
     assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
     assert wrong.json()["error"]["type"] == "invalid_request_error"
     assert "allowed: POST" in wrong.json()["error"]["message"]
+
+
+async def test_a_revoked_key_ends_its_streaming_http_reply_with_unauthorized(
+    tmp_path: Path, make_server: Callable[..., RunningServer]
+) -> None:
+    """An HTTP call is a peer like a socket: a key revoked mid-stream ends its reply with an
+    ``unauthorized`` error event and ``[DONE]``; another tenant's stream goes on."""
+    from seedance.config_loader import load_access
+    from seedance.tenants.keys import add_key
+
+    path = tmp_path / "seedance.toml"
+    admin = add_key(path, "ops", role="admin").key
+    acme, other = add_key(path, "acme"), add_key(path, "globex").key
+    server = make_server(
+        [slow_engine(tokens_per_s=20)], config_file=str(path), access=load_access(path)
+    )
+    body = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 60, "stream": True}
+
+    async def stream(client: httpx.AsyncClient, key: str, started: asyncio.Event) -> list[str]:
+        events = []
+        headers = {"Authorization": f"Bearer {key}"}
+        async with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    started.set()
+        return events
+
+    async with httpx.AsyncClient(base_url=server.http_url, timeout=30) as client:
+        mine, theirs = asyncio.Event(), asyncio.Event()
+        revoked_stream = asyncio.create_task(stream(client, acme.key, mine))
+        bystander = asyncio.create_task(stream(client, other, theirs))
+        await mine.wait()
+        await theirs.wait()
+        reply = await client.post(
+            f"/admin/keys/{acme.id}/revoke", headers={"Authorization": f"Bearer {admin}"}
+        )
+        assert reply.status_code == 200
+        events = await asyncio.wait_for(revoked_stream, 10)
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == "unauthorized" and "revoked" in error["message"]
+        whole = await asyncio.wait_for(bystander, 10)
+    assert whole[-1] == "[DONE]" and '"finish_reason":"length"' in whole[-2].replace(" ", "")
