@@ -13,11 +13,14 @@ import pytest
 
 from seedance.engines.base import Engine
 from seedance.observability.tracing import Tracing
-from tests.support.servers import RunningServer, ServerProcess, server_config
+from tests.support.servers import THREADS, RunningServer, ServerProcess, server_config
 
 # The llamacpp engine caches its CPU probe's decision (--repack auto) here, not in the user's
 # cache; servers started by the tests, in process or not, share it.
 os.environ.setdefault("SEEDANCE_CACHE_DIR", tempfile.mkdtemp(prefix="seedance-tests-"))
+# ``seedance serve`` subprocesses use this test process's share of the cores, as in-process
+# servers do (tests/support/servers.py: THREADS).
+os.environ["SEEDANCE_THREADS"] = str(THREADS)
 
 
 @pytest.fixture
@@ -59,9 +62,7 @@ def transformers_server() -> Iterator[RunningServer]:
 @pytest.fixture(scope="module")
 def smollm() -> Iterator[RunningServer]:
     """The embedded model on llama.cpp, two sequences of 2,048 tokens, for a module's tests."""
-    server = RunningServer(
-        server_config(engine="llamacpp", parallel=2, n_ctx=4096, threads=2), None
-    ).start()
+    server = RunningServer(server_config(engine="llamacpp", parallel=2, n_ctx=4096), None).start()
     yield server
     server.stop()
 

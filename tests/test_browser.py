@@ -360,7 +360,7 @@ async def test_render_windows_follow_the_round_trip(
 
 @pytest.mark.model
 async def test_the_playground_chats_with_the_embedded_model(browser: Browser) -> None:
-    config = server_config(engine="llamacpp", parallel=1, n_ctx=2048, threads=2)
+    config = server_config(engine="llamacpp", parallel=1, n_ctx=2048)
     server = RunningServer(config, None).start()
     try:
         async with tab(browser, f"{server.http_url}/") as page:

@@ -50,7 +50,7 @@ def _config(kind: str) -> ServerConfig:
     if kind == "synthetic":
         return server_config(**SYNTHETIC)
     if kind == "llamacpp":
-        return server_config(engine="llamacpp", parallel=4, n_ctx=4 * 1024, threads=2)
+        return server_config(engine="llamacpp", parallel=4, n_ctx=4 * 1024)
     if kind == "vllm":
         model = os.environ["SEEDANCE_VLLM_MODEL"]
         return server_config(engine="vllm", model_path=model, gpu_memory_utilization=0.5)

@@ -23,7 +23,7 @@ from seedance.engines.llamacpp.engine import LlamaCppEngine
 from seedance.engines.local import default_model_path
 from seedance.protocol.errors import SeedanceError
 from seedance.protocol.messages import ChatMessage, RequestId
-from tests.support.servers import RunningServer, serve_fails, server_config
+from tests.support.servers import THREADS, RunningServer, serve_fails, server_config
 from tests.support.ws import assert_contiguous, read
 
 pytestmark = pytest.mark.model
@@ -416,7 +416,7 @@ async def test_restoring_a_saved_state_into_a_full_cache_keeps_both() -> None:
         name="t",
         parallel=1,
         n_ctx=N_CTX_SEQ,
-        threads=2,
+        threads=THREADS,
     )
     await engine.start()
     try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import signal
+import subprocess
 import sys
 import urllib.error
 import urllib.request
@@ -40,7 +41,7 @@ def dies_of(sig: signal.Signals) -> list[str]:
 
 @pytest.mark.parametrize("mode", ["on", "off"])
 async def test_each_forced_layout_serves_the_model(mode: str) -> None:
-    config = server_config(engine="llamacpp", parallel=2, n_ctx=2048, threads=2, repack=mode)
+    config = server_config(engine="llamacpp", parallel=2, n_ctx=2048, repack=mode)
     server = RunningServer(config, None).start()
     try:
         engine = server.engine
@@ -102,6 +103,34 @@ def test_a_probe_that_cannot_run_at_all_refuses_to_start(tmp_path: Path) -> None
     assert not (tmp_path / "llamacpp-repack.json").exists()  # nothing cached: try next time
 
 
+_SLOW_PROBE = """
+import sys, time
+from pathlib import Path
+from seedance.engines.llamacpp.cpu import ProbeRun, resolve_repack
+from seedance.engines.local import default_model_path
+
+def slow(model, threads, repack):
+    time.sleep(0.5)  # long enough for every server to arrive while it runs
+    return ProbeRun(repack, 1.0)
+
+print(resolve_repack("auto", default_model_path(), 1, cache=Path(sys.argv[1]), prober=slow).how)
+"""
+
+
+def test_servers_started_together_probe_once(tmp_path: Path) -> None:
+    # A cluster's nodes start at once: one probes, the others wait for its decision instead
+    # of timing each other's work.
+    starts = [
+        subprocess.Popen(
+            [sys.executable, "-c", _SLOW_PROBE, str(tmp_path)], stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(3)
+    ]
+    hows = sorted(proc.communicate(timeout=60)[0].strip() for proc in starts)
+    assert hows == ["cached", "cached", "probed"]
+    assert [proc.returncode for proc in starts] == [0, 0, 0]
+
+
 # --------------------------------------------------------------------------- crashes
 
 
@@ -118,7 +147,7 @@ def crashing_server(tmp_path: Path, how: str) -> ServerProcess:
         "SEEDANCE_TEST_CRASH": how,
         "PYTHONPATH": f"{tmp_path}:{REPO}",
     }
-    return ServerProcess("--repack", "off", "--parallel", "2", "--threads", "2", env=env)
+    return ServerProcess("--repack", "off", "--parallel", "2", env=env)
 
 
 def healthz(port: int) -> tuple[int, dict[str, str]]:

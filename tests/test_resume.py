@@ -290,7 +290,7 @@ async def test_bad_resume_frames_are_refused_and_lose_nothing(make_server: Any) 
 @pytest.mark.model
 @pytest.mark.slow
 async def test_the_embedded_model_resumes_exactly(make_server: Any) -> None:
-    server: RunningServer = make_server(engine="llamacpp", parallel=2, n_ctx=4096, threads=2)
+    server: RunningServer = make_server(engine="llamacpp", parallel=2, n_ctx=4096)
     fields = {"max_tokens": 120, "temperature": 0.0, "seed": 3}
     expected = await undisturbed(server, **fields)
     ws, _ = await open_session(server.url, "session_id=model")

@@ -22,6 +22,7 @@ import uvicorn
 
 from seedance.config import OPTIONS, PLAIN_FIELDS, ServerConfig
 from seedance.engines.base import Engine
+from seedance.engines.local import machine_cores
 from seedance.engines.registry import engine_spec
 from seedance.engines.synthetic import SyntheticEngine
 from seedance.observability.tracing import Tracing
@@ -33,15 +34,25 @@ from tests.support.waits import eventually
 
 SEEDANCE = str(Path(sys.executable).with_name("seedance"))
 
+#: The CPU threads a model engine started by a test may use: this test process's share of the
+#: cores. ``make test`` runs the suite in several processes at once, and llama.cpp's threads
+#: spin at every barrier of a step: two servers each on every core make each other wait for a
+#: descheduled thread hundreds of times a token (CI saw 16 tokens not done in 120 s).
+#: conftest.py passes it to ``seedance serve`` subprocesses as ``SEEDANCE_THREADS``.
+THREADS = max(1, machine_cores() // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+
 
 def server_config(**fields: Any) -> ServerConfig:
     """A :class:`ServerConfig` from server fields and the engine's own options together:
-    ``server_config(engine="llamacpp", port=0, parallel=2)``."""
+    ``server_config(engine="llamacpp", port=0, parallel=2)``; a model engine's threads are
+    :data:`THREADS` unless given."""
     server = {opt.field for opt in OPTIONS} | set(PLAIN_FIELDS)
     options = {k: v for k, v in fields.items() if k not in server}
     settings = {k: v for k, v in fields.items() if k in server}
-    engine = settings.get("engine", ServerConfig.engine)
-    return ServerConfig.of(**settings, engine_options=engine_spec(engine).options(**options))
+    spec = engine_spec(settings.get("engine", ServerConfig.engine))
+    if any(opt.field == "threads" for opt in spec.declared):
+        options.setdefault("threads", THREADS)
+    return ServerConfig.of(**settings, engine_options=spec.options(**options))
 
 
 class RunningServer:

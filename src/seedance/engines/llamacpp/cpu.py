@@ -16,6 +16,8 @@ The child is this module: ``python -m seedance.engines.llamacpp.cpu MODEL --repa
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -25,7 +27,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Final
@@ -196,25 +198,58 @@ def resolve_repack(
     cache = cache or cache_dir()
     path = cache / "llamacpp-repack.json"
     key = cache_key(model, threads)
-    entries = _read(path)
-    entry = entries.get(key)
-    if isinstance(entry, dict) and isinstance(entry.get("repack"), bool):
-        runs = [ProbeRun(**run) for run in entry.get("runs", []) if isinstance(run, dict)]
-        on = next((r for r in runs if r.repack), None)
-        off = next((r for r in runs if not r.repack), None)
-        return Decision(entry["repack"], "cached", on, off)
-    logger.info("probing llama.cpp's weight layouts on this CPU (once per CPU, build and model)")
-    off = prober(model, threads, False)
-    on = prober(model, threads, True)
-    if not on.ok:
-        logger.warning(
-            "llama.cpp's repacked weights fail on this CPU (%s): serving without them",
-            on.failure,
+    cached = _cached(path, key)
+    if cached is not None:
+        return cached
+    with _probing_alone(cache):
+        cached = _cached(path, key)  # probed by another server while this one waited
+        if cached is not None:
+            return cached
+        logger.info(
+            "probing llama.cpp's weight layouts on this CPU (once per CPU, build and model)"
         )
-    decision = Decision(choose(on, off), "probed", on, off)
-    entries[key] = {"repack": decision.repack, "runs": [asdict(on), asdict(off)]}
-    _write(path, entries)
+        off = prober(model, threads, False)
+        on = prober(model, threads, True)
+        if not on.ok:
+            logger.warning(
+                "llama.cpp's repacked weights fail on this CPU (%s): serving without them",
+                on.failure,
+            )
+        decision = Decision(choose(on, off), "probed", on, off)
+        entries = _read(path)
+        entries[key] = {"repack": decision.repack, "runs": [asdict(on), asdict(off)]}
+        _write(path, entries)
     return decision
+
+
+def _cached(path: Path, key: str) -> Decision | None:
+    entry = _read(path).get(key)
+    if not (isinstance(entry, dict) and isinstance(entry.get("repack"), bool)):
+        return None
+    runs = [ProbeRun(**run) for run in entry.get("runs", []) if isinstance(run, dict)]
+    on = next((r for r in runs if r.repack), None)
+    off = next((r for r in runs if not r.repack), None)
+    return Decision(entry["repack"], "cached", on, off)
+
+
+@contextlib.contextmanager
+def _probing_alone(cache: Path) -> Iterator[None]:
+    """Probe while holding the cache's lock: servers started together on one machine (a
+    cluster's nodes, the test suite's processes) would otherwise time each other's work, and
+    cache what that contention measured. The lock goes with its holder, even at ``kill -9``."""
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        lock = open(cache / "llamacpp-repack.lock", "a")  # noqa: SIM115 - held below
+    except OSError:  # an unwritable cache: probe unlocked (and cache nothing, see _write)
+        yield
+        return
+    with lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("waiting for another server's probe of this CPU (%s)", lock.name)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def _read(path: Path) -> dict[str, object]:
