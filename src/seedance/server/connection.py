@@ -549,13 +549,14 @@ class Connection:
         parent: Context | None = None,
         received: float | None = None,
     ) -> Arrival:
-        """A frame of this connection, as it was read: what its span and report name."""
+        """A frame of this connection, as it was read: what its span and report name (its
+        parent: ``parent``, else the handshake's ``traceparent``, parsed once)."""
         arrival = self.services.refusals.arrive(
             "websocket",
             self.ws.scope,
             "chat",
             request_id=request_id,
-            parent=parent or self.trace_parent,
+            parent=parent if parent is not None else self.trace_parent,
             received=received,
             link=self.trace,
             path="/v2/infer",
@@ -586,9 +587,13 @@ class Connection:
         self._reading = None
         if self.state is State.STREAMING:
             self.state = State.OPEN
-        self.keepalive.stream_ended(self._loop.time())
-        if self._timer is not None:  # the idle timeout counts again, from now
-            self._timer.cancel()
+        now = self._loop.time()
+        self.keepalive.stream_ended(now)
+        # The idle timeout counts again, from now; a timer due sooner looks then, and arms the
+        # next (replacing it at every reply's end would fill the loop's heap with cancelled ones).
+        timer = self._timer
+        if timer is not None and self.keepalive.due(now, self.out.stalled_since) < timer.when():
+            timer.cancel()
             self._arm_timer()
 
     def _running(self) -> Generation | None:

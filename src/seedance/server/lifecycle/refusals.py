@@ -13,12 +13,13 @@ came through. Answered without a generation (``GET /v1/responses/{id}``, say:
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 from msgspec import UNSET
 
@@ -38,6 +39,15 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 Api = Literal["websocket", "http"]
+
+
+class _Parent(enum.Enum):
+    FROM_HEADERS = "the traceparent header of the call's scope"
+
+
+#: :meth:`Refusals.arrive`'s default parent span (a socket that parsed its handshake's header
+#: once passes what it found, None included).
+FROM_HEADERS: Final = _Parent.FROM_HEADERS
 
 
 @dataclass(slots=True)
@@ -78,15 +88,15 @@ class Refusals:
         operation: str,
         *,
         request_id: str | None = None,
-        parent: Context | None = None,
+        parent: Context | _Parent | None = FROM_HEADERS,
         received: float | None = None,
         link: ConnectionTrace | None = None,
         path: str | None = None,
     ) -> Arrival:
         """A call read now (or at ``received``): its span opens, as a child of ``parent``
-        (default: the ``traceparent`` header of ``scope``)."""
+        (default: the ``traceparent`` header of ``scope``; None: a root)."""
         received = time.monotonic() if received is None else received
-        if parent is None:
+        if parent is FROM_HEADERS:
             parent = Tracing.from_headers(scope.get("headers", ()))
         path = path if path is not None else scope.get("path", "")
 
