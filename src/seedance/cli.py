@@ -309,8 +309,14 @@ def _chat(args: argparse.Namespace) -> int:
         return 1
 
 
+#: How many times ``seedance chat`` tries to reconnect: a person at a terminal waits through a
+#: server's restart (up to about 26 s of jittered, doubling waits; the SDK's default, 6 tries,
+#: gives up after 3 s on average, less than a restart takes on a busy machine).
+CHAT_RECONNECT_ATTEMPTS = 10
+
+
 async def _chat_main(args: argparse.Namespace) -> int:
-    from seedance.client import connect
+    from seedance.client import Reconnect, connect
 
     async with connect(
         args.url,
@@ -319,6 +325,7 @@ async def _chat_main(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         ca_file=args.ca_file,
         e2e=args.e2e,
+        reconnect=Reconnect(attempts=CHAT_RECONNECT_ATTEMPTS),
     ) as session:
         if args.verbose or args.once is None:
             state = (
