@@ -333,17 +333,26 @@ async def test_render_windows_follow_the_round_trip(
                 document.body.append(container);
                 const view = new sd.TokenView(container, {maxWaitMs: 60000});
                 const generation = session.generate("x", {max_tokens: 1000});
-                for await (const chunk of generation) view.push(chunk.text, chunk.n, session.rtt);
+                let low = Infinity, high = 0;  // the round trips the windows were cut for
+                for await (const chunk of generation) {
+                    low = Math.min(low, session.rtt);
+                    high = Math.max(high, session.rtt);
+                    view.push(chunk.text, chunk.n, session.rtt);
+                }
                 await view.end();
                 view.terminate();
                 return {rtt: session.rtt, expected: sd.windowFor(session.rtt), stats: view.stats,
+                        span: [sd.windowFor(high), sd.windowFor(low)],
                         text: container.textContent === generation.text};
                 """
             )
             page.check()
-    window = result["expected"]  # for the smoothed round trip at the end; it drifts a little
+    window = result["expected"]  # for the smoothed round trip at the end
+    # Each window is the one for the round trip measured as it was cut, which drifts during the
+    # reply (more on a busy machine: a heartbeat late by the CPU reads as a longer trip).
+    smallest, largest = result["span"]
     windows = {record["window"] for record in result["stats"]}
-    assert all(abs(w - window) <= 4 for w in windows), (result["rtt"], windows)
+    assert all(smallest - 4 <= w <= largest + 4 for w in windows), (result["span"], windows)
     if isinstance(expected, int):
         assert window == expected
     else:
