@@ -373,7 +373,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "cost" in names and shutil.which("valgrind") is None:
         parser.error("the cost table needs valgrind (Debian package valgrind)")
     tables = [TABLES[name] for name in names if name in TABLES]
-    command = shlex.join(["python", "-m", "benchmarks.compare", *(argv or sys.argv[1:])])
+    command = shlex.join(
+        ["python", "-m", "benchmarks.compare", *(sys.argv[1:] if argv is None else argv)]
+    )
     ok = compare(args.revision, args.rounds, tables, args.out, "cost" in names, command)
     print(f"wrote {args.out}: {'within' if ok else 'NOT within'} 5%", file=sys.stderr)
     return 0

@@ -37,7 +37,8 @@ SEEDANCE = str(Path(sys.executable).with_name("seedance"))
 #: The CPU threads a model engine started by a test may use: this test process's share of the
 #: cores. ``make test`` runs the suite in several processes at once, and llama.cpp's threads
 #: spin at every barrier of a step: two servers each on every core make each other wait for a
-#: descheduled thread hundreds of times a token (CI saw 16 tokens not done in 120 s).
+#: descheduled thread hundreds of times a token (in CI, a 16-token test with its llama.cpp
+#: server's start was not done in 120 s).
 #: conftest.py passes it to ``seedance serve`` subprocesses as ``SEEDANCE_THREADS``.
 THREADS = max(1, machine_cores() // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
 
