@@ -1,7 +1,8 @@
 """Every refusal on every API writes the same audit record and log line (docs/audit.md): a
-WebSocket connection and a ``generate`` frame, the OpenAI HTTP API, the Responses API over HTTP
-and over its WebSocket, a Realtime connection and its ``response.create``. Real servers, real
-sockets, the official ``openai`` package where it is what a user runs."""
+WebSocket connection and a ``generate`` frame, the OpenAI HTTP API (``/tokenize`` too), the
+Responses API over HTTP and over its WebSocket, a Realtime connection and its
+``response.create``. Real servers, real sockets, the official ``openai`` package where it is
+what a user runs."""
 
 from __future__ import annotations
 
@@ -178,3 +179,21 @@ async def test_a_refused_realtime_connection_and_response_create(
     assert record["session"] and record["connection"].startswith("rt-")
     assert record["request_id"].startswith("resp_")
     logged(caplog, "/v1/realtime", "invalid_request")
+
+
+async def test_a_refused_tokenize_call(
+    audited: tuple[RunningServer, Path, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    server, log, key = audited
+    caplog.set_level(logging.INFO)
+    async with httpx.AsyncClient(base_url=server.http_url) as http:
+        reply = await http.post("/tokenize", json={"prompt": "hi"})  # no credential
+        assert reply.status_code == 401
+        record = await refused_once(log, path="/tokenize", outcome="unauthorized")
+        assert record["api"] == "http" and record["tenant"] is None
+        reply = await http.post("/detokenize", json={"tokens": [1]}, headers=auth(key))
+        assert reply.status_code == 400  # the synthetic engine has no tokenizer
+    record = await refused_once(log, path="/detokenize", outcome="invalid_request")
+    assert record["tenant"] == "acme" and record["model"] == "synthetic"
+    assert record["request_id"].startswith("tok-")
+    logged(caplog, "/detokenize", "invalid_request")

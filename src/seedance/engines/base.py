@@ -15,6 +15,7 @@ from __future__ import annotations
 import abc
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from seedance.protocol.messages import ChatMessage, FinishReason, Generate, RequestId
 
@@ -104,6 +105,27 @@ class EngineHealth:
     detail: str = ""
 
 
+class Tokenizer(Protocol):
+    """A model's own tokenizer and chat template (what ``/tokenize`` and ``/detokenize``
+    answer with; :class:`~seedance.engines.prompts.Prompts` is one)."""
+
+    vocab_size: int
+
+    def tokenize(self, text: str, *, add_special: bool) -> list[int]:
+        """The tokens of ``text``, special-token text such as ``<|im_start|>`` read as those
+        tokens (as vLLM's and llama-server's ``/tokenize`` read it); ``add_special``: BOS
+        too, where the model wants it."""
+        ...
+
+    def chat(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool) -> list[int]:
+        """The tokens of ``messages`` in the model's chat template, as a prompt is tokenized."""
+        ...
+
+    def decode(self, tokens: Sequence[int], /) -> str:
+        """The text of ``tokens`` (ids within :attr:`vocab_size`)."""
+        ...
+
+
 class Engine(abc.ABC):
     """Base class of inference backends."""
 
@@ -145,6 +167,11 @@ class Engine(abc.ABC):
         May raise :class:`~seedance.protocol.errors.ContextOverflow`.
         """
         return self.count_prompt_tokens(messages) if estimate is None else estimate
+
+    def tokenizer(self) -> Tokenizer | None:
+        """The model's own tokenizer and chat template, where the engine has them (None: it
+        counts tokens by estimate, or an upstream does; ``/tokenize`` refuses it)."""
+        return None
 
     @abc.abstractmethod
     def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:

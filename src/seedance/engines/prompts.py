@@ -23,14 +23,31 @@ _CACHE_SIZE: Final = 256
 #: ``encode(text, special)``: the tokens of ``text``; with ``special``, as a whole prompt (BOS
 #: added where the model wants it, special-token text such as ``<|im_start|>`` parsed).
 Encode = Callable[[str, bool], list[int]]
+#: ``decode(tokens)``: the text of ``tokens``, special tokens written as their text.
+Decode = Callable[[Sequence[int]], str]
 
 
 class Prompts:
-    """Renders and tokenizes prompts, and checks that they fit ``context_length``."""
+    """Renders and tokenizes prompts, and checks that they fit ``context_length``; the
+    model's tokenizer both ways (``/tokenize`` and ``/detokenize``)."""
 
-    def __init__(self, template: ChatTemplate, encode: Encode, context_length: int) -> None:
+    def __init__(
+        self,
+        template: ChatTemplate,
+        encode: Encode,
+        context_length: int,
+        *,
+        decode: Decode,
+        vocab_size: int,
+        tokenize: Encode | None = None,
+    ) -> None:
         self.template = template
         self.encode = encode
+        self.decode = decode
+        #: ``tokenize(text, add_special)``: special-token text always read as those tokens
+        #: (default ``encode``, for a tokenizer that always reads it, as transformers' does).
+        self._tokenize = tokenize or encode
+        self.vocab_size = vocab_size
         self.context_length = context_length
         self._cache: OrderedDict[tuple[bool, tuple[ChatMessage, ...]], list[int]] = OrderedDict()
 
@@ -51,12 +68,7 @@ class Prompts:
             if raw:
                 text = "".join(m.content for m in messages)
             else:
-                try:
-                    text = self.template.render(messages, add_generation_prompt=True)
-                except jinja2.TemplateError as exc:
-                    raise InvalidRequest(
-                        f"the model's chat template refused the messages: {exc}"
-                    ) from None
+                text = self.render(messages, add_generation_prompt=True)
             if continuation:
                 tokens = self.encode(text + continuation, True)
             else:
@@ -71,6 +83,22 @@ class Prompts:
                 f"{self.context_length}; shorten it"
             )
         return tokens
+
+    def tokenize(self, text: str, *, add_special: bool) -> list[int]:
+        """:class:`~seedance.engines.base.Tokenizer`'s: ``text`` as ``/tokenize`` reads it."""
+        return self._tokenize(text, add_special)
+
+    def chat(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool) -> list[int]:
+        """:class:`~seedance.engines.base.Tokenizer`'s: ``messages`` as a prompt, however long."""
+        return self.encode(self.render(messages, add_generation_prompt=add_generation_prompt), True)
+
+    def render(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool) -> str:
+        """``messages`` in the chat template, as text (an :class:`InvalidRequest` where the
+        template refuses them)."""
+        try:
+            return self.template.render(messages, add_generation_prompt=add_generation_prompt)
+        except jinja2.TemplateError as exc:
+            raise InvalidRequest(f"the model's chat template refused the messages: {exc}") from None
 
     def overheads(self) -> tuple[int, int]:
         """Tokens the template adds per message, and around the whole prompt (the generation
@@ -104,6 +132,9 @@ class PromptedEngine(Engine, abc.ABC):
 
     def count_tokens(self, text: str) -> int:
         return self.prompts.count(text)
+
+    def tokenizer(self) -> Prompts:
+        return self.prompts
 
     def prompt_tokens(
         self, messages: Sequence[ChatMessage], estimate: int | None = None, *, raw: bool = False

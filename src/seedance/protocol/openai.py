@@ -34,7 +34,9 @@ class _ContentPart(msgspec.Struct):
     text: str | None = None
 
 
-class _Message(msgspec.Struct):
+class Message(msgspec.Struct):
+    """A chat message as OpenAI's APIs send it (text only)."""
+
     role: str
     content: str | list[_ContentPart] | None = None
 
@@ -66,7 +68,7 @@ class _Common(msgspec.Struct, kw_only=True):
 
 
 class _ChatBody(_Common, kw_only=True):
-    messages: list[_Message]
+    messages: list[Message]
     max_completion_tokens: int | None = None
 
 
@@ -101,7 +103,7 @@ _completion_decoder = msgspec.json.Decoder(_CompletionBody)
 def decode_chat(body: bytes, limits: FrameLimits) -> OpenAIRequest:
     """A ``/v1/chat/completions`` body."""
     parsed = decode_body(_chat_decoder, body)
-    messages = [_message(i, m) for i, m in enumerate(parsed.messages)]
+    messages = [chat_message(i, m) for i, m in enumerate(parsed.messages)]
     if not messages:
         raise InvalidRequest("messages must hold at least one message")
     max_tokens = parsed.max_tokens
@@ -137,7 +139,9 @@ def decode_body(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
         raise InvalidJSON("the body is not valid JSON: not valid UTF-8") from None
 
 
-def _message(index: int, message: _Message) -> ChatMessage:
+def chat_message(index: int, message: Message) -> ChatMessage:
+    """``messages[index]`` as the engines take it; roles and parts Seedance does not serve are
+    refused by name."""
     role = ROLES.get(message.role)
     if role is None:
         raise InvalidRequest(

@@ -1,4 +1,5 @@
-"""The ASGI application: ``/v2/infer`` (WebSocket), ``/healthz`` and ``/v1/models``.
+"""The ASGI application: ``/v2/infer`` (WebSocket), the OpenAI APIs, ``/healthz`` (and
+``/health``), ``/v1/models``, ``/tokenize`` and ``/detokenize``.
 
 ``create_app()`` returns a Starlette app that can be served by ``seedance serve`` or mounted in
 another ASGI application. When mounted elsewhere, call ``await app.state.seedance.drain(30)``
@@ -37,6 +38,7 @@ from seedance.server.responses_api import (
     ResponsesSocketEndpoint,
 )
 from seedance.server.state import ServerState
+from seedance.server.tokenize_api import TokenizeEndpoint
 from seedance.server.web import web_routes
 from seedance.sessions.store import SessionStore
 from seedance.tenants.policy import may_use
@@ -120,14 +122,26 @@ def create_app(
             return json_response({"status": "ok", "models": _versions(state)})
         if check and check.replace(" ", "+") != "model+signature":
             raise InvalidRequest(f"check: 'initial-load' or 'model+signature', not {check!r}")
+        refusal = not_ready()
+        if refusal is not None:
+            return refusal
+        if check:
+            return json_response({"status": "ok", "models": _versions(state)})
+        return json_response({"status": "ok"})
+
+    def not_ready() -> Response | None:
+        """503 while draining or while an engine is unhealthy (None: ready)."""
         if state.draining:
             return json_response({"status": "draining"}, 503)
         ok, detail = state.healthy()
         if not ok:
             return json_response({"status": "unhealthy", "detail": detail}, 503)
-        if check:
-            return json_response({"status": "ok", "models": _versions(state)})
-        return json_response({"status": "ok"})
+        return None
+
+    async def health(request: Request) -> Response:
+        """What vLLM and llama-server answer at ``/health`` (load generators such as guidellm
+        probe it): 200 when the models serve, 503 while draining or unhealthy."""
+        return not_ready() or json_response({"status": "ok"})
 
     async def metrics(request: Request) -> Response:
         return Response(state.metrics.render(), headers={"content-type": METRICS_CONTENT_TYPE})
@@ -140,7 +154,8 @@ def create_app(
                 "object": "model",
                 "created": _STARTED,
                 "owned_by": "seedance",
-                "context_length": model.engine.info.context_length,
+                "context_length": model.context_length,
+                "max_model_len": model.context_length,  # vLLM's name for it
                 "engine": model.engine.info.engine,
             }
             for name, model in state.models.items()
@@ -174,11 +189,14 @@ def create_app(
             WebSocketRoute(INFER_PATH, infer),
             Route(INFER_PATH, upgrade_required),
             Route("/healthz", healthz),
+            Route("/health", health),
             Route("/metrics", metrics),
             Route("/v1/models", models),
             Route("/v1/chat/completions", OpenAIEndpoint(services, "chat"), methods=["POST"]),
             Route("/v1/completions", OpenAIEndpoint(services, "completion"), methods=["POST"]),
             Route("/v1/streams/{request_id}", StreamsEndpoint(services), methods=["GET"]),
+            Route("/tokenize", TokenizeEndpoint(services, "tokenize"), methods=["POST"]),
+            Route("/detokenize", TokenizeEndpoint(services, "detokenize"), methods=["POST"]),
             Route("/v1/responses", ResponsesEndpoint(services), methods=["POST"]),
             WebSocketRoute("/v1/responses", ResponsesSocketEndpoint(services)),
             WebSocketRoute("/v1/realtime", RealtimeEndpoint(services)),

@@ -162,4 +162,6 @@ def tokenizer_prompts(tokenizer: Any, context_length: int) -> Prompts:
         template,
         lambda text, special: list(tokenizer.encode(text, add_special_tokens=special)),
         context_length,
+        decode=lambda tokens: str(tokenizer.decode(list(tokens))),
+        vocab_size=len(tokenizer),
     )

@@ -65,6 +65,9 @@ class LlamaCppEngine(BatchedEngine):
                 model_template(model),
                 lambda text, special: model.tokenize(text, special=special),
                 self._info.context_length,
+                decode=model.detokenize,
+                vocab_size=model.vocab_size,
+                tokenize=lambda text, bos: model.tokenize(text, special=bos, parse_special=True),
             )
         )
 

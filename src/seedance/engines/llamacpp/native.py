@@ -22,7 +22,7 @@ import ctypes
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -196,18 +196,37 @@ class LlamaModel:
     def eos_token(self) -> int:
         return int(lc.llama_vocab_eos(self._vocab))
 
-    def tokenize(self, text: str, *, special: bool) -> list[int]:
+    def tokenize(self, text: str, *, special: bool, parse_special: bool | None = None) -> list[int]:
         """Tokens of ``text``; with ``special``, BOS is added (where the model wants it) and
-        special-token text such as ``<|im_start|>`` becomes those tokens."""
+        special-token text such as ``<|im_start|>`` becomes those tokens (``parse_special``:
+        that alone, whatever ``special`` says)."""
+        parse = special if parse_special is None else parse_special
         data = text.encode("utf-8", "surrogatepass")
         room = len(data) + 8
         buf = (lc.llama_token * room)()
-        n = lc.llama_tokenize(self._vocab, data, len(data), buf, room, special, special)
+        n = lc.llama_tokenize(self._vocab, data, len(data), buf, room, special, parse)
         if n < 0:  # pragma: no cover - more tokens than bytes + 8 cannot happen
             room = -n
             buf = (lc.llama_token * room)()
-            n = lc.llama_tokenize(self._vocab, data, len(data), buf, room, special, special)
+            n = lc.llama_tokenize(self._vocab, data, len(data), buf, room, special, parse)
         return buf[:n]
+
+    @property
+    def vocab_size(self) -> int:
+        return int(lc.llama_vocab_n_tokens(self._vocab))
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        """The text of ``tokens`` (special tokens as their text, as llama.cpp's ``llama-server``
+        gives them); ids outside the vocabulary are the caller's to refuse."""
+        ids = (lc.llama_token * len(tokens))(*tokens)
+        room = max(64, 8 * len(tokens))
+        for _ in range(2):
+            buf = ctypes.create_string_buffer(room)
+            n = lc.llama_detokenize(self._vocab, ids, len(tokens), buf, room, False, True)
+            if n >= 0:
+                return buf.raw[:n].decode("utf-8", "replace")
+            room = -n
+        raise RuntimeError("llama_detokenize did not fit the size it asked for")  # pragma: no cover
 
     def piece(self, token: int) -> bytes:
         """The bytes a generated token stands for (special tokens: none)."""
