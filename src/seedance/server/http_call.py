@@ -123,6 +123,8 @@ class HttpCall:
         #: The generation it admitted (None: none; its report is then the call's own).
         self.generation: Generation | None = None
         self.outcome = ""
+        #: Tokens a call answered without a generation read (embeddings): counted, audited.
+        self.prompt_tokens = 0
         self._reported = False
         self._work: asyncio.Future[None] | None = None
         self._shut_out: SeedanceError | None = None
@@ -208,7 +210,7 @@ class HttpCall:
         if self.generation is not None or self._reported:
             return
         self._reported = True
-        self.services.refusals.answered(self.arrival, self.outcome or "aborted")
+        self.services.refusals.answered(self.arrival, self.outcome or "aborted", self.prompt_tokens)
 
     # ---------------------------------------------------------------- as a peer
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from msgspec import structs
 
-from seedance.protocol.errors import SessionBusy
+from seedance.protocol.errors import InvalidRequest, SessionBusy
 from seedance.protocol.messages import Generate, RequestId
 from seedance.protocol.qos import parse_qos
 from seedance.server.lifecycle.generation import Generation, WithoutReaders
@@ -57,12 +57,24 @@ __all__ = [
 
 
 def choose_model(
-    models: ModelTable, principal: Principal, name: str | None, sticky: str | None = None
+    models: ModelTable,
+    principal: Principal,
+    name: str | None,
+    sticky: str | None = None,
+    *,
+    task: str | None = "generate",
 ) -> ServedModel:
     """The model ``name`` names (None: the default), the version of it ``sticky`` falls on (a
-    canary's share), which ``principal`` must be allowed to use."""
+    canary's share), which ``principal`` must be allowed to use, and which does ``task``
+    (``generate``; ``embed``; None: either)."""
     model = models.resolve(name, sticky)
     check_model(principal, model.name, models)
+    if task is not None and model.engine.task != task:
+        raise InvalidRequest(
+            f"model {model.name} is an embedding model: it writes no text (POST /v1/embeddings)"
+            if model.engine.task == "embed"
+            else f"model {model.name} does not {task}"
+        )
     return model
 
 

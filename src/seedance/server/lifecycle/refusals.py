@@ -136,23 +136,30 @@ class Refusals:
             )
         return self.audit.submit(lambda: refusal_record(arrival, error))
 
-    def answered(self, arrival: Arrival, outcome: str) -> None:
+    def answered(self, arrival: Arrival, outcome: str, prompt_tokens: int = 0) -> None:
         """``arrival`` was answered without a generation (a response read, deleted or
-        cancelled; a stream resumed; or the client left before its request was read:
-        ``aborted``): its record, span and log line."""
+        cancelled; a stream resumed; inputs embedded, ``prompt_tokens`` of them; or the client
+        left before its request was read: ``aborted``): its record, span and log line, and
+        for a model's work its counters."""
         self._end_span(arrival, outcome, None)
+        model = arrival.model
+        if prompt_tokens and model is not None:
+            labels = (model.name, model.engine.info.engine, arrival.tenant or "-")
+            self.metrics.requests.labels(*labels, outcome).inc()
+            self.metrics.prompt_tokens.labels(*labels).inc(prompt_tokens)
         if logger.isEnabledFor(logging.INFO):
             logger.info(
-                "request %s http=%s tenant=%s model=%s outcome=%s prompt_tokens=0 "
+                "request %s http=%s tenant=%s model=%s outcome=%s prompt_tokens=%d "
                 "completion_tokens=0 ttft_ms=- total_ms=%.1f",
                 arrival.request_id or "-",
                 arrival.operation,
                 arrival.tenant or "-",
-                arrival.model.name if arrival.model is not None else "-",
+                model.name if model is not None else "-",
                 outcome,
+                prompt_tokens,
                 (time.monotonic() - arrival.received) * 1000,
             )
-        self.audit.submit(lambda: _answered_record(arrival, outcome))
+        self.audit.submit(lambda: _answered_record(arrival, outcome, prompt_tokens))
 
     def _end_span(self, arrival: Arrival, outcome: str, error: SeedanceError | None) -> None:
         trace = arrival.trace
@@ -196,7 +203,7 @@ def refusal_record(arrival: Arrival, error: SeedanceError) -> audit.Refused:
     )
 
 
-def _answered_record(arrival: Arrival, outcome: str) -> audit.AuditRecord:
+def _answered_record(arrival: Arrival, outcome: str, prompt_tokens: int) -> audit.AuditRecord:
     principal, model = arrival.principal, arrival.model
     if principal is None:  # the client left before it was let in
         return audit.Refused(
@@ -209,7 +216,7 @@ def _answered_record(arrival: Arrival, outcome: str) -> audit.AuditRecord:
             message="the client left before its request was read",
             trace_id=arrival.trace.trace_id,
         )
-    return audit.Request(
+    record = audit.Request(
         api=arrival.api,
         tenant=principal.name,
         credential=principal.credential,
@@ -219,3 +226,8 @@ def _answered_record(arrival: Arrival, outcome: str) -> audit.AuditRecord:
         outcome=outcome,
         total_ms=ms(time.monotonic() - arrival.received),
     )
+    if prompt_tokens and model is not None:  # a model's work (embeddings)
+        record.engine = model.engine.info.engine
+        record.model_version = model.version or None
+        record.prompt_tokens = prompt_tokens
+    return record

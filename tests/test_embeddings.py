@@ -1,0 +1,160 @@
+"""``/v1/embeddings`` on the packaged all-MiniLM-L6-v2, beside a text model, driven by the
+official ``openai`` package over real sockets; the vectors checked against sentence-transformers
+on the same model folder."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from seedance.engines.embeddings import model_folder
+from tests.support.servers import RunningServer, server_config
+from tests.support.waits import eventually
+
+pytestmark = pytest.mark.model
+
+MODEL = "all-minilm-l6-v2"
+SENTENCES = [
+    "The sea is calm tonight.",
+    "Otters hold hands while they sleep.",
+    "A risk engine flags the transfer for review.",
+    "été",
+]
+
+
+@pytest.fixture(scope="module")
+def audit_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("embeddings") / "audit.log"
+
+
+@pytest.fixture(scope="module")
+def served(audit_log: Path) -> Iterator[RunningServer]:
+    """The synthetic text engine and the embedding model, on one server."""
+    config = server_config(
+        engine="synthetic", embedding_model=MODEL, embedding_batch=64, audit_file=str(audit_log)
+    )
+    server = RunningServer(config, None).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def reference() -> Any:
+    from sentence_transformers import SentenceTransformer
+
+    folder, _ = model_folder(MODEL)
+    return SentenceTransformer(str(folder), device="cpu")
+
+
+def client(server: RunningServer) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{server.http_url}/v1", api_key="none", max_retries=0)
+
+
+def cosine(a: Any, b: Any) -> Any:
+    a, b = np.asarray(a), np.asarray(b)
+    return (a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)
+
+
+async def test_vectors_equal_sentence_transformers(served: RunningServer, reference: Any) -> None:
+    api = client(served)
+    expected = reference.encode(SENTENCES)
+    for encoding in ("float", "base64"):
+        reply = await api.embeddings.create(
+            model=MODEL,
+            input=SENTENCES,
+            encoding_format=encoding,  # type: ignore[arg-type]
+        )
+        vectors: list[Any] = [d.embedding for d in sorted(reply.data, key=lambda d: d.index)]
+        if encoding == "base64":  # little-endian float32, as OpenAI sends it
+            vectors = [np.frombuffer(base64.b64decode(v), dtype="<f4") for v in vectors]
+        assert len(vectors) == len(SENTENCES) and len(vectors[0]) == 384
+        assert (cosine(vectors, expected) >= 0.9999).all()
+        assert reply.model == MODEL and reply.usage.prompt_tokens == reply.usage.total_tokens
+    # Unasked, the openai package asks for base64 and decodes it itself.
+    default = await api.embeddings.create(model=MODEL, input=SENTENCES[0])
+    assert cosine(default.data[0].embedding, expected[0]) >= 0.9999
+    assert default.usage.prompt_tokens == len(reference.tokenizer(SENTENCES[0])["input_ids"])
+
+
+async def test_token_ids_embed_as_their_text(served: RunningServer, reference: Any) -> None:
+    ids = reference.tokenizer(SENTENCES[1])["input_ids"]
+    api = client(served)
+    one = await api.embeddings.create(model=MODEL, input=ids, encoding_format="float")
+    several = await api.embeddings.create(
+        model=MODEL, input=[ids, ids[:4]], encoding_format="float"
+    )
+    expected = reference.encode(SENTENCES[1])
+    assert cosine(one.data[0].embedding, expected) >= 0.9999
+    assert cosine(several.data[0].embedding, expected) >= 0.9999
+    assert len(several.data) == 2 and one.usage.prompt_tokens == len(ids)
+
+
+async def test_concurrent_requests_share_forward_passes(served: RunningServer) -> None:
+    engine = served.state.models[MODEL].engine
+    api = client(served)
+    before = engine.passes
+    batch = [f"input {i} of a batch about the sea" for i in range(32)]
+    replies = await asyncio.gather(
+        *[api.embeddings.create(model=MODEL, input=batch, encoding_format="float")
+          for _ in range(8)]
+    )  # fmt: skip
+    assert all(len(r.data) == 32 for r in replies)
+    assert all(r.data[5].embedding == replies[0].data[5].embedding for r in replies)
+    assert engine.passes - before < 8  # 256 inputs in fewer passes than requests
+
+
+@pytest.mark.parametrize(
+    ("body", "names"),
+    [
+        ({"model": MODEL, "input": []}, "at least one input"),
+        ({"model": MODEL, "input": ["a", 3]}, "not a mix"),
+        ({"model": MODEL, "input": ["fine", "sea " * 300]}, "input[1] takes"),
+        ({"model": MODEL, "input": [[1, 2], [99999999]]}, "input[1]: 99999999 is not a token"),
+        ({"model": MODEL, "input": [""]}, "input[0] is empty"),
+        ({"model": MODEL, "input": "x", "dimensions": 100}, "dimensions: model"),
+        ({"model": MODEL, "input": "x", "encoding_format": "int8"}, "encoding_format"),
+        ({"model": MODEL, "input": "x", "extra": 1}, "extra"),
+        ({"model": "synthetic", "input": "x"}, "generates text and has no embeddings"),
+    ],
+)
+def test_bad_input_is_refused_by_name(
+    served: RunningServer, body: dict[str, Any], names: str
+) -> None:
+    answer = httpx.post(f"{served.http_url}/v1/embeddings", json=body, timeout=30)
+    assert answer.status_code == 400, answer.text
+    assert names in answer.json()["error"]["message"]
+
+
+async def test_chat_on_an_embedding_model_is_refused(served: RunningServer) -> None:
+    with pytest.raises(openai.BadRequestError, match="is an embedding model"):
+        await client(served).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}]
+        )
+    async with httpx.AsyncClient() as http:
+        models = (await http.get(f"{served.http_url}/v1/models")).json()["data"]
+    assert {m["id"]: m["context_length"] for m in models} == {"synthetic": 32768, MODEL: 256}
+
+
+async def test_an_answer_is_audited_with_its_tokens(served: RunningServer, audit_log: Path) -> None:
+    reply = await client(served).embeddings.create(model=MODEL, input=["audit me", "and me"])
+
+    def records() -> list[dict[str, Any]]:
+        lines = audit_log.read_text().splitlines() if audit_log.exists() else []
+        return [
+            r for r in map(json.loads, lines)
+            if r["kind"] == "request" and r.get("prompt_tokens") == reply.usage.prompt_tokens
+        ]  # fmt: skip
+
+    await eventually(records, 5, "the embeddings request's audit record")
+    record = records()[-1]
+    assert record["outcome"] == "embedded" and record["model"] == MODEL
+    assert record["engine"] == "embeddings" and record["request_id"].startswith("emb-")
