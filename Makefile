@@ -77,7 +77,8 @@ test-fast: $(VENV)/.installed-test
 # vendored source with LLAMA_CMAKE_ARGS and cached, llama-cpp-python's server and a bare llama.cpp
 # loop; WebSocket vs HTTP; LiteLLM's proxy; resuming a dropped stream; a cluster; the client QoS
 # A/B table; rendering in headless Chromium; OpenAI's Realtime and Responses APIs' first token;
-# the model reloaded under load; end-to-end encryption and TLS against plain streams);
+# the model reloaded under load; end-to-end encryption and TLS against plain streams; /v1/embeddings
+# against sentence-transformers in one process);
 # rewrites docs/benchmarks.md (~55 min, and about 9 more the first time, to build llama-server).
 # BENCH_ARGS=--quick for a short run,
 # BENCH_ARGS="--suites 5" for one suite.

@@ -18,6 +18,7 @@ from benchmarks.browser_suite import browser_suite
 from benchmarks.cluster_suite import cluster_suite
 from benchmarks.confidential_suite import confidential_suite
 from benchmarks.design_table import design_table
+from benchmarks.embeddings_suite import embeddings_suite
 from benchmarks.fan_out import fan_out
 from benchmarks.gateway_suite import gateway_suite
 from benchmarks.harness import Report, cores
@@ -39,8 +40,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks.md"))
     parser.add_argument(
         "--suites",
-        default="1,2,3,4,5,6,7,8,9,10,11,12,13,14,15",
-        help="which suites to run (default all: 1-15)",
+        default="1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16",
+        help="which suites to run (default all: 1-16)",
     )
     args = parser.parse_args(argv)
     if cores() < 2:
@@ -64,6 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "13": functools.partial(openai_suite, report),
         "14": functools.partial(reload_suite, report),
         "15": functools.partial(confidential_suite, report),
+        "16": functools.partial(embeddings_suite, report),
     }
     for key in sorted(chosen, key=int):
         suites[key]()

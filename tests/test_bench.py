@@ -551,3 +551,13 @@ def test_the_confidential_suite_sets_encryption_and_tls_beside_plain(tmp_path: P
     assert ways == {"`ws://`", "`ws://` + e2e", "`wss://` (TLS)", "`wss://` + e2e"}
     assert "| 32 tokens | " in report  # each frame's cost
     assert "[15 confidential] 12/12" in progress  # 3 loads x 4 ways, 1 round
+
+
+@pytest.mark.timeout(210)  # past quick_suite's own bound, which reports what ran
+def test_the_embeddings_suite_sets_seedance_beside_sentence_transformers(tmp_path: Path) -> None:
+    report, _ = quick_suite(tmp_path, 16, timeout_s=180)
+    section = report.partition("## 16. Embeddings")[2]
+    rows = [line for line in section.splitlines() if line.startswith("| 1 |") or
+            line.startswith("| 32 |")]  # fmt: skip
+    assert len(rows) == 2, section
+    assert all(row.endswith("| 0 |") for row in rows), rows  # no errors

@@ -16,7 +16,9 @@ import numpy as np
 import openai
 import pytest
 
+from seedance.client import connect
 from seedance.engines.embeddings import model_folder
+from seedance.protocol.errors import InvalidRequest
 from tests.support.servers import RunningServer, server_config
 from tests.support.waits import eventually
 
@@ -112,6 +114,18 @@ async def test_concurrent_requests_share_forward_passes(served: RunningServer) -
     assert engine.passes - before < 8  # 256 inputs in fewer passes than requests
 
 
+async def test_a_request_larger_than_a_pass_is_split(served: RunningServer, reference: Any) -> None:
+    engine = served.state.models[MODEL].engine
+    before = engine.passes
+    texts = [f"{i} {SENTENCES[i % 4]}" for i in range(150)]  # --embedding-batch is 64
+    reply = await client(served).embeddings.create(
+        model=MODEL, input=texts, encoding_format="float"
+    )
+    assert engine.passes - before >= 3
+    vectors = [d.embedding for d in sorted(reply.data, key=lambda d: d.index)]
+    assert (cosine(vectors, reference.encode(texts)) >= 0.9999).all()
+
+
 @pytest.mark.parametrize(
     ("body", "names"),
     [
@@ -158,3 +172,33 @@ async def test_an_answer_is_audited_with_its_tokens(served: RunningServer, audit
     record = records()[-1]
     assert record["outcome"] == "embedded" and record["model"] == MODEL
     assert record["engine"] == "embeddings" and record["request_id"].startswith("emb-")
+
+
+def test_tokenize_gives_the_ids_the_model_embeds(served: RunningServer, reference: Any) -> None:
+    url = f"{served.http_url}/tokenize"
+    tokens = httpx.post(url, json={"model": MODEL, "prompt": SENTENCES[2]}).json()
+    assert tokens["tokens"] == reference.tokenizer(SENTENCES[2])["input_ids"]
+    assert tokens["max_model_len"] == 256
+    chat = httpx.post(url, json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
+    assert chat.status_code == 400 and "without a chat template" in chat.json()["error"]["message"]
+
+
+async def test_the_embed_frame_of_v2_infer(served: RunningServer, reference: Any) -> None:
+    """The same request over a session's WebSocket, beside a reply streaming on it."""
+    async with connect(served.url) as session:
+        stream = session.generate("tell me about the sea", max_tokens=64)
+        frame, done = await asyncio.gather(session.embed(SENTENCES, model=MODEL), stream.collect())
+        assert done.usage.completion_tokens == 64
+        assert frame.model == MODEL and frame.request_id.startswith("e-")
+        assert (cosine(frame.data, reference.encode(SENTENCES)) >= 0.9999).all()
+        packed = await session.embed(SENTENCES[0], encoding_format="base64")  # the first served
+        assert isinstance(packed.data[0], str)
+        vector = np.frombuffer(base64.b64decode(packed.data[0]), dtype="<f4")
+        assert cosine(vector, reference.encode(SENTENCES[0])) >= 0.9999
+        assert packed.usage.prompt_tokens == len(reference.tokenizer(SENTENCES[0])["input_ids"])
+        with pytest.raises(InvalidRequest, match="generates text and has no embeddings"):
+            await session.embed("x", model="synthetic")
+        with pytest.raises(InvalidRequest, match=r"input\[1\] takes"):
+            await session.embed(["fine", "sea " * 300])
+        again = await session.complete("still open?", max_tokens=4)  # a refusal closes nothing
+        assert again.usage.completion_tokens == 4

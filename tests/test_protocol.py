@@ -11,6 +11,7 @@ from seedance.protocol import (
     Cancel,
     ChatMessage,
     DoneFrame,
+    Embed,
     EndSession,
     FrameLimits,
     Generate,
@@ -99,6 +100,10 @@ def test_other_message_types() -> None:
     assert decode({"type": "cancel", "request_id": "r1"}) == Cancel(request_id="r1")
     assert decode({"type": "ping", "id": {"any": [1, "json"]}}) == Ping(id={"any": [1, "json"]})
     assert decode({"type": "end_session"}) == EndSession()
+    embed = decode({"type": "embed", "input": ["a", [1, 2]], "request_id": "e1"})
+    assert embed == Embed(input=["a", [1, 2]], request_id="e1")
+    with pytest.raises(InvalidRequest, match="request_id"):
+        decode({"type": "embed", "input": "a", "request_id": "\n"})
 
 
 @pytest.mark.parametrize(

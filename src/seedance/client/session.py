@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlencode, urlsplit, urlunsplit
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -53,6 +53,8 @@ from seedance.protocol.messages import (
     Cancel,
     ChatMessage,
     DoneFrame,
+    Embed,
+    EmbeddingsFrame,
     EndSession,
     ErrorFrame,
     Generate,
@@ -231,6 +233,7 @@ class ClientSession:
         self._streams: dict[str, Stream] = {}
         self._pongs: deque[tuple[asyncio.Future[float], float]] = deque()
         self._json_pongs: dict[str, asyncio.Future[float]] = {}
+        self._embeds: dict[str, asyncio.Future[EmbeddingsFrame]] = {}
         self._error: SeedanceError | None = None  # an error frame about the connection
         self._closed: ConnectionClosed | None = None
         self._reader = asyncio.create_task(self._read_forever(), name="seedance-client-reader")
@@ -313,6 +316,33 @@ class ClientSession:
     async def complete(self, prompt: str | None = None, **kwargs: Any) -> DoneFrame:
         """Ask for a whole reply (``stream: false``); the ``done`` frame carries ``text``."""
         return await self.generate(prompt, stream=False, **kwargs).collect()
+
+    async def embed(
+        self,
+        input: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+        *,
+        model: str | None = None,
+        encoding_format: Literal["float", "base64"] = "float",
+        request_id: str | None = None,
+    ) -> EmbeddingsFrame:
+        """Vectors for ``input`` (a string, strings, token ids, or lists of them) from an
+        embedding model (None: the server's first), in an ``embeddings`` frame; an error frame
+        about it raises. A drop of the connection before the answer raises too (an ``embed``
+        is not resumed: send it again)."""
+        request_id = request_id or "e-" + secrets.token_hex(6)
+        items = input if isinstance(input, str) else [
+            item if isinstance(item, (str, int)) else list(item) for item in input
+        ]  # fmt: skip
+        message = Embed(
+            input=items, model=model, encoding_format=encoding_format, request_id=request_id
+        )
+        future: asyncio.Future[EmbeddingsFrame] = asyncio.get_running_loop().create_future()
+        self._embeds[request_id] = future
+        try:
+            await self._send(encode_client_message(message))
+            return await future
+        finally:
+            self._embeds.pop(request_id, None)
 
     async def cancel(self, request_id: str | None = None) -> None:
         await self._send(encode_client_message(Cancel(request_id=request_id)))
@@ -400,12 +430,14 @@ class ClientSession:
             for stream in self._streams.values():
                 stream._queue.put_nowait(failure)
             self._streams.clear()
-            for future, _ in self._pongs:
-                if not future.done():
-                    future.set_exception(self._closed)
-            for future in self._json_pongs.values():
-                if not future.done():
-                    future.set_exception(self._closed)
+            waiting: list[asyncio.Future[Any]] = [
+                *(future for future, _ in self._pongs),
+                *self._json_pongs.values(),
+                *self._embeds.values(),
+            ]
+            for waiter in waiting:
+                if not waiter.done():
+                    waiter.set_exception(self._closed)
 
     async def _read(self, ws: ClientConnection) -> None:
         """Handle frames until the connection closes."""
@@ -499,6 +531,16 @@ class ClientSession:
             self.info = frame
             return
         request_id = frame.request_id
+        embedding = self._embeds.get(request_id) if request_id else None
+        if embedding is not None:
+            if isinstance(frame, EmbeddingsFrame):
+                embedding.set_result(frame)
+            elif isinstance(frame, ErrorFrame):
+                body = frame.error
+                embedding.set_exception(
+                    error_from_wire(body.code, body.message, request_id=request_id)
+                )
+            return
         stream = self._streams.get(request_id) if request_id else None
         if isinstance(frame, ErrorFrame):
             body = frame.error

@@ -16,7 +16,7 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from seedance.client.session import ClientSession, Stream, TokenChunk, connect
-from seedance.protocol.messages import DoneFrame
+from seedance.protocol.messages import DoneFrame, EmbeddingsFrame
 
 T = TypeVar("T")
 
@@ -82,6 +82,9 @@ class SyncSession:
 
     def complete(self, prompt: str | None = None, **kwargs: Any) -> DoneFrame:
         return self._call(self._session.complete(prompt, **kwargs))
+
+    def embed(self, input: Any, **kwargs: Any) -> EmbeddingsFrame:
+        return self._call(self._session.embed(input, **kwargs))
 
     def cancel(self, request_id: str | None = None) -> None:
         self._call(self._session.cancel(request_id))

@@ -9,8 +9,9 @@ all-MiniLM-L6-v2 that way): the transformer's ``config.json``, weights and token
 served wrong. ``sentence_bert_config.json``'s ``max_seq_length`` is the most tokens an input
 may take: a longer one is refused, never cut.
 
-Batching: each request's inputs join one queue; a thread takes everything waiting (up to
-``max_batch_inputs``), runs it as one padded forward pass, and hands each request its rows.
+Batching: each request's inputs join one queue (a request of more than ``max_batch_inputs``
+inputs as several parts); a thread takes what waits, up to ``max_batch_inputs`` inputs, runs it
+as one padded forward pass, and hands each request its rows.
 Inputs that arrive while a batch runs make the next one, so concurrent requests share passes
 (continuous batching of inputs, as generations share decode steps).
 """
@@ -31,6 +32,7 @@ from seedance.config import ConfigError
 from seedance.engines.base import Engine, GenerationRequest, ModelInfo, TokenDelta
 from seedance.engines.hf.loader import require_torch, resolve_device
 from seedance.protocol.errors import EngineError, InvalidRequest
+from seedance.protocol.messages import ChatMessage
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +121,27 @@ class _Job:
         self.future = future
 
 
+class _Vocabulary:
+    """:class:`~seedance.engines.base.Tokenizer` of an embedding model (for ``/tokenize``):
+    text both ways; it has no chat template."""
+
+    def __init__(self, tokenizer: Any, name: str) -> None:
+        self._tokenizer = tokenizer
+        self._name = name
+        self.vocab_size = len(tokenizer)
+
+    def tokenize(self, text: str, *, add_special: bool) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=add_special))
+
+    def chat(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool) -> list[int]:
+        raise InvalidRequest(
+            f"model {self._name} is an embedding model without a chat template: give prompt"
+        )
+
+    def decode(self, tokens: Sequence[int], /) -> str:
+        return str(self._tokenizer.decode(list(tokens)))
+
+
 class EmbeddingEngine(Engine):
     """A sentence-transformers model on transformers (see the module)."""
 
@@ -159,9 +182,11 @@ class EmbeddingEngine(Engine):
             max_output_tokens=1,
             version=folder.name,
         )
+        self._vocabulary = _Vocabulary(self.tokenizer_, name)
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self.passes = 0  # forward passes run (batches)
+        self._pending: _Job | None = None  # taken from the queue, too large for the last pass
 
     @property
     def info(self) -> ModelInfo:
@@ -169,6 +194,9 @@ class EmbeddingEngine(Engine):
 
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer_.encode(text, add_special_tokens=False))
+
+    def tokenizer(self) -> _Vocabulary:
+        return self._vocabulary
 
     def encode(self, text: str) -> list[int]:
         """An input's tokens as the model reads it (its special tokens included)."""
@@ -202,11 +230,16 @@ class EmbeddingEngine(Engine):
 
     async def embed(self, inputs: list[list[int]]) -> list[list[float]]:
         """One vector per input (token ids, checked by :meth:`check_input`), computed in the
-        batches of the engine's thread."""
+        batches of the engine's thread (a request of more than ``max_batch_inputs`` inputs
+        in several, so that no pass grows past it)."""
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[list[list[float]]] = loop.create_future()
-        self._queue.put(_Job(inputs, loop, future))
-        return await future
+        futures: list[asyncio.Future[list[list[float]]]] = []
+        for start in range(0, len(inputs), self.max_batch_inputs):
+            future: asyncio.Future[list[list[float]]] = loop.create_future()
+            self._queue.put(_Job(inputs[start : start + self.max_batch_inputs], loop, future))
+            futures.append(future)
+        parts = await asyncio.gather(*futures)
+        return [vector for part in parts for vector in part]
 
     def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
         """Never reached: admission refuses a generation on an embedding model."""
@@ -216,18 +249,21 @@ class EmbeddingEngine(Engine):
 
     def _run(self) -> None:
         while True:
-            job = self._queue.get()
+            job, self._pending = self._pending or self._queue.get(), None
             if job is None:
                 return
             jobs = [job]
             size = len(job.inputs)
-            while size < self.max_batch_inputs:  # everything waiting joins this pass
+            while size < self.max_batch_inputs:  # what waits joins this pass, while it fits
                 try:
                     more = self._queue.get_nowait()
                 except queue.Empty:
                     break
                 if more is None:
                     self._queue.put(None)  # stop after this pass
+                    break
+                if size + len(more.inputs) > self.max_batch_inputs:
+                    self._pending = more  # the next pass's first
                     break
                 jobs.append(more)
                 size += len(more.inputs)

@@ -25,6 +25,7 @@ from seedance.protocol.messages import (
     HEARTBEAT_PONG,
     Cancel,
     ClientMessage,
+    Embed,
     EndSession,
     ErrorBody,
     ErrorFrame,
@@ -51,6 +52,7 @@ _MESSAGE_TYPES: Final[dict[str, type[ClientMessage]]] = {
     "resume": Resume,
     "ping": Ping,
     "end_session": EndSession,
+    "embed": Embed,
 }
 
 _encoder: Final = msgspec.json.Encoder()
@@ -135,7 +137,7 @@ def decode_client_text(data: str | bytes, limits: FrameLimits) -> ClientMessage:
         if "top_p" not in obj and limits.top_p is not None:
             message.top_p = limits.default_top_p(message.top_p)
         validate_generate(message, limits, request_id)
-    elif isinstance(message, Cancel) and message.request_id is not None:
+    elif isinstance(message, (Cancel, Embed)) and message.request_id is not None:
         _check_id("request_id", message.request_id)
     elif isinstance(message, Resume):
         _check_id("request_id", message.request_id)

@@ -48,7 +48,23 @@ _decoder = msgspec.json.Decoder(_EmbeddingsBody)
 
 def decode_embeddings(body: bytes) -> EmbeddingsRequest:
     parsed: _EmbeddingsBody = decode_body(_decoder, body)
-    raw = parsed.input
+    return EmbeddingsRequest(
+        parsed.model,
+        inputs_of(parsed.input),
+        parsed.encoding_format,
+        dimensions_of(parsed.dimensions),
+    )
+
+
+def dimensions_of(dimensions: int | None) -> int | None:
+    if dimensions is not None and dimensions < 1:
+        raise InvalidRequest(f"dimensions: {dimensions} is not a positive size")
+    return dimensions
+
+
+def inputs_of(raw: str | list[str | int | list[int]]) -> tuple[Input, ...]:
+    """``input`` as the inputs it holds (the same rules for ``/v1/embeddings`` and the
+    ``embed`` frame)."""
     inputs: tuple[Input, ...]
     if isinstance(raw, str):
         inputs = (raw,)
@@ -68,12 +84,11 @@ def decode_embeddings(body: bytes) -> EmbeddingsRequest:
             raise InvalidRequest(f"input[{index}] is empty")
     if len(inputs) > MAX_INPUTS:
         raise InvalidRequest(f"input: {len(inputs)} inputs, at most {MAX_INPUTS} per request")
-    if parsed.dimensions is not None and parsed.dimensions < 1:
-        raise InvalidRequest(f"dimensions: {parsed.dimensions} is not a positive size")
-    return EmbeddingsRequest(parsed.model, inputs, parsed.encoding_format, parsed.dimensions)
+    return inputs
 
 
-def _vector(values: list[float], encoding: str) -> list[float] | str:
+def vector(values: list[float], encoding: str) -> list[float] | str:
+    """One vector as the answer carries it (``base64``: its little-endian float32 bytes)."""
     if encoding == "base64":
         return base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode()
     return values
@@ -87,7 +102,7 @@ def embeddings_body(
         {
             "object": "list",
             "data": [
-                {"object": "embedding", "index": i, "embedding": _vector(v, encoding)}
+                {"object": "embedding", "index": i, "embedding": vector(v, encoding)}
                 for i, v in enumerate(vectors)
             ],
             "model": model,

@@ -107,7 +107,20 @@ class EndSession(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     type: Literal["end_session"] = "end_session"
 
 
-ClientMessage = Generate | Cancel | Resume | Ping | EndSession
+class Embed(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``embed``: vectors for ``input`` from an embedding model, answered by an
+    ``embeddings`` frame (the fields of ``POST /v1/embeddings``; rules in
+    :mod:`seedance.protocol.embeddings`)."""
+
+    type: Literal["embed"] = "embed"
+    input: str | list[str | int | list[int]]
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    request_id: str | None = None
+
+
+ClientMessage = Generate | Cancel | Resume | Ping | EndSession | Embed
 
 
 # --------------------------------------------------------------------------- server -> client
@@ -202,4 +215,21 @@ class PongFrame(_ServerFrame, tag="pong"):
     id: Any = None
 
 
-ServerFrame = SessionFrame | StartFrame | TokenFrame | DoneFrame | ErrorFrame | PongFrame
+class EmbeddingsUsage(msgspec.Struct):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingsFrame(_ServerFrame, tag="embeddings"):
+    """The answer to ``embed``: a vector per input, in order (``base64``: each one's
+    little-endian float32 bytes)."""
+
+    request_id: str
+    model: str
+    data: list[list[float] | str]
+    usage: EmbeddingsUsage
+
+
+ServerFrame = (
+    SessionFrame | StartFrame | TokenFrame | DoneFrame | ErrorFrame | PongFrame | EmbeddingsFrame
+)

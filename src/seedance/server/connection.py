@@ -35,6 +35,7 @@ from seedance.protocol.codec import (
     encode_frame,
 )
 from seedance.protocol.e2e import SEALED, Channel
+from seedance.protocol.embeddings import dimensions_of, inputs_of, vector
 from seedance.protocol.errors import (
     CLOSE_GOING_AWAY,
     CLOSE_IDLE_TIMEOUT,
@@ -52,6 +53,9 @@ from seedance.protocol.messages import (
     Cancel,
     ClientMessage,
     DoneFrame,
+    Embed,
+    EmbeddingsFrame,
+    EmbeddingsUsage,
     EndSession,
     ErrorFrame,
     Generate,
@@ -63,6 +67,7 @@ from seedance.protocol.messages import (
 )
 from seedance.server.keepalive import Action, Heartbeat, Keepalive
 from seedance.server.lifecycle.admit import Requester, admit, new_request_id, prepare
+from seedance.server.lifecycle.embed import embed
 from seedance.server.lifecycle.reader import Reading
 from seedance.server.outbound import Outbound, close_websocket
 from seedance.server.transport import AsgiWebSocket
@@ -214,6 +219,7 @@ class Connection:
         self.close_code: int | None = None
         self.requests = 0
         self._deferred = 0  # messages left to the receive loop, to keep their order
+        self._embeddings: set[asyncio.Task[None]] = set()  # embed frames being answered
         ws.on_pong(self._on_control_pong)
 
     @property
@@ -355,6 +361,8 @@ class Connection:
     async def _finish(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
+        for task in list(self._embeddings):  # nobody to answer
+            task.cancel()
         await self._leave_stream()  # a disconnect: the last reader's leaving may abort it
         await self.out.stop()
         self.state = State.CLOSED
@@ -467,6 +475,10 @@ class Connection:
             generation = self._running()
             if generation is not None and message.request_id in (None, generation.request_id):
                 generation.cancel(silent=False)
+        elif isinstance(message, Embed):
+            task = asyncio.create_task(self._embed(message))
+            self._embeddings.add(task)
+            task.add_done_callback(self._embeddings.discard)
 
     def _on_binary(self, data: bytes) -> None:
         check_frame_size(data, self.config.max_frame_bytes)
@@ -502,6 +514,42 @@ class Connection:
         then the connection closes with 1000."""
         await self._stop_generation(silent=False)
         self.close(CLOSE_NORMAL, "session ended by an administrator")
+
+    async def _embed(self, message: Embed) -> None:
+        """An ``embed`` frame, beside whatever streams (it needs no session turn): its
+        ``embeddings`` frame, or its error; reported as every API reports one."""
+        request_id = RequestId(message.request_id) if message.request_id else new_request_id()
+        arrival = self._arrival(request_id, operation="embeddings")
+        arrival.model = None  # the embedding model, once chosen
+        services = self.services
+        try:
+            done = await embed(
+                services,
+                arrival,
+                message.model,
+                inputs_of(message.input),
+                dimensions_of(message.dimensions),
+            )
+        except asyncio.CancelledError:  # the connection closed first
+            services.refusals.answered(arrival, "aborted")
+            raise
+        except Exception as exc:
+            error = exc if isinstance(exc, SeedanceError) else None
+            if error is None:
+                logger.exception("embed request %s failed", request_id)
+                error = InternalError(f"internal error on request {request_id}")
+            error.request_id = request_id
+            services.refusals.refuse(arrival, error)
+            self.fail(error)
+            return
+        data = [vector(v, message.encoding_format) for v in done.vectors]
+        usage = EmbeddingsUsage(prompt_tokens=done.tokens, total_tokens=done.tokens)
+        frame = EmbeddingsFrame(
+            request_id=request_id, model=done.model.name, data=data, usage=usage
+        )
+        self.out.put(encode_frame(frame))
+        self.requests += 1
+        services.refusals.answered(arrival, "embedded", done.tokens)
 
     # ------------------------------------------------------------------ generations
 
@@ -548,13 +596,14 @@ class Connection:
         request_id: str | None,
         parent: Context | None = None,
         received: float | None = None,
+        operation: str = "chat",
     ) -> Arrival:
         """A frame of this connection, as it was read: what its span and report name (its
         parent: ``parent``, else the handshake's ``traceparent``, parsed once)."""
         arrival = self.services.refusals.arrive(
             "websocket",
             self.ws.scope,
-            "chat",
+            operation,
             request_id=request_id,
             parent=parent if parent is not None else self.trace_parent,
             received=received,
