@@ -534,13 +534,7 @@ class Connection:
             services.refusals.answered(arrival, "aborted")
             raise
         except Exception as exc:
-            error = exc if isinstance(exc, SeedanceError) else None
-            if error is None:
-                logger.exception("embed request %s failed", request_id)
-                error = InternalError(f"internal error on request {request_id}")
-            error.request_id = request_id
-            services.refusals.refuse(arrival, error)
-            self.fail(error)
+            self._refuse(arrival, exc)
             return
         data = [vector(v, message.encoding_format) for v in done.vectors]
         usage = EmbeddingsUsage(prompt_tokens=done.tokens, total_tokens=done.tokens)
@@ -580,16 +574,23 @@ class Connection:
                 self.requester = dataclasses.replace(self.requester, model=served)
             generation = admit(services, arrival, self.requester, message)
         except Exception as exc:
-            error = exc if isinstance(exc, SeedanceError) else None
-            if error is None:
-                logger.exception("request %s failed to start", request_id)
-                error = InternalError(f"internal error on request {request_id}")
-            error.request_id = request_id
-            services.refusals.refuse(arrival, error)
-            self.fail(error)
+            self._refuse(arrival, exc)
             return
         self._read(generation.log, generation)
         self.requests += 1
+
+    def _refuse(self, arrival: Arrival, exc: Exception) -> None:
+        """A request frame not admitted (or failed on the way): reported as every refusal is,
+        and its error sent; anything but a :class:`SeedanceError` is a fault of ours, logged
+        with its traceback and sent as ``internal_error``."""
+        request_id = arrival.request_id
+        error = exc if isinstance(exc, SeedanceError) else None
+        if error is None:
+            logger.error("request %s failed", request_id, exc_info=exc)
+            error = InternalError(f"internal error on request {request_id}")
+        error.request_id = request_id
+        self.services.refusals.refuse(arrival, error)
+        self.fail(error)
 
     def _arrival(
         self,
