@@ -80,12 +80,17 @@ def llama_server(report: Report) -> Contender:
 def llama_cpp_server() -> Contender:
     """llama-cpp-python's OpenAI-compatible server; by default it aborts a running stream when
     another request arrives, so the benchmark turns that off. A runtime-dispatch build finds its
-    CPU backends only in the working directory (Seedance's engine loads them itself)."""
-    argv = [sys.executable, "-m", "llama_cpp.server", "--model", str(default_model_path())]
+    CPU backends only in the working directory (Seedance's engine loads them itself). Its weight
+    layout is the engine's decision for this machine (:mod:`benchmarks.peers.llama_cpp_server`)."""
+    argv = [sys.executable, "-m", "benchmarks.peers.llama_cpp_server"]
+    argv += [*([] if _repack() else ["--no-repack"]), "--model", str(default_model_path())]
     argv += ["--port", "{port}", "--n_threads", _threads(), "--n_threads_batch", _threads()]
     argv += ["--n_ctx", "4096", "--interrupt_requests", "False", "--verbose", "False"]
     cwd = backend_cwd()
-    return Contender("peer", "llama-cpp-python server", argv, "/v1", pinned=False, cwd=cwd)
+    repo = {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}  # benchmarks, from cwd
+    return Contender(
+        "peer", "llama-cpp-python server", argv, "/v1", pinned=False, cwd=cwd, env=repo
+    )
 
 
 def bare(*args: str) -> dict[str, float]:

@@ -40,9 +40,13 @@ MAX_TOKENS = 16
 
 def make_registry(root: Path) -> Path:
     """The embedded model, once per version, signed; returns the public key's path."""
-    from seedance.engines.local import default_model_path
+    from seedance.engines.llamacpp.cpu import resolve_repack
+    from seedance.engines.local import default_model_path, machine_cores
     from seedance.models.registry import Registry, place, sign_version
     from seedance.models.signing import keygen
+
+    decided = resolve_repack("auto", default_model_path(), machine_cores())
+    repack = "on" if decided.repack else "off"
 
     key = root / "bench.key"
     public, _ = keygen(key)
@@ -58,7 +62,9 @@ def make_registry(root: Path) -> Path:
             version=version,
             git_commit="bench",
             engine="llamacpp",
-            engine_options={"parallel": 8, "n_ctx": 8 * 1024, "repack": "on"},
+            # The layout fixed as the engine decides it for this CPU (cached by the probe):
+            # "auto" in the manifest would probe at every load, under the load.
+            engine_options={"parallel": 8, "n_ctx": 8 * 1024, "repack": repack},
         )
     Registry(root / "registry").promote("smollm2", VERSIONS[0])
     return public

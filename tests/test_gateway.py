@@ -9,11 +9,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import time
 import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -25,6 +27,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from seedance.client import connect
+from seedance.engines.llamacpp.cpu import resolve_repack
 from seedance.engines.llamacpp.native import backend_cwd
 from seedance.engines.local import default_model_path
 from seedance.engines.openai_upstream import OpenAIUpstreamEngine
@@ -38,16 +41,21 @@ from tests.support.servers import RunningServer, asgi_server
 
 @pytest.fixture(scope="module")
 def llama_upstream() -> Iterator[str]:
-    """``python -m llama_cpp.server`` on the embedded GGUF."""
+    """``python -m llama_cpp.server`` on the embedded GGUF, its weight layout the engine's
+    decision for this CPU (benchmarks.peers.llama_cpp_server)."""
     port = free_port()
+    model = default_model_path()
+    layout = [] if resolve_repack("auto", model, 2).repack else ["--no-repack"]
     proc = subprocess.Popen(
         [
-            *(sys.executable, "-m", "llama_cpp.server", "--model", str(default_model_path())),
-            *("--port", str(port), "--n_threads", "2", "--n_ctx", "2048", "--verbose", "False"),
+            *(sys.executable, "-m", "benchmarks.peers.llama_cpp_server", *layout),
+            *("--model", str(model), "--port", str(port), "--n_threads", "2"),
+            *("--n_ctx", "2048", "--verbose", "False"),
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         cwd=backend_cwd(),  # where a runtime-dispatch build's CPU backends are found
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
     )
     url = f"http://127.0.0.1:{port}/v1"
     deadline = time.monotonic() + 60

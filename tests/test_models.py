@@ -346,8 +346,9 @@ async def test_a_new_version_is_swapped_in_while_8_streams_run_on_the_old_one(
             version=version,
             git_commit="0123abcd",
             engine="llamacpp",
-            # repack fixed: "auto" would measure both layouts while the streams run.
-            engine_options={"parallel": 8, "n_ctx": 8 * 512, "threads": 2, "repack": "on"},
+            # repack fixed: "auto" would measure both layouts while the streams run ("off":
+            # the layout every CPU runs).
+            engine_options={"parallel": 8, "n_ctx": 8 * 512, "threads": 2, "repack": "off"},
         )
     Registry(root).promote("smollm2", "1.0.0")
     server = registry_server(make_server, root, keys, model="smollm2", model_watch_s=0.2)

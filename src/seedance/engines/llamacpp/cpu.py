@@ -6,9 +6,10 @@ it may trap (a VM that reports AMX without enabling its state: SIGILL at the fir
 whole server gone) or run slower than the plain layout (AMX decoded SmolLM2 at about 7 tokens/s
 against 90-112 without, on a Sapphire Rapids VM). So ``auto``, the default, measures: a child
 process loads the model each way and times a short prefill and a batched decode; a layout
-whose child dies is never used, and repacking is used only when it is at least
-:data:`MIN_GAIN` faster. The decision is cached per CPU, llama.cpp build, model file and thread
-count (:func:`cache_key`), so only a first start pays for it (about 5 s for SmolLM2 on 2 cores).
+whose child dies is never used (``on`` refuses to start with it), and repacking is used only
+when it is at least :data:`MIN_GAIN` faster. The decision is cached per CPU, llama.cpp build,
+model file and thread count (:func:`cache_key`), so only a first start pays for it (about 5 s
+for SmolLM2 on 2 cores).
 
 The child is this module: ``python -m seedance.engines.llamacpp.cpu MODEL --repack on``.
 """
@@ -191,9 +192,20 @@ def resolve_repack(
     cache: Path | None = None,
     prober: Prober = probe_child,
 ) -> Decision:
-    """``--repack``'s answer for this model on this machine (see the module's docstring)."""
-    if mode != "auto":
-        return Decision(mode == "on", "flag")
+    """``--repack``'s answer for this model on this machine (see the module's docstring).
+    ``on`` is checked against the probe's result (cached, or measured once): a layout that
+    kills its child is refused at start, by name, instead of taking the server down at its
+    first reply."""
+    if mode == "off":
+        return Decision(False, "flag")
+    if mode == "on":
+        probed = resolve_repack("auto", model, threads, cache=cache, prober=prober)
+        if probed.on is not None and not probed.on.ok and not probed.on.refused:
+            raise ConfigError(
+                f"--repack on: llama.cpp's repacked weights fail on this CPU "
+                f"({probed.on.failure}); use --repack auto (the default) or off"
+            )
+        return Decision(True, "flag", probed.on, probed.off)
     require_model_file(model)
     cache = cache or cache_dir()
     path = cache / "llamacpp-repack.json"
