@@ -47,6 +47,7 @@ __all__ = [
     "Prompt",
     "Requester",
     "admit",
+    "check_serving",
     "choose_model",
     "explicit_prompt",
     "new_request_id",
@@ -97,6 +98,15 @@ def prepare(
     return model, model.check(message, field=field)
 
 
+def check_serving(services: Services) -> None:
+    """The first checks of every request, generation or not: the server draining, the
+    cluster's store, the audit log (the :class:`SeedanceError` that refuses it)."""
+    services.shutdown.check()
+    if services.cluster is not None:
+        services.cluster.check()  # refused while the cluster's Redis does not answer
+    services.audit.check()
+
+
 def admit(
     services: Services,
     arrival: Arrival,
@@ -111,10 +121,7 @@ def admit(
     request continues ``requester.session`` (its history trimmed to fit).
     ``without_readers``: what the generation does when its last reader leaves (by default
     ``grace`` for a resumable request, else ``abort``)."""
-    services.shutdown.check()
-    if services.cluster is not None:
-        services.cluster.check()  # refused while the cluster's Redis does not answer
-    services.audit.check()
+    check_serving(services)
     model = requester.model
     qos = parse_qos(message.qos) if message.qos is not None else requester.qos
     if qos is not None and message.priority == 0:

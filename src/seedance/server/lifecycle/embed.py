@@ -7,7 +7,9 @@ frame of ``/v2/infer``): written once.
    empty, an unknown id: an :class:`InvalidRequest` naming the input); ``dimensions`` only as
    the model's own;
 3. the checks a generation meets where they apply, in the same order: the server draining,
-   the audit log, the tenant's quotas (a request and its input tokens count against its rates);
+   the cluster's store, the audit log (:func:`~seedance.server.lifecycle.admit.check_serving`,
+   the same function), the tenant's quotas (a request and its input tokens count against its
+   rates);
 4. the model's own admission queue, then the engine's batches.
 
 Whatever refuses the call raises the :class:`~seedance.protocol.errors.SeedanceError` that
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 from seedance.protocol.errors import InvalidRequest
-from seedance.server.lifecycle.admit import choose_model
+from seedance.server.lifecycle.admit import check_serving, choose_model
 
 if TYPE_CHECKING:
     from seedance.engines.embeddings import EmbeddingEngine
@@ -87,8 +89,7 @@ async def embed(
     engine = cast("EmbeddingEngine", model.engine)
     rows = token_rows(engine, inputs, dimensions)
     tokens = sum(len(row) for row in rows)
-    services.shutdown.check()
-    services.audit.check()
+    check_serving(services)
     tenant = principal.tenant
     services.usage.start_request(tenant.name, tenant.quotas, tokens, 0)
     try:
