@@ -199,7 +199,7 @@ class EmbeddingsConfig:
         0,
         "--embedding-threads",
         int,
-        "CPU threads of the embedding model (0: PyTorch's default, the cores)",
+        "CPU threads of the embedding model (0: the cores this process may use)",
         non_negative,
         "0 or more",
         name="embedding_threads",

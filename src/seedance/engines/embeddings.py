@@ -30,7 +30,8 @@ from typing import Any, Final
 
 from seedance.config import ConfigError
 from seedance.engines.base import Engine, GenerationRequest, ModelInfo, TokenDelta
-from seedance.engines.hf.loader import require_torch, resolve_device
+from seedance.engines.hf.loader import load, require_torch
+from seedance.engines.local import machine_cores
 from seedance.protocol.errors import EngineError, InvalidRequest
 from seedance.protocol.messages import ChatMessage
 
@@ -157,19 +158,8 @@ class EmbeddingEngine(Engine):
         max_batch_inputs: int = 64,
     ) -> None:
         require_torch()
-        import torch
-        from transformers import AutoModel, AutoTokenizer
-
-        self.device = resolve_device(device)
-        if threads:
-            torch.set_num_threads(threads)
-        try:
-            self.tokenizer_ = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-            self.model = AutoModel.from_pretrained(str(folder), local_files_only=True)
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"cannot load the embedding model in {folder}: {exc}") from None
-        self.model.to(self.device).eval()
-        config = self.model.config
+        self.loaded = load(folder, device, threads or machine_cores(), causal=False)
+        config = self.loaded.model.config
         positions = int(getattr(config, "max_position_embeddings", 512))
         self.pipeline = read_pipeline(folder, positions)
         self.dimensions = int(config.hidden_size)
@@ -182,7 +172,7 @@ class EmbeddingEngine(Engine):
             max_output_tokens=1,
             version=folder.name,
         )
-        self._vocabulary = _Vocabulary(self.tokenizer_, name)
+        self._vocabulary = _Vocabulary(self.loaded.tokenizer, name)
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self.passes = 0  # forward passes run (batches)
@@ -193,14 +183,14 @@ class EmbeddingEngine(Engine):
         return self._info
 
     def count_tokens(self, text: str) -> int:
-        return len(self.tokenizer_.encode(text, add_special_tokens=False))
+        return len(self._vocabulary.tokenize(text, add_special=False))
 
     def tokenizer(self) -> _Vocabulary:
         return self._vocabulary
 
     def encode(self, text: str) -> list[int]:
         """An input's tokens as the model reads it (its special tokens included)."""
-        return list(self.tokenizer_.encode(text, add_special_tokens=True))
+        return self._vocabulary.tokenize(text, add_special=True)
 
     def check_input(self, index: int, tokens: Sequence[int]) -> None:
         """Refuse an input the model cannot take whole (too long, empty, an unknown id)."""
@@ -212,7 +202,7 @@ class EmbeddingEngine(Engine):
                 f"input[{index}] takes {len(tokens)} tokens; model {self._info.name} embeds at "
                 f"most {limit}"
             )
-        vocab = len(self.tokenizer_)
+        vocab = self._vocabulary.vocab_size
         for token in tokens:
             if not 0 <= token < vocab:
                 raise InvalidRequest(
@@ -285,17 +275,18 @@ class EmbeddingEngine(Engine):
 
         self.passes += 1
         width = max(len(r) for r in rows)
-        pad = self.tokenizer_.pad_token_id or 0
+        pad = self.loaded.tokenizer.pad_token_id or 0
+        device = self.loaded.device
         ids = torch.full((len(rows), width), pad, dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
         for i, row in enumerate(rows):
             ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
             mask[i, : len(row)] = 1
         with torch.inference_mode():
-            out = self.model(
-                input_ids=ids.to(self.device), attention_mask=mask.to(self.device)
+            out = self.loaded.model(
+                input_ids=ids.to(device), attention_mask=mask.to(device)
             ).last_hidden_state
-            weights = mask.to(self.device).unsqueeze(-1).to(out.dtype)
+            weights = mask.to(device).unsqueeze(-1).to(out.dtype)
             mode = self.pipeline.pooling
             if mode == "cls_token":
                 pooled = out[:, 0]

@@ -57,16 +57,17 @@ def resolve_device(name: str) -> torch.device:
 
 @dataclass(frozen=True)
 class Loaded:
-    model: Any  # a transformers PreTrainedModel (causal LM), in eval mode on ``device``
+    model: Any  # a transformers PreTrainedModel (causal LM, or not), in eval mode on ``device``
     tokenizer: Any  # a transformers tokenizer
     device: torch.device
     dtype: torch.dtype
 
 
-def load(path: Path, device_name: str, threads: int) -> Loaded:
-    """The model and tokenizer at ``path`` on ``device_name``."""
+def load(path: Path, device_name: str, threads: int, *, causal: bool = True) -> Loaded:
+    """The model and tokenizer at ``path`` on ``device_name``: a causal LM, or with
+    ``causal=False`` the bare transformer (an embedding model's)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
     device = resolve_device(device_name)
     if device.type == "cpu":
@@ -84,7 +85,8 @@ def load(path: Path, device_name: str, threads: int) -> Loaded:
     logger.info("loading %s with transformers (%s)", where, dtype)
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **extra)
-        model: Any = AutoModelForCausalLM.from_pretrained(
+        kind = AutoModelForCausalLM if causal else AutoModel
+        model: Any = kind.from_pretrained(
             folder, local_files_only=True, dtype=dtype, attn_implementation="sdpa", **extra
         )
     except ImportError as exc:  # gguf or accelerate missing
