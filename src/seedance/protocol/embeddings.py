@@ -19,6 +19,7 @@ from typing import Final, Literal
 import msgspec
 
 from seedance.protocol.errors import InvalidRequest
+from seedance.protocol.messages import EmbedFields
 from seedance.protocol.openai import decode_body
 
 #: Inputs in one request, at most (OpenAI's limit).
@@ -27,11 +28,7 @@ MAX_INPUTS: Final = 2048
 Input = str | list[int]
 
 
-class _EmbeddingsBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    input: str | list[str | int | list[int]]  # checked below: one kind per list
-    model: str | None = None
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
+class _EmbeddingsBody(EmbedFields, kw_only=True):
     user: str | None = None
 
 
@@ -47,24 +44,23 @@ _decoder = msgspec.json.Decoder(_EmbeddingsBody)
 
 
 def decode_embeddings(body: bytes) -> EmbeddingsRequest:
-    parsed: _EmbeddingsBody = decode_body(_decoder, body)
+    """A ``POST /v1/embeddings`` body."""
+    return embeddings_request(decode_body(_decoder, body))
+
+
+def embeddings_request(fields: EmbedFields) -> EmbeddingsRequest:
+    """An embedding request's fields checked, the same for ``/v1/embeddings`` and the
+    ``embed`` frame."""
+    dimensions = fields.dimensions
+    if dimensions is not None and dimensions < 1:
+        raise InvalidRequest(f"dimensions: {dimensions} is not a positive size")
     return EmbeddingsRequest(
-        parsed.model,
-        inputs_of(parsed.input),
-        parsed.encoding_format,
-        dimensions_of(parsed.dimensions),
+        fields.model, _inputs(fields.input), fields.encoding_format, dimensions
     )
 
 
-def dimensions_of(dimensions: int | None) -> int | None:
-    if dimensions is not None and dimensions < 1:
-        raise InvalidRequest(f"dimensions: {dimensions} is not a positive size")
-    return dimensions
-
-
-def inputs_of(raw: str | list[str | int | list[int]]) -> tuple[Input, ...]:
-    """``input`` as the inputs it holds (the same rules for ``/v1/embeddings`` and the
-    ``embed`` frame)."""
+def _inputs(raw: str | list[str | int | list[int]]) -> tuple[Input, ...]:
+    """``input`` as the inputs it holds: one kind per list."""
     inputs: tuple[Input, ...]
     if isinstance(raw, str):
         inputs = (raw,)

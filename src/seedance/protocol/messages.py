@@ -107,16 +107,21 @@ class EndSession(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     type: Literal["end_session"] = "end_session"
 
 
-class Embed(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """``embed``: vectors for ``input`` from an embedding model, answered by an
-    ``embeddings`` frame (the fields of ``POST /v1/embeddings``; rules in
-    :mod:`seedance.protocol.embeddings`)."""
+class EmbedFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """What an embedding request asks, in the ``embed`` frame and the body of
+    ``POST /v1/embeddings`` alike (rules in :mod:`seedance.protocol.embeddings`)."""
 
-    type: Literal["embed"] = "embed"
     input: str | list[str | int | list[int]]
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
+
+
+class Embed(EmbedFields, kw_only=True):
+    """``embed``: vectors for ``input`` from an embedding model, answered by an
+    ``embeddings`` frame."""
+
+    type: Literal["embed"] = "embed"
     request_id: str | None = None
 
 

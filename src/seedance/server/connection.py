@@ -35,7 +35,7 @@ from seedance.protocol.codec import (
     encode_frame,
 )
 from seedance.protocol.e2e import SEALED, Channel
-from seedance.protocol.embeddings import dimensions_of, inputs_of, vector
+from seedance.protocol.embeddings import embeddings_request, vector
 from seedance.protocol.errors import (
     CLOSE_GOING_AWAY,
     CLOSE_IDLE_TIMEOUT,
@@ -523,13 +523,7 @@ class Connection:
         arrival.model = None  # the embedding model, once chosen
         services = self.services
         try:
-            done = await embed(
-                services,
-                arrival,
-                message.model,
-                inputs_of(message.input),
-                dimensions_of(message.dimensions),
-            )
+            done = await embed(services, arrival, embeddings_request(message))
         except asyncio.CancelledError:  # the connection closed first
             services.refusals.answered(arrival, "aborted")
             raise

@@ -35,9 +35,7 @@ class EmbeddingsEndpoint:
     async def run(self, call: HttpCall, body: bytes) -> None:
         try:
             request = decode_embeddings(body)
-            done = await embed(
-                self.services, call.arrival, request.model, request.inputs, request.dimensions
-            )
+            done = await embed(self.services, call.arrival, request)
         except Exception as exc:
             await call.fail(exc)
             return

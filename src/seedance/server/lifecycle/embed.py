@@ -27,7 +27,7 @@ from seedance.server.lifecycle.admit import check_serving, choose_model
 
 if TYPE_CHECKING:
     from seedance.engines.embeddings import EmbeddingEngine
-    from seedance.protocol.embeddings import Input
+    from seedance.protocol.embeddings import EmbeddingsRequest, Input
     from seedance.server.lifecycle.models import ModelTable, ServedModel
     from seedance.server.lifecycle.refusals import Arrival
     from seedance.server.lifecycle.services import Services
@@ -74,20 +74,14 @@ def token_rows(
     return rows
 
 
-async def embed(
-    services: Services,
-    arrival: Arrival,
-    name: str | None,
-    inputs: tuple[Input, ...],
-    dimensions: int | None,
-) -> Embedded:
-    """A vector for each of ``inputs`` (see the module); ``arrival`` names the caller and
-    gets the model."""
+async def embed(services: Services, arrival: Arrival, request: EmbeddingsRequest) -> Embedded:
+    """A vector for each of ``request``'s inputs (see the module); ``arrival`` names the
+    caller and gets the model."""
     principal = arrival.principal
     assert principal is not None
-    model = arrival.model = embedding_model(services.models, principal, name)
+    model = arrival.model = embedding_model(services.models, principal, request.model)
     engine = cast("EmbeddingEngine", model.engine)
-    rows = token_rows(engine, inputs, dimensions)
+    rows = token_rows(engine, request.inputs, request.dimensions)
     tokens = sum(len(row) for row in rows)
     check_serving(services)
     tenant = principal.tenant
