@@ -339,3 +339,41 @@ async def test_the_gateway_sends_requests_where_the_first_token_comes_sooner(
         for _ in range(5):
             await session.complete("x", max_tokens=2)
     assert gold.engine.stats.requests_started == served[2] + 5
+
+
+@pytest.mark.model
+async def test_schemas_pass_through_to_the_upstream(make_server, smollm: RunningServer) -> None:  # type: ignore[no-untyped-def]
+    """A reply bound to a schema in gateway mode: the upstream (another Seedance, on llama.cpp)
+    enforces it, asked as OpenAI's ``response_format``. (llama-cpp-python's server knows only
+    ``json_object``, not OpenAI's ``json_schema``: not an upstream for schemas.)"""
+    import jsonschema
+    import openai
+    import pydantic
+
+    class City(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=20)
+        population: int = pydantic.Field(ge=0, le=50_000_000)
+
+    server = gateway(make_server, f"{smollm.http_url}/v1")
+    api = openai.AsyncOpenAI(base_url=f"{server.http_url}/v1", api_key="none", max_retries=0)
+    model = (await api.models.list()).data[0].id
+    reply = await api.chat.completions.parse(
+        model=model,
+        messages=[{"role": "user", "content": "Describe Paris."}],
+        response_format=City,
+        max_tokens=80,
+        temperature=0,
+    )
+    assert isinstance(reply.choices[0].message.parsed, City)
+    async with connect(server.url) as session:
+        schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+        done = await session.complete("Is the sky blue?", schema=schema, max_tokens=30)
+        jsonschema.validate(json.loads(done.text or ""), schema)
+    # What the upstream cannot enforce is its 400, passed on.
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}
+    with pytest.raises(openai.BadRequestError, match="Unimplemented keys"):
+        await api.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "x"}],
+            response_format=bad,  # type: ignore[arg-type]
+        )

@@ -7,6 +7,7 @@ sequences) serves every test that needs the model.
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from tests.support.ws import assert_contiguous, read  # noqa: E402
 
 PARALLEL = 4
 N_CTX_SEQ = 1024
+RISK = json.loads((Path(__file__).parents[1] / "benchmarks" / "risk_schema.json").read_text())
 pytestmark = [pytest.mark.timeout(300), pytest.mark.model]
 
 
@@ -217,6 +219,47 @@ async def test_the_openai_package_drives_it(hf: RunningServer) -> None:
         model="smollm2-135m", prompt="The capital of France is", temperature=0, max_tokens=6
     )
     assert "Paris" in completion.choices[0].text, completion.choices[0].text
+
+
+async def test_replies_bound_to_a_schema(hf: RunningServer) -> None:
+    """Two schema-bound replies in one batch (their masks on the logits' rows), through the
+    official package's ``parse``, and one free reply beside them."""
+    import jsonschema
+    import openai
+    import pydantic
+
+    class City(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=20)
+        country: str = pydantic.Field(max_length=20)
+        population: int = pydantic.Field(ge=0, le=50_000_000)
+
+    api = openai.AsyncOpenAI(base_url=f"{hf.http_url}/v1", api_key="none", max_retries=0)
+    parsed, free, risky = await asyncio.gather(
+        api.chat.completions.parse(
+            model="smollm2-135m",
+            messages=[{"role": "user", "content": "Describe Paris."}],
+            response_format=City,
+            max_tokens=80,
+        ),
+        api.chat.completions.create(
+            model="smollm2-135m",
+            messages=[{"role": "user", "content": "What is 2+2?"}],
+            temperature=0,
+            max_tokens=20,
+        ),
+        api.chat.completions.create(
+            model="smollm2-135m",
+            messages=[{"role": "user", "content": "Describe a risky card payment as JSON."}],
+            response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": RISK}},
+            max_tokens=300,
+            temperature=0.7,
+            seed=3,
+        ),
+    )
+    assert isinstance(parsed.choices[0].message.parsed, City)
+    assert "4" in (free.choices[0].message.content or "")
+    assert risky.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(risky.choices[0].message.content or ""), RISK)
 
 
 def test_load_errors_are_one_clear_line(tmp_path: Path) -> None:

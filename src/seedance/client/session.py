@@ -25,7 +25,7 @@ import random
 import secrets
 import ssl as ssl_module
 from collections import deque
-from collections.abc import Awaitable, Callable, Generator, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal
@@ -281,12 +281,16 @@ class ClientSession:
         priority: int = 0,
         resumable: bool = False,
         qos: QoS | str | None = None,
+        schema: Mapping[str, Any] | None = None,
     ) -> Stream:
         """Ask for a reply; iterate the result for its tokens. ``priority`` (-10 to 10, within
         the tenant's maximum) orders the request in the server's admission queue.
         ``resumable``: the reply survives a dropped connection (the session reconnects and
         resumes it). ``qos``: this request's quality of service, instead of the session's
-        (``X-QoS-Priority``: a class, an SLA tag, a health score)."""
+        (``X-QoS-Priority``: a class, an SLA tag, a health score). ``schema``: a JSON Schema
+        the reply is bound to (a Pydantic model's ``model_json_schema()``, say): the reply is
+        a JSON document valid for it, unless ``max_tokens`` cuts it (``finish_reason``
+        ``length``)."""
         fields: dict[str, Any] = {
             "prompt": prompt,
             "stream": stream,
@@ -296,6 +300,7 @@ class ClientSession:
             "priority": priority,
             "resumable": resumable,
             "qos": qos.header() if isinstance(qos, QoS) else qos,
+            "schema": dict(schema) if schema is not None else None,
         }
         if messages is not None:
             fields["messages"] = [

@@ -17,7 +17,9 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from seedance.protocol.errors import InvalidRequest
 from seedance.protocol.messages import ChatMessage, FinishReason, Generate, RequestId
+from seedance.protocol.schemas import OutputSchema, output_schema
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +45,9 @@ class SamplingParams:
     #: ``temperature`` and ``top_p``): an engine that knows the model's own defaults (vLLM's
     #: ``generation_config``) uses those instead of the values above, as ``vllm serve`` does.
     unset: frozenset[str] = frozenset()
+    #: The JSON Schema the reply must be valid for: the engine samples only tokens that keep
+    #: the text a prefix of a valid document, and ends the reply when the document is whole.
+    schema: OutputSchema | None = None
 
     @classmethod
     def of(cls, message: Generate, unset: frozenset[str] = frozenset()) -> SamplingParams:
@@ -54,6 +59,7 @@ class SamplingParams:
             stop=message.stop_strings(),
             seed=message.seed,
             unset=unset,
+            schema=None if message.schema is None else output_schema(message.schema, "schema"),
         )
 
 
@@ -170,6 +176,15 @@ class Engine(abc.ABC):
         May raise :class:`~seedance.protocol.errors.ContextOverflow`.
         """
         return self.count_prompt_tokens(messages) if estimate is None else estimate
+
+    def check_schema(self, schema: OutputSchema, field: str) -> None:
+        """Refuse (:class:`InvalidRequest` naming ``field``) a schema this engine cannot bind
+        its replies to, before any token; by default every schema: the engine cannot."""
+        raise InvalidRequest(
+            f"{field}: the {self.info.engine} engine of model {self.info.name} cannot bind its "
+            "replies to a schema",
+            param=field,
+        )
 
     def tokenizer(self) -> Tokenizer | None:
         """The model's own tokenizer and chat template, where the engine has them (None: it

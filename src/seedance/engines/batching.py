@@ -4,8 +4,9 @@ An engine that runs a model in this process (``llamacpp``, ``transformers``) has
 that owns the model and runs decode steps; requests join and leave between steps. This module
 holds the parts that do not depend on the model:
 
-- :class:`BatchJob`, a request inside the thread: its sink, how many tokens it may sample, and
-  the text assembly (incremental UTF-8, stop strings, tokens held back);
+- :class:`BatchJob`, a request inside the thread: its sink, how many tokens it may sample, the
+  text assembly (incremental UTF-8, stop strings, tokens held back), and the grammar of a
+  reply bound to a schema (:mod:`~seedance.engines.grammar`);
 - :class:`DecodeLoop`, the thread itself: submit and cancel from the event loop, the wait for
   work, the step's events handed to the event loop in one ``call_soon_threadsafe``, failure of
   one request or of the whole loop;
@@ -13,8 +14,9 @@ holds the parts that do not depend on the model:
   :class:`~seedance.engines.base.TokenDelta`, cancelling the job when the consumer goes away.
 
 A subclass implements :meth:`DecodeLoop._admit` (place waiting jobs) and
-:meth:`DecodeLoop._step` (one batched forward pass, then :meth:`DecodeLoop._accept` for each
-sampled token), and may extend :meth:`DecodeLoop._release`.
+:meth:`DecodeLoop._step` (one batched forward pass; :meth:`DecodeLoop._masks` for the jobs bound
+to a schema, applied to their logits; then :meth:`DecodeLoop._take` for each sampled token),
+and may extend :meth:`DecodeLoop._release`.
 """
 
 from __future__ import annotations
@@ -32,12 +34,18 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import llguidance
+import numpy as np
+import numpy.typing as npt
+
 from seedance.engines.base import EngineHealth, GenerationRequest, SamplingParams, TokenDelta
+from seedance.engines.grammar import Grammars, Masks, check_schema
 from seedance.engines.prompts import PromptedEngine
 from seedance.engines.stops import StopMatcher
 from seedance.eventloop import LightQueue
 from seedance.protocol.errors import EngineError
 from seedance.protocol.messages import FinishReason, RequestId
+from seedance.protocol.schemas import OutputSchema
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +90,7 @@ class BatchJob:
         "cancelled",
         "done",
         "generated",
+        "grammar",
         "held",
         "limit",
         "matcher",
@@ -100,6 +109,8 @@ class BatchJob:
         self.held = 0  # sampled tokens whose text is not out yet (partial UTF-8)
         self.cancelled = False
         self.done = False
+        #: The reply's schema, compiled (None: free text); it picks the tokens allowed next.
+        self.grammar: llguidance.LLMatcher | None = None
 
     def close(self) -> None:
         """Free what the job holds outside Python (a native sampler, say)."""
@@ -130,6 +141,7 @@ class DecodeLoop(abc.ABC):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._deliver: Deliver | None = None
         self._outbox: list[tuple[Any, Event]] = []
+        self._mask_rows = Masks()
 
     # -- the event loop's side -------------------------------------------------------------
 
@@ -263,6 +275,29 @@ class DecodeLoop(abc.ABC):
             self._active.remove(job)
         self._release(job)
 
+    # -- schemas -----------------------------------------------------------------------------
+
+    def _masks(self, jobs: list[BatchJob], vocab_size: int) -> npt.NDArray[np.int32]:
+        """The next-token masks of ``jobs`` (each bound to a schema), a row each, in order."""
+        return self._mask_rows.fill([job.grammar for job in jobs if job.grammar], vocab_size)
+
+    def _take(self, job: BatchJob, token: int, piece: bytes | None) -> bool:
+        """A sampled ``token`` (``piece``: its bytes, None at the end of generation) joins the
+        reply; true while ``job`` goes on. A reply bound to a schema ends when its document
+        is whole."""
+        grammar = job.grammar
+        if grammar is None or piece is None:
+            return self._accept(job, piece)
+        if not grammar.consume_token(token):  # the mask allowed it: llguidance disagrees
+            self._fail(job, f"the reply left its schema: {grammar.get_error()}")
+            return False
+        if not self._accept(job, piece):
+            return False
+        if grammar.is_stopped():
+            self._finish(job, "stop")
+            return False
+        return True
+
     # -- text out ----------------------------------------------------------------------------
 
     def _accept(self, job: BatchJob, piece: bytes | None) -> bool:
@@ -351,6 +386,8 @@ class BatchedEngine(PromptedEngine):
     """An engine whose requests run as jobs of a :class:`DecodeLoop` in this process."""
 
     loop: DecodeLoop
+    #: Binds replies to schemas, where the engine set it up (:meth:`_use_grammars`).
+    grammars: Grammars | None = None
 
     @abc.abstractmethod
     def _job(
@@ -380,11 +417,34 @@ class BatchedEngine(PromptedEngine):
         stats = self.loop.stats  # as of the decode thread's last step
         return stats.running + stats.waiting
 
+    def _use_grammars(self, build: Callable[[], llguidance.LLTokenizer]) -> None:
+        """Replies may be bound to schemas; ``build`` reads the vocabulary for llguidance."""
+        self.grammars = Grammars(build)
+
+    def check_schema(self, schema: OutputSchema, field: str) -> None:
+        if self.grammars is None:
+            super().check_schema(schema, field)
+        check_schema(schema, field)
+
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
         prompt = self.prompts.tokens(request.messages, request.raw, request.continuation)
         params = request.params
         seed = params.seed if params.seed is not None else secrets.randbits(32)
         events = LightQueue()  # filled a decode step at a time
         job = self._job(prompt, params, self.reply_limit(prompt, params), seed, events)
+        if params.schema is not None:
+            job.grammar = await self._grammar(params.schema, request.continuation)
         async for delta in run_job(self.loop, job, events, request.request_id):
             yield delta
+
+    async def _grammar(self, schema: OutputSchema, continuation: str) -> llguidance.LLMatcher:
+        """A matcher for one reply (``continuation``: the reply so far, which it has read)."""
+        grammars = self.grammars
+        if grammars is None:
+            raise EngineError(f"the {self._info.engine} engine cannot bind replies to a schema")
+        if not grammars.ready:  # the first schema: read the vocabulary off the event loop
+            await asyncio.to_thread(grammars.tokenizer)
+        matcher = grammars.matcher(schema)
+        if continuation and not matcher.consume_tokens(self.prompts.encode(continuation, False)):
+            raise EngineError(f"the reply so far does not fit its schema: {matcher.get_error()}")
+        return matcher

@@ -12,6 +12,8 @@ OpenAI's chat completions API (vLLM, TGI, llama.cpp's server, Ollama, another Se
 - **Retry**: a request that fails before its first token is tried once more on another
   upstream; after the first token a failure ends it with ``engine_error``.
 - **Cancel**: closing the reply closes the upstream HTTP request, which aborts it there.
+- **Schemas**: a reply bound to a JSON Schema is asked of the upstream as OpenAI's
+  ``response_format`` (``json_schema``), on both of its endpoints.
 
 Upstream 4xx answers other than 429 are the request's fault: they are passed on (400 as
 ``invalid_request``, with the upstream's message) and do not count against the upstream.
@@ -39,6 +41,7 @@ from seedance.engines.routing import Upstream, choose
 from seedance.protocol.errors import EngineError, InvalidRequest
 from seedance.protocol.messages import FinishReason
 from seedance.protocol.openai import decode_stream_chunk, sse_data
+from seedance.protocol.schemas import OutputSchema
 from seedance.settings import Option, non_negative, positive, urls
 
 if TYPE_CHECKING:
@@ -273,7 +276,18 @@ class OpenAIUpstreamEngine(Engine):
             body["stop"] = list(params.stop)
         if params.seed is not None:
             body["seed"] = params.seed
+        if params.schema is not None:  # the upstream binds the reply itself
+            body["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": params.schema.name or "reply",
+                    "schema": msgspec.Raw(params.schema.text.encode()),
+                },
+            }
         return path, _encode(body)
+
+    def check_schema(self, schema: OutputSchema, field: str) -> None:
+        """Any schema: the upstream decides what it can enforce (its 400 is passed on)."""
 
     async def _stream(
         self, upstream: Upstream, path: str, body: bytes, headers: dict[str, str]

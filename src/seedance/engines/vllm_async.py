@@ -38,6 +38,7 @@ from seedance.engines.prompts import PromptedEngine
 from seedance.engines.registry import EngineSpec
 from seedance.protocol.errors import EngineError, InvalidRequest, SeedanceError
 from seedance.protocol.messages import FinishReason
+from seedance.protocol.schemas import OutputSchema
 from seedance.settings import Option, non_negative
 
 if TYPE_CHECKING:
@@ -75,6 +76,20 @@ def require_vllm() -> Any:
             f"--engine vllm needs vLLM, which does not import here ({exc}); "
             f"install it with: {INSTALL_HINT}"
         ) from None
+
+
+def structured_output(schema: OutputSchema) -> dict[str, Any]:
+    """The ``SamplingParams`` field that binds a reply to ``schema``: ``structured_outputs``
+    where this vLLM has ``StructuredOutputsParams`` (the later releases), else
+    ``guided_decoding`` (``GuidedDecodingParams``, the releases before the rename). Found by
+    import, not by version number: untested here (no GPU was lent)."""
+    try:
+        from vllm.sampling_params import StructuredOutputsParams
+    except ImportError:
+        from vllm.sampling_params import GuidedDecodingParams
+
+        return {"guided_decoding": GuidedDecodingParams(json=schema.text)}
+    return {"structured_outputs": StructuredOutputsParams(json=schema.text)}
 
 
 def vllm_version(vllm: Any) -> tuple[int, int]:
@@ -232,7 +247,12 @@ class VllmEngine(PromptedEngine):
             "stop": list(params.stop) or None,
             "output_kind": RequestOutputKind.DELTA,
         }
+        if params.schema is not None:
+            sampling.update(structured_output(params.schema))
         return SamplingParams(**sampling)
+
+    def check_schema(self, schema: OutputSchema, field: str) -> None:
+        """Any schema: vLLM's structured-output backend decides (its refusal is passed on)."""
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
         prompt = self.prompts.tokens(request.messages, request.raw, request.continuation)

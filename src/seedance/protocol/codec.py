@@ -35,6 +35,7 @@ from seedance.protocol.messages import (
     ServerFrame,
 )
 from seedance.protocol.qos import parse_qos
+from seedance.protocol.schemas import output_schema
 
 MAX_SEED: Final = 2**64 - 1
 DEFAULT_MAX_TOKENS: Final = 256
@@ -211,6 +212,12 @@ def validate_generate(msg: Generate, limits: FrameLimits, request_id: str | None
             parse_qos(msg.qos)
         except InvalidRequest as exc:
             raise bad(exc.message) from None
+    if msg.schema is not None:
+        try:
+            output_schema(msg.schema, "schema")
+        except InvalidRequest as exc:
+            exc.request_id = request_id
+            raise
 
 
 def _id_rule_broken(value: str) -> str | None:

@@ -65,11 +65,14 @@ class SeedanceError(Exception):
         *,
         request_id: str | None = None,
         retry_after_s: float | None = None,
+        param: str | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.request_id = request_id
         self.retry_after_s = retry_after_s
+        #: The request field at fault, where one is (the OpenAI API's ``param``).
+        self.param = param
         #: Why, in one word, for errors that have several causes (``history_lost``).
         self.reason: str | None = None
 

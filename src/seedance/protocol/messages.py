@@ -61,6 +61,8 @@ class Generate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: Survive disconnects: the generation runs on for ``--resume-grace`` without a reader,
     #: and its frames can be read again (``resume``) for ``--resume-window`` after it ends.
     resumable: bool = False
+    #: A JSON Schema the reply must be valid for (the engine constrains its tokens to it).
+    schema: dict[str, Any] | None = None
 
     def turns(self) -> list[ChatMessage]:
         """The turns this request appends to the session context."""

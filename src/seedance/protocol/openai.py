@@ -17,6 +17,7 @@ import msgspec
 from seedance.protocol.codec import FrameLimits, validate_generate
 from seedance.protocol.errors import InvalidJSON, InvalidRequest, SeedanceError
 from seedance.protocol.messages import ChatMessage, DoneFrame, ErrorFrame, Generate
+from seedance.protocol.schemas import format_schema
 
 #: ``max_tokens`` of ``/v1/completions`` when absent (OpenAI's default).
 COMPLETIONS_DEFAULT_MAX_TOKENS: Final = 16
@@ -53,6 +54,21 @@ class _Extension(msgspec.Struct, forbid_unknown_fields=True):
     resumable: bool = False
 
 
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    """A named JSON Schema, as ``response_format.json_schema`` carries it (and, with its type
+    beside it, the Responses API's ``text.format``)."""
+
+    name: str | None = None
+    schema: Any = None  # checked by format_schema, which names the field
+    strict: bool | None = None
+    description: str | None = None
+
+
+class _ResponseFormat(msgspec.Struct, kw_only=True):
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _Common(msgspec.Struct, kw_only=True):
     model: str | None = None
     max_tokens: int | None = None
@@ -64,6 +80,7 @@ class _Common(msgspec.Struct, kw_only=True):
     stream: bool = False
     stream_options: _StreamOptions | None = None
     n: int = 1
+    response_format: _ResponseFormat | None = None
     seedance: _Extension | None = None
 
 
@@ -174,6 +191,7 @@ def _request(
         "priority": body.priority,
         "stream": body.stream,
         "resumable": bool(body.seedance and body.seedance.resumable),
+        "schema": _schema(body.response_format),
     }
     generate = Generate(**fields, **text)
     validate_generate(generate, limits)
@@ -187,6 +205,16 @@ def _request(
         unset=frozenset(name for name in ("temperature", "top_p") if getattr(body, name) is None),
         max_tokens_given=max_tokens is not None,
     )
+
+
+def _schema(response_format: _ResponseFormat | None) -> dict[str, Any] | None:
+    if response_format is None:
+        return None
+    kind, spec = response_format.type, response_format.json_schema
+    field = "response_format.json_schema" if kind == "json_schema" else "response_format"
+    if spec is None:
+        return format_schema(kind, None, field)
+    return format_schema(kind, spec.schema, field, strict=spec.strict)
 
 
 # --------------------------------------------------------------------------- streamed replies
@@ -271,7 +299,7 @@ def error_object(error: SeedanceError) -> dict[str, Any]:
     body: dict[str, Any] = {
         "message": error.message,
         "type": kind,
-        "param": None,
+        "param": error.param,
         "code": error.code,
     }
     if error.reason is not None:  # history_lost: why

@@ -16,6 +16,7 @@ as few deltas as it likes): every event once.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
@@ -24,13 +25,15 @@ import msgspec
 from seedance.protocol.codec import FrameLimits, validate_generate
 from seedance.protocol.errors import InvalidRequest
 from seedance.protocol.messages import ChatMessage, DoneFrame, ErrorFrame, Generate
-from seedance.protocol.openai import ROLES, decode_body, end_status
+from seedance.protocol.openai import ROLES, JsonSchemaFormat, decode_body, end_status
+from seedance.protocol.schemas import format_schema
 
 #: Sequence numbers of the events before the first token's.
 CREATED, IN_PROGRESS, ITEM_ADDED, PART_ADDED, FIRST_DELTA = 0, 1, 2, 3, 4
 
 _TEXT_PARTS: Final = ("input_text", "output_text", "text")
 MAX_METADATA: Final = 16
+_TEXT: Final = {"type": "text"}
 
 Status = Literal["queued", "in_progress", "completed", "incomplete", "cancelled", "failed"]
 
@@ -50,7 +53,7 @@ class _Item(msgspec.Struct, kw_only=True):
     status: str | None = None
 
 
-class _Format(msgspec.Struct):
+class _Format(JsonSchemaFormat, kw_only=True):
     type: str = "text"
 
 
@@ -99,6 +102,8 @@ class ResponsesRequest:
     unset: frozenset[str]
     #: Whether the body set ``max_output_tokens`` (else the default, held to the model's).
     max_tokens_given: bool = True
+    #: ``text.format`` as the response echoes it.
+    text_format: dict[str, Any] = dataclasses.field(default_factory=lambda: dict(_TEXT))
 
 
 _decoder = msgspec.json.Decoder(_Body)
@@ -111,8 +116,11 @@ def decode_responses(body: bytes, limits: FrameLimits) -> ResponsesRequest:
     if parsed.tool_choice not in (None, "none", "auto"):
         raise InvalidRequest("tool_choice: only 'auto' and 'none' are supported (no tools)")
     text_format = parsed.text.format if parsed.text is not None else None
-    if text_format is not None and text_format.type != "text":
-        raise InvalidRequest("text.format: only 'text' is supported")
+    schema = None
+    if text_format is not None:
+        schema = format_schema(
+            text_format.type, text_format.schema, "text.format", strict=text_format.strict
+        )
     if parsed.truncation not in (None, "disabled", "auto"):
         raise InvalidRequest("truncation: 'auto' or 'disabled'")
     if parsed.background and not parsed.store:
@@ -133,6 +141,7 @@ def decode_responses(body: bytes, limits: FrameLimits) -> ResponsesRequest:
         # The log keeps every token (a stored response can be read again as a stream).
         "stream": True,
         "resumable": parsed.store,
+        "schema": schema,
     }
     generate = Generate(**fields)
     try:
@@ -152,7 +161,16 @@ def decode_responses(body: bytes, limits: FrameLimits) -> ResponsesRequest:
         generate=generate,
         unset=frozenset(n for n in ("temperature", "top_p") if getattr(parsed, n) is None),
         max_tokens_given=max_tokens is not None,
+        text_format=_echo(text_format),
     )
+
+
+def _echo(text_format: _Format | None) -> dict[str, Any]:
+    """``text.format`` as the response object repeats it (its fields that were set)."""
+    if text_format is None:
+        return dict(_TEXT)
+    fields = msgspec.to_builtins(text_format)
+    return {name: value for name, value in fields.items() if value is not None}
 
 
 def _input(value: str | list[_Item]) -> list[ChatMessage]:
@@ -263,7 +281,7 @@ class Rendered:
             "previous_response_id": meta.get("previous_response_id"),
             "temperature": meta.get("temperature"),
             "top_p": meta.get("top_p"),
-            "text": {"format": {"type": "text"}},
+            "text": {"format": meta.get("text_format", _TEXT)},
             "tool_choice": "auto",
             "tools": [],
             "truncation": "disabled",

@@ -85,6 +85,7 @@ class OpenAIEndpoint:
             call.request_id,
             request.generate,
             unset=request.unset | ({"max_tokens"} if not request.max_tokens_given else set()),
+            schema_field="response_format",
         )
         prompt = explicit_prompt(
             model, request.messages, raw=request.kind == "completion", unset=request.unset

@@ -311,6 +311,7 @@ class ResponseCall:
             request.generate,
             unset=request.unset | ({"max_tokens"} if not request.max_tokens_given else set()),
             field="max_output_tokens",
+            schema_field="text.format",
         )
         history = []
         if request.previous_response_id is not None:
@@ -356,6 +357,7 @@ class ResponseCall:
             "store": request.store,
             "background": request.background,
             "metadata": request.metadata,
+            "text_format": request.text_format,
         }
         return generation, request
 

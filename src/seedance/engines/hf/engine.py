@@ -21,12 +21,14 @@ from pathlib import Path
 from typing import Any, Final
 
 import torch
+from llguidance.hf import from_tokenizer as llguidance_tokenizer
 
 from seedance.engines.base import (
     ModelInfo,
     SamplingParams,
 )
 from seedance.engines.batching import BatchedEngine, BatchJob, DecodeLoop
+from seedance.engines.grammar import forbidden
 from seedance.engines.hf.batch import PaddedBatch, check_cache
 from seedance.engines.hf.loader import Loaded, load, stop_tokens, token_pieces, tokenizer_prompts
 from seedance.engines.local import context_per_sequence, machine_cores
@@ -167,6 +169,13 @@ class TorchLoop(DecodeLoop):
 
     def _sample(self, logits: torch.Tensor, jobs: list[TorchJob]) -> None:
         logits = logits.float()
+        bound = [row for row, job in enumerate(jobs) if job.grammar is not None and not job.done]
+        if bound:  # the tokens a schema forbids, out of its rows
+            vocab = logits.shape[-1]
+            masks = self._masks([jobs[row] for row in bound], vocab)
+            for row, mask in zip(bound, masks, strict=True):
+                forbid = torch.from_numpy(forbidden(mask, vocab)).to(logits.device)
+                logits[row].masked_fill_(forbid, float("-inf"))
         greedy = logits.argmax(dim=-1).tolist()
         for row, job in enumerate(jobs):
             if job.done:
@@ -174,7 +183,7 @@ class TorchLoop(DecodeLoop):
             try:
                 token = greedy[row] if job.temperature <= 0 else self._draw(logits[row], job)
                 piece = None if token in self.stops else self.pieces[token]
-                if self._accept(job, piece):
+                if self._take(job, token, piece):
                     job.last = token
             except Exception as exc:  # one request's failure must not stop the others
                 logger.exception("sampling failed")
@@ -222,6 +231,8 @@ class TransformersEngine(BatchedEngine):
             version=Path(model_path).name,
         )
         self._use_prompts(tokenizer_prompts(loaded.tokenizer, context))
+        vocab = int(config.vocab_size)  # the logits' width (the tokenizer's may be less)
+        self._use_grammars(lambda: llguidance_tokenizer(loaded.tokenizer, n_vocab=vocab))
         self.loop = TorchLoop(loaded, parallel)
         self._warm_up()
 

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from llguidance import LLTokenizer
+from llguidance.llamacpp import lltokenizer_from_vocab
 
 from seedance.engines.base import ModelInfo, SamplingParams
 from seedance.engines.batching import BatchedEngine
@@ -70,6 +74,7 @@ class LlamaCppEngine(BatchedEngine):
                 tokenize=lambda text, bos: model.tokenize(text, special=bos, parse_special=True),
             )
         )
+        self._use_grammars(lambda: grammar_vocabulary(model))
 
     async def start(self) -> None:
         await super().start()
@@ -94,6 +99,14 @@ class LlamaCppEngine(BatchedEngine):
         self, prompt: list[int], params: SamplingParams, limit: int, seed: int, sink: Any
     ) -> Job:
         return Job(prompt, params, limit, seed, sink)
+
+
+def grammar_vocabulary(model: LlamaModel) -> LLTokenizer:
+    """``model``'s vocabulary as llguidance reads it (llguidance's own bridge; it calls a
+    function llama-cpp-python 0.3.36 marks deprecated, once per token: silenced here)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return lltokenizer_from_vocab(model.vocab)
 
 
 def model_template(model: LlamaModel) -> ChatTemplate:

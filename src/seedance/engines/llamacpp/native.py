@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import Any, Final
 
 import llama_cpp as lc
+import numpy as np
+import numpy.typing as npt
 from llama_cpp.llama_cpp import _lib as libllama
 
 from seedance.config import ConfigError
@@ -215,6 +217,11 @@ class LlamaModel:
     def vocab_size(self) -> int:
         return int(lc.llama_vocab_n_tokens(self._vocab))
 
+    @property
+    def vocab(self) -> Any:
+        """llama.cpp's vocabulary object (``llama_vocab *``), for libraries that read it."""
+        return self._vocab
+
     def detokenize(self, tokens: Sequence[int]) -> str:
         """The text of ``tokens`` (special tokens as their text, as llama.cpp's ``llama-server``
         gives them); ids outside the vocabulary are the caller's to refuse."""
@@ -327,6 +334,12 @@ class LlamaContext:
         return bool(lc.llama_state_seq_set_data(self._ptr, state, len(state), seq))
 
     # -- sampling ------------------------------------------------------------------------
+
+    def logits(self, index: int) -> npt.NDArray[np.float32]:
+        """The logits of batch entry ``index`` (after :meth:`decode`), as a writable view of
+        llama.cpp's own buffer: what the sampler reads next."""
+        pointer = lc.llama_get_logits_ith(self._ptr, index)
+        return np.ctypeslib.as_array(pointer, shape=(self.model.vocab_size,))
 
     def sample(self, sampler: Sampler, index: int) -> int:
         """Sample from the logits of batch entry ``index`` (and accept the token)."""

@@ -28,6 +28,7 @@ from typing import Any
 
 from seedance.engines.base import SamplingParams
 from seedance.engines.batching import BatchJob, DecodeLoop
+from seedance.engines.grammar import mask_logits
 from seedance.engines.llamacpp.native import LlamaContext, LlamaModel, Sampler, State
 
 logger = logging.getLogger(__name__)
@@ -268,8 +269,7 @@ class Scheduler(DecodeLoop):
             self._recover(rc, fed)
             return
         self._commit(fed)
-        for job, index in sampled:
-            self._sample(job, index)
+        self._sample(sampled)
 
     def _commit(self, fed: list[tuple[Job, list[int]]]) -> None:
         for job, tokens in fed:
@@ -299,7 +299,7 @@ class Scheduler(DecodeLoop):
                 continue
             self._commit([(job, tokens)])
             if index is not None:
-                self._sample(job, index)
+                self._sample([(job, index)])
 
     def _add(self, job: Job, tokens: list[int]) -> int | None:
         """Put ``tokens`` of ``job`` into the batch after its cells; the batch index of the
@@ -313,12 +313,20 @@ class Scheduler(DecodeLoop):
             index = self.ctx.add(token, pos + i, slot.seq, ends and i == last)
         return index if ends else None
 
-    def _sample(self, job: Job, index: int) -> None:
-        try:
-            token = self.ctx.sample(job.sampler, index)
-            model = self.model
-            if self._accept(job, None if model.is_eog(token) else model.piece(token)):
-                job.last = token
-        except Exception as exc:  # one request's failure must not stop the others
-            logger.exception("sampling failed")
-            self._fail(job, f"sampling failed: {exc!r}")
+    def _sample(self, sampled: list[tuple[Job, int]]) -> None:
+        """Sample each job's next token from the logits at its batch index; a job bound to a
+        schema first has the tokens its grammar forbids masked out of them."""
+        ctx, model = self.ctx, self.model
+        bound = [(job, index) for job, index in sampled if job.grammar is not None]
+        if bound:
+            rows = self._masks([job for job, _ in bound], model.vocab_size)
+            for row, (_, index) in zip(rows, bound, strict=True):
+                mask_logits(ctx.logits(index), row)
+        for job, index in sampled:
+            try:
+                token = ctx.sample(job.sampler, index)
+                if self._take(job, token, None if model.is_eog(token) else model.piece(token)):
+                    job.last = token
+            except Exception as exc:  # one request's failure must not stop the others
+                logger.exception("sampling failed")
+                self._fail(job, f"sampling failed: {exc!r}")

@@ -39,6 +39,8 @@ class Request(AuditRecord, kw_only=True):
     completion_tokens: int | UnsetType = UNSET
     prompt_sha256: str | UnsetType | None = UNSET  # of the messages, as canonical JSON
     completion_sha256: str | UnsetType = UNSET
+    #: Of the JSON Schema the reply was bound to, as the engine received it (compact JSON).
+    schema_sha256: str | UnsetType = UNSET
     queue_ms: float | UnsetType | None = UNSET
     ttft_ms: float | UnsetType | None = UNSET
     total_ms: float | UnsetType | None = UNSET

@@ -88,14 +88,16 @@ def prepare(
     *,
     unset: frozenset[str] = frozenset(),
     field: str = "max_tokens",
+    schema_field: str = "schema",
 ) -> tuple[ServedModel, Generate]:
     """Steps 1 and 2 of the recipe (see the module): the model for ``arrival``'s caller, and
     ``message`` held to its limits (the fields the client left out, ``unset``, ``max_tokens``
-    among them, moved inside them first; ``field``: the API's name for ``max_tokens``)."""
+    among them, moved inside them first; ``field`` and ``schema_field``: the API's names for
+    ``max_tokens`` and ``schema``)."""
     assert arrival.principal is not None
     model = arrival.model = choose_model(models, arrival.principal, name, sticky)
     message = model.within_defaults(message, unset)
-    return model, model.check(message, field=field)
+    return model, model.check(message, field=field, schema_field=schema_field)
 
 
 def check_serving(services: Services) -> None:

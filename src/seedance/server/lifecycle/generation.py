@@ -47,6 +47,7 @@ from seedance.protocol.messages import (
     ms,
 )
 from seedance.protocol.qos import QoS
+from seedance.protocol.schemas import output_schema
 from seedance.server.lifecycle.request import Prompt, Requester, session_prompt
 from seedance.sessions.session import Turn
 from seedance.streams.log import StreamLog
@@ -441,6 +442,8 @@ class Generation:
         messages = [{"role": m.role, "content": m.content} for m in self.prompt.messages]
         timing = self._timing()
         session = requester.session
+        schema = self.message.schema
+        schema_sha256 = UNSET if schema is None else text_sha256(output_schema(schema, "").text)
         return audit.Request(
             api=requester.api,
             tenant=requester.tenant,
@@ -456,6 +459,7 @@ class Generation:
             completion_tokens=self.completion_tokens,
             prompt_sha256=text_sha256(json_text(messages)),
             completion_sha256=text_sha256("".join(self.parts)),
+            schema_sha256=schema_sha256,
             outcome=outcome,
             queue_ms=timing.queue_ms,
             ttft_ms=timing.ttft_ms,

@@ -24,6 +24,7 @@ from msgspec import structs
 from seedance.config import ConfigError
 from seedance.protocol.codec import FrameLimits
 from seedance.protocol.errors import InvalidRequest, ModelNotFound
+from seedance.protocol.schemas import output_schema
 from seedance.server.admission import Admission
 
 if TYPE_CHECKING:
@@ -98,12 +99,17 @@ class ServedModel:
     def signed_by(self) -> str:
         return f"model {self.name} version {self.version}"
 
-    def check(self, message: Generate, *, field: str = "max_tokens") -> Generate:
+    def check(
+        self, message: Generate, *, field: str = "max_tokens", schema_field: str = "schema"
+    ) -> Generate:
         """``message`` held to this model's limits (``field``: what the API calls
         ``max_tokens``); :class:`InvalidRequest` naming the limit (and, for a signed one, the
-        version) when it asks for more."""
+        version) when it asks for more, or naming ``schema_field`` when the engine cannot
+        bind its reply to the schema asked for."""
         if self.limits.max_tokens < message.max_tokens:
             raise InvalidRequest(f"{field} must be between 1 and {self.limits.max_tokens}")
+        if message.schema is not None:
+            self.engine.check_schema(output_schema(message.schema, schema_field), schema_field)
         signed = self.signed
         if signed is None:
             return message

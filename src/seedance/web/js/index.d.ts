@@ -146,6 +146,8 @@ export interface GenerateFields {
   qos?: QoS | string;
   resumable?: boolean;
   traceparent?: string;
+  /** A JSON Schema the reply is bound to: the reply is a JSON document valid for it. */
+  schema?: Record<string, unknown>;
 }
 
 /** Tokens `seq` .. `seq + n - 1` of a reply. */
