@@ -30,6 +30,7 @@ from benchmarks.openai_suite import openai_suite
 from benchmarks.qos_suite import qos_suite
 from benchmarks.reload_suite import reload_suite
 from benchmarks.resume_suite import resume_suite
+from benchmarks.structured_suite import structured_suite
 from benchmarks.token_path import token_path
 
 
@@ -40,8 +41,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks.md"))
     parser.add_argument(
         "--suites",
-        default="1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16",
-        help="which suites to run (default all: 1-16)",
+        default="1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17",
+        help="which suites to run (default all: 1-17)",
     )
     args = parser.parse_args(argv)
     if cores() < 2:
@@ -66,6 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "14": functools.partial(reload_suite, report),
         "15": functools.partial(confidential_suite, report),
         "16": functools.partial(embeddings_suite, report),
+        "17": functools.partial(structured_suite, report),
     }
     for key in sorted(chosen, key=int):
         suites[key]()

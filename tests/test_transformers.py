@@ -17,6 +17,8 @@ NEEDS = "the transformers engine needs seedance[transformers]"
 pytest.importorskip("torch", reason=NEEDS)
 pytest.importorskip("transformers", reason=NEEDS)
 
+import torch  # noqa: E402
+
 from seedance.client import connect  # noqa: E402
 from seedance.client.session import TokenChunk  # noqa: E402
 from seedance.config import ConfigError  # noqa: E402
@@ -260,6 +262,44 @@ async def test_replies_bound_to_a_schema(hf: RunningServer) -> None:
     assert "4" in (free.choices[0].message.content or "")
     assert risky.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(risky.choices[0].message.content or ""), RISK)
+
+
+async def test_logprobs_equal_a_reference_forward_pass(hf: RunningServer) -> None:
+    """Each token's log probability and its 3 likeliest alternatives, against log-softmax in
+    float64 over the logits of a plain forward pass of the same model over the whole text."""
+    import httpx
+    import openai
+
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    api = openai.AsyncOpenAI(base_url=f"{hf.http_url}/v1", api_key="none", max_retries=0)
+    reply = await api.chat.completions.create(
+        model="smollm2-135m",
+        messages=question,  # type: ignore[arg-type]
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    content = reply.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == reply.usage.completion_tokens  # type: ignore[union-attr]
+    async with httpx.AsyncClient() as http:
+        answer = await http.post(f"{hf.http_url}/tokenize", json={"messages": question})
+    ids = answer.json()["tokens"]
+    engine = engine_of(hf)
+    pieces = engine.loop.pieces
+    with torch.inference_mode():
+        for got in content:
+            logits = engine.loaded.model(input_ids=torch.tensor([ids])).logits[0, -1].double()
+            logprobs = torch.log_softmax(logits, dim=-1)
+            best = torch.topk(logprobs, 3).indices.tolist()
+            assert got.token == pieces[best[0]].decode("utf-8", "replace")
+            assert got.logprob == pytest.approx(float(logprobs[best[0]]), abs=1e-3)
+            assert [t.token for t in got.top_logprobs] == [
+                pieces[t].decode("utf-8", "replace") for t in best
+            ]
+            expected = [float(logprobs[t]) for t in best]
+            assert [t.logprob for t in got.top_logprobs] == pytest.approx(expected, abs=1e-3)
+            ids.append(best[0])
 
 
 def test_load_errors_are_one_clear_line(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ import json
 import ssl
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from seedance.bench.metrics import Distribution
 
@@ -92,6 +92,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="sampling temperature of every request (default: the server's)",
     )
+    load.add_argument(
+        "--schema",
+        default=None,
+        metavar="FILE",
+        help="a JSON Schema file every reply is bound to (/v2/infer: schema; OpenAI: "
+        "response_format json_schema)",
+    )
+    load.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="every token's log probability with N alternatives (/v2/infer: logprobs; "
+        "OpenAI: logprobs and top_logprobs)",
+    )
     idle = parser.add_argument_group("idle connections (instead of requests)")
     idle.add_argument(
         "--idle-connections",
@@ -132,6 +147,16 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
 
+def _schema_fields(path: Path, openai: bool) -> dict[str, Any]:
+    """The fields that bind every reply to the JSON Schema in ``path``, in the target API's
+    own way (OpenAI: ``response_format``; ``/v2/infer``: ``schema``)."""
+    schema = json.loads(path.read_text())
+    if openai:
+        spec = {"name": path.stem, "schema": schema}
+        return {"response_format": {"type": "json_schema", "json_schema": spec}}
+    return {"schema": schema}
+
+
 async def _main(args: argparse.Namespace) -> int:
     from seedance.bench.load import LoadSpec, hold_idle, run_load
     from seedance.bench.metrics import summarize
@@ -151,8 +176,17 @@ async def _main(args: argparse.Namespace) -> int:
             pinned=None if args.e2e is None else _pinned(args.e2e),
             tls=_tls(args.url, args.ca_file),
         )
+    fields: dict[str, Any] = {}
     if args.temperature is not None:
-        target.fields = {"temperature": args.temperature}
+        fields["temperature"] = args.temperature
+    if args.schema is not None:
+        fields.update(_schema_fields(Path(args.schema), isinstance(target, OpenAITarget)))
+    if args.logprobs is not None:
+        if isinstance(target, OpenAITarget):
+            fields.update(logprobs=True, top_logprobs=args.logprobs)
+        else:
+            fields["logprobs"] = args.logprobs
+    target.fields = fields
     progress = None if args.quiet else sys.stderr
 
     if args.idle_connections is not None:

@@ -65,6 +65,7 @@ from seedance.protocol.messages import (
     SessionFrame,
     StartFrame,
     TokenFrame,
+    TokenLogprob,
 )
 from seedance.protocol.qos import QoS
 
@@ -92,11 +93,13 @@ class Reconnect:
 
 @dataclass(frozen=True, slots=True)
 class TokenChunk:
-    """Text of one token frame: tokens ``seq`` .. ``seq + n - 1`` of the reply."""
+    """Text of one token frame: tokens ``seq`` .. ``seq + n - 1`` of the reply (and their log
+    probabilities, one each, when the request asked for ``logprobs``)."""
 
     text: str
     seq: int
     n: int = 1
+    logprobs: list[TokenLogprob] | None = None
 
 
 def infer_url(url: str, **params: str | None) -> str:
@@ -142,6 +145,7 @@ class Stream:
         #: The index of the last token received (-1: none): where a resume starts from.
         self.last_seq = -1
         self._parts: list[str] = []
+        self._logprobs: list[TokenLogprob] = []
         # Unbounded: the reader never waits on one stream (heartbeats keep flowing).
         self._queue: asyncio.Queue[ServerFrame | BaseException] = asyncio.Queue()
         self._sent = False
@@ -153,6 +157,13 @@ class Stream:
         if self.done is not None and self.done.text is not None:
             return self.done.text
         return "".join(self._parts)
+
+    @property
+    def logprobs(self) -> list[TokenLogprob]:
+        """Each token's log probability, in order, when the request asked for ``logprobs``."""
+        if self.done is not None and self.done.logprobs is not None:
+            return self.done.logprobs
+        return self._logprobs
 
     def __aiter__(self) -> Stream:
         return self
@@ -174,7 +185,9 @@ class Stream:
                     continue
                 self.last_seq = last
                 self._parts.append(item.token)
-                return TokenChunk(item.token, item.seq, item.n)
+                if item.logprobs is not None:
+                    self._logprobs.extend(item.logprobs)
+                return TokenChunk(item.token, item.seq, item.n, item.logprobs)
             if isinstance(item, StartFrame):
                 self.start = self.start or item  # a resume sends it again
             elif isinstance(item, DoneFrame):
@@ -282,6 +295,7 @@ class ClientSession:
         resumable: bool = False,
         qos: QoS | str | None = None,
         schema: Mapping[str, Any] | None = None,
+        logprobs: int | None = None,
     ) -> Stream:
         """Ask for a reply; iterate the result for its tokens. ``priority`` (-10 to 10, within
         the tenant's maximum) orders the request in the server's admission queue.
@@ -290,7 +304,8 @@ class ClientSession:
         (``X-QoS-Priority``: a class, an SLA tag, a health score). ``schema``: a JSON Schema
         the reply is bound to (a Pydantic model's ``model_json_schema()``, say): the reply is
         a JSON document valid for it, unless ``max_tokens`` cuts it (``finish_reason``
-        ``length``)."""
+        ``length``). ``logprobs``: each token comes with its log probability and this many
+        likeliest alternatives (0 to 20; :attr:`Stream.logprobs`, :attr:`TokenChunk.logprobs`)."""
         fields: dict[str, Any] = {
             "prompt": prompt,
             "stream": stream,
@@ -301,6 +316,7 @@ class ClientSession:
             "resumable": resumable,
             "qos": qos.header() if isinstance(qos, QoS) else qos,
             "schema": dict(schema) if schema is not None else None,
+            "logprobs": logprobs,
         }
         if messages is not None:
             fields["messages"] = [

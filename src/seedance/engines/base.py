@@ -18,7 +18,13 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from seedance.protocol.errors import InvalidRequest
-from seedance.protocol.messages import ChatMessage, FinishReason, Generate, RequestId
+from seedance.protocol.messages import (
+    ChatMessage,
+    FinishReason,
+    Generate,
+    RequestId,
+    TokenLogprob,
+)
 from seedance.protocol.schemas import OutputSchema, output_schema
 
 
@@ -48,6 +54,8 @@ class SamplingParams:
     #: The JSON Schema the reply must be valid for: the engine samples only tokens that keep
     #: the text a prefix of a valid document, and ends the reply when the document is whole.
     schema: OutputSchema | None = None
+    #: Log probabilities of the reply's tokens, with this many alternatives each (None: none).
+    logprobs: int | None = None
 
     @classmethod
     def of(cls, message: Generate, unset: frozenset[str] = frozenset()) -> SamplingParams:
@@ -60,6 +68,7 @@ class SamplingParams:
             seed=message.seed,
             unset=unset,
             schema=None if message.schema is None else output_schema(message.schema, "schema"),
+            logprobs=message.logprobs,
         )
 
 
@@ -103,6 +112,8 @@ class TokenDelta:
     text: str
     tokens: int = 1
     finish_reason: FinishReason | None = None
+    #: One per token, when the request asked for log probabilities.
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +187,9 @@ class Engine(abc.ABC):
         May raise :class:`~seedance.protocol.errors.ContextOverflow`.
         """
         return self.count_prompt_tokens(messages) if estimate is None else estimate
+
+    #: Whether replies can carry their tokens' log probabilities (``logprobs``).
+    logprobs: bool = False
 
     def check_schema(self, schema: OutputSchema, field: str) -> None:
         """Refuse (:class:`InvalidRequest` naming ``field``) a schema this engine cannot bind

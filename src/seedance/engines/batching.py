@@ -44,7 +44,7 @@ from seedance.engines.prompts import PromptedEngine
 from seedance.engines.stops import StopMatcher
 from seedance.eventloop import LightQueue
 from seedance.protocol.errors import EngineError
-from seedance.protocol.messages import FinishReason, RequestId
+from seedance.protocol.messages import FinishReason, RequestId, TokenLogprob
 from seedance.protocol.schemas import OutputSchema
 
 logger = logging.getLogger(__name__)
@@ -52,8 +52,8 @@ logger = logging.getLogger(__name__)
 #: The longest a thread keeps the GIL while another waits (Python's default: 5 ms).
 GIL_SWITCH_INTERVAL_S = 0.0005
 
-#: What a job receives, in order: ``(text, tokens, finish_reason, error)``.
-Event = tuple[str, int, FinishReason | None, str | None]
+#: What a job receives, in order: ``(text, tokens, finish_reason, error, logprobs)``.
+Event = tuple[str, int, FinishReason | None, str | None, list[TokenLogprob] | None]
 #: Called on the event loop with every event of one decode step.
 Deliver = Callable[[list[tuple[Any, Event]]], None]
 
@@ -93,9 +93,11 @@ class BatchJob:
         "grammar",
         "held",
         "limit",
+        "logprobs",
         "matcher",
         "prompt",
         "sink",
+        "top",
         "utf8",
     )
 
@@ -111,6 +113,10 @@ class BatchJob:
         self.done = False
         #: The reply's schema, compiled (None: free text); it picks the tokens allowed next.
         self.grammar: llguidance.LLMatcher | None = None
+        #: Alternatives per token's log probability (None: the request asked for none), and
+        #: the entries of the tokens sampled but not yet emitted.
+        self.top = params.logprobs
+        self.logprobs: list[TokenLogprob] | None = None if params.logprobs is None else []
 
     def close(self) -> None:
         """Free what the job holds outside Python (a native sampler, say)."""
@@ -253,7 +259,7 @@ class DecodeLoop(abc.ABC):
             job.close()
             if not job.done:
                 job.done = True
-                self._outbox.append((job.sink, ("", 0, None, reason)))
+                self._outbox.append((job.sink, ("", 0, None, reason, None)))
         self._flush()
 
     def _flush(self) -> None:
@@ -338,13 +344,16 @@ class DecodeLoop(abc.ABC):
         self._emit(job, text, count, reason)
 
     def _emit(self, job: BatchJob, text: str, tokens: int, finish: FinishReason | None) -> None:
-        self._outbox.append((job.sink, (text, tokens, finish, None)))
+        entries = job.logprobs
+        if entries is not None:  # those of the tokens emitted (held ones stay)
+            entries, job.logprobs = entries[:tokens], entries[tokens:]
+        self._outbox.append((job.sink, (text, tokens, finish, None, entries)))
         if finish is not None:
             self._end(job)
             self.stats.requests_finished += 1
 
     def _fail(self, job: BatchJob, reason: str) -> None:
-        self._outbox.append((job.sink, ("", 0, None, reason)))
+        self._outbox.append((job.sink, ("", 0, None, reason, None)))
         self._end(job)
         self.stats.requests_failed += 1
 
@@ -368,15 +377,15 @@ async def run_job(
     finished = False
     try:
         while True:
-            text, tokens, finish, error = await events.get()
+            text, tokens, finish, error, logprobs = await events.get()
             if error is not None:
                 finished = True
                 raise EngineError(f"request {request_id} failed: {error}; retry")
             if finish is not None:
                 finished = True
-                yield TokenDelta(text, tokens, finish)
+                yield TokenDelta(text, tokens, finish, logprobs)
                 return
-            yield TokenDelta(text, tokens)
+            yield TokenDelta(text, tokens, logprobs=logprobs)
     finally:
         if not finished:
             loop.cancel(job)
@@ -388,6 +397,7 @@ class BatchedEngine(PromptedEngine):
     loop: DecodeLoop
     #: Binds replies to schemas, where the engine set it up (:meth:`_use_grammars`).
     grammars: Grammars | None = None
+    logprobs = True  # from the logits of the engine's own forward pass
 
     @abc.abstractmethod
     def _job(

@@ -37,7 +37,7 @@ from seedance.engines.base import EngineHealth, GenerationRequest, ModelInfo, To
 from seedance.engines.prompts import PromptedEngine
 from seedance.engines.registry import EngineSpec
 from seedance.protocol.errors import EngineError, InvalidRequest, SeedanceError
-from seedance.protocol.messages import FinishReason
+from seedance.protocol.messages import FinishReason, TokenLogprob, TopLogprob
 from seedance.protocol.schemas import OutputSchema
 from seedance.settings import Option, non_negative
 
@@ -139,6 +139,8 @@ def _load_tokenizer(model_path: Path, from_gguf: bool) -> Any:
 
 class VllmEngine(PromptedEngine):
     """Streams from an in-process ``vllm.v1.engine.async_llm.AsyncLLM``."""
+
+    logprobs = True  # vLLM's own (``SamplingParams.logprobs``)
 
     def __init__(
         self,
@@ -249,6 +251,8 @@ class VllmEngine(PromptedEngine):
         }
         if params.schema is not None:
             sampling.update(structured_output(params.schema))
+        if params.logprobs is not None:
+            sampling["logprobs"] = params.logprobs
         return SamplingParams(**sampling)
 
     def check_schema(self, schema: OutputSchema, field: str) -> None:
@@ -268,16 +272,21 @@ class VllmEngine(PromptedEngine):
             priority=-request.priority,  # vLLM serves lower values first; Seedance higher
         )
         held = 0  # tokens of deltas that carried no text yet (a held-back stop, a cut char)
+        top = request.params.logprobs
+        entries: list[TokenLogprob] | None = None if top is None else []  # of held tokens too
         final: tuple[str, int, str] | None = None
         try:
             async for output in stream:
                 for completion in output.outputs[:1]:
                     tokens = held + len(completion.token_ids)
+                    if entries is not None and top is not None:
+                        entries.extend(vllm_logprobs(completion, top))
                     if completion.finish_reason is not None:
                         final = (completion.text, tokens, str(completion.finish_reason))
                     elif completion.text:
                         held = 0
-                        yield TokenDelta(completion.text, tokens)
+                        yield TokenDelta(completion.text, tokens, logprobs=entries)
+                        entries = None if entries is None else []
                     else:
                         held = tokens
             # vLLM's generator ends right after its finished output: reading it to its end
@@ -298,7 +307,27 @@ class VllmEngine(PromptedEngine):
         if final is None:
             raise EngineError(f"vLLM ended request {request_id} without a finish reason; retry")
         text, tokens, reason = final
-        yield TokenDelta(text, tokens, _finish_reason(reason, request_id))
+        yield TokenDelta(text, tokens, _finish_reason(reason, request_id), entries)
+
+
+def vllm_logprobs(completion: Any, top: int) -> list[TokenLogprob]:
+    """The entries of a delta's tokens from vLLM's ``logprobs`` (per token, a map of token
+    ids to ``Logprob(logprob, rank, decoded_token)``: the sampled token and the ``top``
+    likeliest, from the raw logits in vLLM's default ``logprobs_mode``)."""
+
+    def text(logprob: Any) -> str:
+        return logprob.decoded_token or ""
+
+    out = []
+    for token, ranked in zip(completion.token_ids, completion.logprobs or (), strict=False):
+        chosen = ranked[token]
+        best = sorted(
+            (lp for lp in ranked.values() if lp.rank is not None and lp.rank <= top),
+            key=lambda lp: lp.rank,
+        )
+        tops = [TopLogprob(text(lp), lp.logprob, list(text(lp).encode())) for lp in best]
+        out.append(TokenLogprob(text(chosen), chosen.logprob, list(text(chosen).encode()), tops))
+    return out
 
 
 def _finish_reason(reason: str, request_id: str) -> FinishReason:

@@ -33,11 +33,14 @@ from seedance.protocol.messages import (
     Ping,
     Resume,
     ServerFrame,
+    TokenLogprob,
 )
 from seedance.protocol.qos import parse_qos
 from seedance.protocol.schemas import output_schema
 
 MAX_SEED: Final = 2**64 - 1
+#: Most alternatives a token's log probability comes with (OpenAI's ``top_logprobs`` limit).
+MAX_TOP_LOGPROBS: Final = 20
 DEFAULT_MAX_TOKENS: Final = 256
 MAX_PRIORITY: Final = 10
 MAX_STOP_STRINGS: Final = 4
@@ -212,6 +215,8 @@ def validate_generate(msg: Generate, limits: FrameLimits, request_id: str | None
             parse_qos(msg.qos)
         except InvalidRequest as exc:
             raise bad(exc.message) from None
+    if msg.logprobs is not None and not 0 <= msg.logprobs <= MAX_TOP_LOGPROBS:
+        raise bad(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
     if msg.schema is not None:
         try:
             output_schema(msg.schema, "schema")
@@ -315,8 +320,13 @@ class TokenFrameEncoder:
     def __init__(self, request_id: str) -> None:
         self._suffix = ',"request_id":' + _encoder.encode(request_id).decode("utf-8") + "}"
 
-    def encode(self, text: str, seq: int, n: int = 1) -> str:
+    def encode(
+        self, text: str, seq: int, n: int = 1, logprobs: list[TokenLogprob] | None = None
+    ) -> str:
         token = _encoder.encode(text).decode("utf-8")
+        if logprobs is not None:
+            entries = _encoder.encode(logprobs).decode("utf-8")
+            return f'{self._PREFIX}{token},"seq":{seq},"n":{n},"logprobs":{entries}{self._suffix}'
         if n == 1:
             return f'{self._PREFIX}{token},"seq":{seq}{self._suffix}'
         return f'{self._PREFIX}{token},"seq":{seq},"n":{n}{self._suffix}'

@@ -63,6 +63,9 @@ class Generate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     resumable: bool = False
     #: A JSON Schema the reply must be valid for (the engine constrains its tokens to it).
     schema: dict[str, Any] | None = None
+    #: Log probabilities of the reply's tokens, each with this many likeliest alternatives
+    #: (0 to 20; None: none).
+    logprobs: int | None = None
 
     def turns(self) -> list[ChatMessage]:
         """The turns this request appends to the session context."""
@@ -169,11 +172,32 @@ class StartFrame(_ServerFrame, tag="start"):
     prompt_tokens: int
 
 
+class TopLogprob(msgspec.Struct):
+    """One of the likeliest tokens at a position: its text, log probability and UTF-8 bytes
+    (a token may hold part of a character), as OpenAI gives them."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(msgspec.Struct):
+    """A reply token's log probability under the model (from its logits as computed, before
+    temperature, top-p or a schema's mask), and the ``top_logprobs`` likeliest tokens there."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
 class TokenFrame(_ServerFrame, tag="token"):
     token: str
     seq: int
     request_id: str | None = None
     n: int = 1
+    #: One per token of the frame, when the request asked for ``logprobs``.
+    logprobs: list[TokenLogprob] | None = None
 
 
 class Usage(msgspec.Struct):
@@ -203,6 +227,8 @@ class DoneFrame(_ServerFrame, tag="done"):
     text: str | None = None
     #: The version of the model that wrote the reply (a registry's models; else absent).
     model_version: str | None = None
+    #: ``stream: false`` with ``logprobs``: one per token of ``text``.
+    logprobs: list[TokenLogprob] | None = None
 
 
 class ErrorBody(msgspec.Struct, omit_defaults=True):

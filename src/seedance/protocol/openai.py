@@ -14,7 +14,7 @@ from typing import Any, Final, Literal
 
 import msgspec
 
-from seedance.protocol.codec import FrameLimits, validate_generate
+from seedance.protocol.codec import MAX_TOP_LOGPROBS, FrameLimits, validate_generate
 from seedance.protocol.errors import InvalidJSON, InvalidRequest, SeedanceError
 from seedance.protocol.messages import ChatMessage, DoneFrame, ErrorFrame, Generate
 from seedance.protocol.schemas import format_schema
@@ -87,10 +87,13 @@ class _Common(msgspec.Struct, kw_only=True):
 class _ChatBody(_Common, kw_only=True):
     messages: list[Message]
     max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
 
 
 class _CompletionBody(_Common, kw_only=True):
     prompt: str | list[str]
+    logprobs: int | None = None  # the alternatives per token (the legacy API's one field)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +129,11 @@ def decode_chat(body: bytes, limits: FrameLimits) -> OpenAIRequest:
     max_tokens = parsed.max_tokens
     if parsed.max_completion_tokens is not None:  # the newer name wins
         max_tokens = parsed.max_completion_tokens
-    return _request("chat", parsed, limits, max_tokens, messages=messages)
+    top = parsed.top_logprobs
+    if top is not None and not parsed.logprobs:
+        raise InvalidRequest("top_logprobs: needs logprobs: true", param="top_logprobs")
+    logprobs = _top_logprobs(top or 0, "top_logprobs") if parsed.logprobs else None
+    return _request("chat", parsed, limits, max_tokens, messages=messages, logprobs=logprobs)
 
 
 def decode_completion(body: bytes, limits: FrameLimits) -> OpenAIRequest:
@@ -140,7 +147,15 @@ def decode_completion(body: bytes, limits: FrameLimits) -> OpenAIRequest:
     max_tokens = parsed.max_tokens
     if max_tokens is None:
         max_tokens = limits.default_max_tokens(COMPLETIONS_DEFAULT_MAX_TOKENS)
-    return _request("completion", parsed, limits, max_tokens, prompt=prompt)
+    logprobs = None if parsed.logprobs is None else _top_logprobs(parsed.logprobs, "logprobs")
+    return _request("completion", parsed, limits, max_tokens, prompt=prompt, logprobs=logprobs)
+
+
+def _top_logprobs(value: int, field: str) -> int:
+    """How many alternatives each token's log probability comes with, held to 0-20."""
+    if not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise InvalidRequest(f"{field} must be between 0 and {MAX_TOP_LOGPROBS}", param=field)
+    return value
 
 
 def decode_body(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:

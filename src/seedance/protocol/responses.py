@@ -22,9 +22,9 @@ from typing import Any, Final, Literal
 
 import msgspec
 
-from seedance.protocol.codec import FrameLimits, validate_generate
+from seedance.protocol.codec import MAX_TOP_LOGPROBS, FrameLimits, validate_generate
 from seedance.protocol.errors import InvalidRequest
-from seedance.protocol.messages import ChatMessage, DoneFrame, ErrorFrame, Generate
+from seedance.protocol.messages import ChatMessage, DoneFrame, ErrorFrame, Generate, TokenLogprob
 from seedance.protocol.openai import ROLES, JsonSchemaFormat, decode_body, end_status
 from seedance.protocol.schemas import format_schema
 
@@ -34,6 +34,8 @@ CREATED, IN_PROGRESS, ITEM_ADDED, PART_ADDED, FIRST_DELTA = 0, 1, 2, 3, 4
 _TEXT_PARTS: Final = ("input_text", "output_text", "text")
 MAX_METADATA: Final = 16
 _TEXT: Final = {"type": "text"}
+#: What ``include`` names to have each output text's tokens' log probabilities.
+LOGPROBS: Final = "message.output_text.logprobs"
 
 Status = Literal["queued", "in_progress", "completed", "incomplete", "cancelled", "failed"]
 
@@ -81,6 +83,7 @@ class _Body(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     truncation: str | None = None
     user: str | None = None
     include: list[str] | None = None
+    top_logprobs: int | None = None
     service_tier: str | None = None
     #: Seedance: the request's priority (-10 .. 10), as on /v2/infer.
     priority: int = 0
@@ -142,6 +145,7 @@ def decode_responses(body: bytes, limits: FrameLimits) -> ResponsesRequest:
         "stream": True,
         "resumable": parsed.store,
         "schema": schema,
+        "logprobs": _logprobs(parsed),
     }
     generate = Generate(**fields)
     try:
@@ -163,6 +167,19 @@ def decode_responses(body: bytes, limits: FrameLimits) -> ResponsesRequest:
         max_tokens_given=max_tokens is not None,
         text_format=_echo(text_format),
     )
+
+
+def _logprobs(body: _Body) -> int | None:
+    """Alternatives per token's log probability, when ``include`` asks for
+    ``message.output_text.logprobs`` (``top_logprobs``: 0 to 20)."""
+    top = body.top_logprobs
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise InvalidRequest(
+            f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}", param="top_logprobs"
+        )
+    if LOGPROBS not in (body.include or ()):
+        return None
+    return top or 0
 
 
 def _echo(text_format: _Format | None) -> dict[str, Any]:
@@ -215,6 +232,8 @@ class Rendered:
     started: bool
     end: DoneFrame | ErrorFrame | None
     ended: bool
+    #: Each token's log probability, when the request included them (else None).
+    logprobs: list[TokenLogprob] | None = None
 
     @property
     def status(self) -> Status:
@@ -235,12 +254,12 @@ class Rendered:
             "status": ("completed" if status == "completed" else "incomplete")
             if done
             else "in_progress",
-            "content": [self.part(self.text)] if done else [],
+            "content": [self.part(self.text, self.logprobs)] if done else [],
         }
 
     @staticmethod
-    def part(text: str) -> dict[str, Any]:
-        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    def part(text: str, logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
     def response(self) -> dict[str, Any]:
         """The Response object (``GET /v1/responses/{id}``, and in the lifecycle events)."""
@@ -321,8 +340,10 @@ class Rendered:
             )
         return events
 
-    def delta(self, text: str, last_seq: int) -> dict[str, Any]:
-        """Tokens up to ``last_seq`` (their text)."""
+    def delta(self, text: str, last_seq: int, first_seq: int = 0) -> dict[str, Any]:
+        """Tokens ``first_seq`` to ``last_seq`` (their text, and their log probabilities when
+        the request included them)."""
+        logprobs = self.logprobs
         return {
             "type": "response.output_text.delta",
             "sequence_number": FIRST_DELTA + last_seq,
@@ -330,7 +351,7 @@ class Rendered:
             "output_index": 0,
             "content_index": 0,
             "delta": text,
-            "logprobs": [],
+            "logprobs": [] if logprobs is None else logprobs[first_seq : last_seq + 1],
         }
 
     def closing(self, after: int) -> list[dict[str, Any]]:
@@ -339,8 +360,17 @@ class Rendered:
         first = FIRST_DELTA + self.tokens
         where = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
         events: list[dict[str, Any]] = [
-            {"type": "response.output_text.done", **where, "text": self.text, "logprobs": []},
-            {"type": "response.content_part.done", **where, "part": self.part(self.text)},
+            {
+                "type": "response.output_text.done",
+                **where,
+                "text": self.text,
+                "logprobs": self.logprobs or [],
+            },
+            {
+                "type": "response.content_part.done",
+                **where,
+                "part": self.part(self.text, self.logprobs),
+            },
             {"type": "response.output_item.done", "output_index": 0, "item": self.item(done=True)},
         ]
         status = self.status

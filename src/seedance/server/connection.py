@@ -113,6 +113,7 @@ class Follower:
         self.log = log
         self.tokens = out.token_stream(log.request_id)
         self.tokens.seq = seq  # the first token this reader lacks
+        self.tokens.logprobs = log.logprobs
         self.on_tokens = self.tokens.push
         self.behind = False
         out.watcher = self._watch

@@ -26,7 +26,7 @@ import msgspec
 from seedance.observability.tracing import request_attributes
 from seedance.protocol.codec import FrameLimits
 from seedance.protocol.errors import InvalidRequest, Overloaded, SeedanceError, error_from_wire
-from seedance.protocol.messages import DoneFrame, ErrorFrame, RequestId
+from seedance.protocol.messages import DoneFrame, ErrorFrame, RequestId, TokenLogprob
 from seedance.protocol.openai import decode_chat, decode_completion
 from seedance.protocol.qos import qos_from_headers
 from seedance.server.http_call import (
@@ -112,6 +112,9 @@ async def relay(
     assert meta is not None  # an OpenAI API request's log
     chunks = _Chunks(meta["kind"], log.request_id, meta["model"], meta["created"])
     response = call.response
+    first = after_seq + 1  # the seq of the next token to send
+    if log.logprobs is not None:  # a resumed reply's offsets count the text already sent
+        chunks.offset = sum(len(entry.token) for entry in log.logprobs[:first])
     with Reading(log, generation, after_seq) as reading:
         async for text, last_seq in reading:
             if not response.started:  # headers with the first text
@@ -119,7 +122,9 @@ async def relay(
                 if chunks.chat:  # the role comes first, as OpenAI sends it
                     await response.event(chunks.delta({"role": "assistant", "content": ""}))
             event_id = f"{log.request_id}:{last_seq}" if log.resumable else None
-            await response.event(chunks.delta(text), event_id)
+            logprobs = None if log.logprobs is None else log.logprobs[first : last_seq + 1]
+            await response.event(chunks.delta(text, logprobs=logprobs), event_id)
+            first = last_seq + 1
     await _finish(call, log, reading.end, chunks)
 
 
@@ -160,7 +165,7 @@ async def _finish(
             await response.event(chunks.usage(usage))
         await response.write(b"data: [DONE]\n\n", more=False)
     else:
-        whole = chunks.whole("".join(log.texts), end.finish_reason, usage)
+        whole = chunks.whole("".join(log.texts), end.finish_reason, usage, log.logprobs)
         await response.respond(200, JSON_HEADERS, whole)
 
 
@@ -241,33 +246,66 @@ class _Chunks:
             "created": created,
             "model": model,
         }
+        self.offset = 0  # completions: where the next token's text starts in the reply
 
-    def delta(self, content: str | dict[str, str] | None, finish: str | None = None) -> bytes:
+    def delta(
+        self,
+        content: str | dict[str, str] | None,
+        finish: str | None = None,
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> bytes:
         if self.chat:
             if isinstance(content, dict):
                 delta: dict[str, str] = content
             else:
                 delta = {} if content is None else {"content": content}
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None}
+            choice: dict[str, Any] = {"index": 0, "delta": delta}
         else:
             text = content if isinstance(content, str) else ""
-            choice = {"index": 0, "text": text, "logprobs": None}
+            choice = {"index": 0, "text": text}
+        choice["logprobs"] = self.logprobs(logprobs)
         choice["finish_reason"] = finish
         return _encode({**self.head, "choices": [choice]})
+
+    def logprobs(self, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
+        """A choice's ``logprobs`` in its endpoint's shape (chat: ``content``, a list of
+        entries; completions: the legacy parallel lists)."""
+        if entries is None:
+            return None
+        if self.chat:
+            return {"content": entries, "refusal": None}
+        offsets, at = [], self.offset
+        for entry in entries:
+            offsets.append(at)
+            at += len(entry.token)
+        self.offset = at
+        return {
+            "tokens": [entry.token for entry in entries],
+            "token_logprobs": [entry.logprob for entry in entries],
+            "top_logprobs": [{t.token: t.logprob for t in e.top_logprobs} for e in entries],
+            "text_offset": offsets,
+        }
 
     def usage(self, usage: dict[str, int]) -> bytes:
         return _encode({**self.head, "choices": [], "usage": usage})
 
-    def whole(self, text: str, finish: str, usage: dict[str, int]) -> bytes:
+    def whole(
+        self,
+        text: str,
+        finish: str,
+        usage: dict[str, int],
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> bytes:
         if self.chat:
             choice: dict[str, Any] = {
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": None,
+                "logprobs": self.logprobs(logprobs),
                 "finish_reason": finish,
             }
             kind = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            entries = self.logprobs(logprobs)
+            choice = {"index": 0, "text": text, "logprobs": entries, "finish_reason": finish}
             kind = "text_completion"
         return _encode({**self.head, "object": kind, "choices": [choice], "usage": usage})

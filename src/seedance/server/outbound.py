@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from seedance.protocol.codec import TokenFrameEncoder
+from seedance.protocol.messages import TokenLogprob
 from seedance.server.transport import AsgiWebSocket, OutFrame
 
 logger = logging.getLogger(__name__)
@@ -37,7 +38,17 @@ class TokenStream:
     socket (or for the merge window), later tokens join it: ``seq`` stays the first token's,
     ``n`` grows. Made by :meth:`Outbound.token_stream`; :meth:`push` is the token path."""
 
-    __slots__ = ("_encoder", "_out", "_texts", "count", "last_sent", "seq", "size", "waiting")
+    __slots__ = (
+        "_encoder",
+        "_out",
+        "_texts",
+        "count",
+        "last_sent",
+        "logprobs",
+        "seq",
+        "size",
+        "waiting",
+    )
 
     def __init__(self, out: Outbound, request_id: str) -> None:
         self._out = out
@@ -48,6 +59,9 @@ class TokenStream:
         self.seq = 0  # seq of the next frame
         self.last_sent = -1.0  # loop time of the last frame written (-1: none yet)
         self.waiting = False  # in the queue or held for the window
+        #: The log's log probabilities by seq (None: the request asked for none): a frame
+        #: carries those of its tokens.
+        self.logprobs: list[TokenLogprob] | None = None
 
     def push(self, text: str, tokens: int) -> None:
         """Send the request's next tokens, merged with their neighbours where that costs no
@@ -87,12 +101,17 @@ class TokenStream:
         """The frame, and the bytes it was counted as; the stream is then empty."""
         texts = self._texts
         if len(texts) == 1:
-            frame = self._encoder.encode(texts[0], self.seq, self.count)
+            text = texts[0]
         else:
             merger = self._out._merger
             if merger is not None:
                 merger.merged += len(texts) - 1  # deltas that joined an earlier frame
-            frame = self._encoder.encode("".join(texts), self.seq, self.count)
+            text = "".join(texts)
+        if self.logprobs is None:
+            frame = self._encoder.encode(text, self.seq, self.count)
+        else:
+            entries = self.logprobs[self.seq : self.seq + self.count]
+            frame = self._encoder.encode(text, self.seq, self.count, entries)
         size = self.size
         self.seq += self.count
         self.count = 0

@@ -96,6 +96,7 @@ def rendered(log: StreamLog) -> Rendered:
         started=log.start is not None,
         end=log.end,
         ended=not log.running,
+        logprobs=log.logprobs,
     )
 
 
@@ -286,8 +287,10 @@ class ResponseCall:
             await events.open()
             for event in view.opening(after):
                 await events.event(event)
+            first = cursor + 1
             async for text, last_seq in reading:
-                await events.event(view.delta(text, last_seq))
+                await events.event(view.delta(text, last_seq, first))
+                first = last_seq + 1
         for event in rendered(log).closing(after):
             await events.event(event)
         await events.end()

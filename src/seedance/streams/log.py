@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from seedance.protocol.errors import HistoryLost, InvalidRequest
-from seedance.protocol.messages import DoneFrame, ErrorFrame, StartFrame
+from seedance.protocol.messages import DoneFrame, ErrorFrame, StartFrame, TokenLogprob
 
 #: What a frame other than a token counts as in a log's size (bytes).
 FRAME_BYTES = 256
@@ -62,6 +62,7 @@ class StreamLog:
         "ended_at",
         "epoch",
         "extra",
+        "logprobs",
         "meta",
         "multi",
         "push",
@@ -95,6 +96,9 @@ class StreamLog:
         self._caught_up: asyncio.Future[None] | None = None
         #: What a transport needs to render the frames again (the OpenAI API's shape).
         self.meta: dict[str, Any] | None = None
+        #: Each token's log probability, by ``seq``, when the request asked for them (else
+        #: None); logged before the token is pushed, so a reader finds them there.
+        self.logprobs: list[TokenLogprob] | None = None
 
     @property
     def running(self) -> bool:

@@ -32,6 +32,7 @@ from seedance.engines.grammar import forbidden
 from seedance.engines.hf.batch import PaddedBatch, check_cache
 from seedance.engines.hf.loader import Loaded, load, stop_tokens, token_pieces, tokenizer_prompts
 from seedance.engines.local import context_per_sequence, machine_cores
+from seedance.engines.logprobs import Logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,11 @@ class TorchLoop(DecodeLoop):
         self.parallel = parallel
         self.pieces = token_pieces(loaded.tokenizer)
         self.stops = stop_tokens(loaded)
+        tokenizer = loaded.tokenizer
+        self.logprobs = Logprobs(
+            lambda token: self.pieces[token] if token < len(self.pieces) else b"",
+            lambda token: tokenizer.convert_ids_to_tokens(token) or "",
+        )
         pad = loaded.tokenizer.pad_token_id
         self.pad_id = int(pad) if pad is not None else 0
         self.batch = PaddedBatch()
@@ -169,6 +175,12 @@ class TorchLoop(DecodeLoop):
 
     def _sample(self, logits: torch.Tensor, jobs: list[TorchJob]) -> None:
         logits = logits.float()
+        # Log probabilities come from the raw logits: read before a mask changes them.
+        summaries = {
+            row: self.logprobs.summary(logits[row].cpu().numpy(), job.top)
+            for row, job in enumerate(jobs)
+            if job.top is not None and not job.done
+        }
         bound = [row for row, job in enumerate(jobs) if job.grammar is not None and not job.done]
         if bound:  # the tokens a schema forbids, out of its rows
             vocab = logits.shape[-1]
@@ -182,6 +194,9 @@ class TorchLoop(DecodeLoop):
                 continue
             try:
                 token = greedy[row] if job.temperature <= 0 else self._draw(logits[row], job)
+                if job.logprobs is not None:  # a sampled token is never one a mask forbade
+                    entry = self.logprobs.entry(summaries[row], token, float(logits[row, token]))
+                    job.logprobs.append(entry)
                 piece = None if token in self.stops else self.pieces[token]
                 if self._take(job, token, piece):
                     job.last = token

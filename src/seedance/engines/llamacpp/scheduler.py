@@ -30,6 +30,7 @@ from seedance.engines.base import SamplingParams
 from seedance.engines.batching import BatchJob, DecodeLoop
 from seedance.engines.grammar import mask_logits
 from seedance.engines.llamacpp.native import LlamaContext, LlamaModel, Sampler, State
+from seedance.engines.logprobs import Logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +153,7 @@ class Scheduler(DecodeLoop):
         self.cache = StateCache(state_cache_bytes)
         self._reuse = reuse  # off: every prompt is prefilled whole (for measurements)
         self._n_batch = context.shape.n_batch
+        self.logprobs = Logprobs(model.piece, model.token_text)
 
     def _release(self, job: BatchJob) -> None:
         job.close()
@@ -317,6 +319,12 @@ class Scheduler(DecodeLoop):
         """Sample each job's next token from the logits at its batch index; a job bound to a
         schema first has the tokens its grammar forbids masked out of them."""
         ctx, model = self.ctx, self.model
+        # Log probabilities come from the raw logits: read before a mask changes them.
+        summaries = {
+            job: self.logprobs.summary(ctx.logits(index), job.top)
+            for job, index in sampled
+            if job.top is not None
+        }
         bound = [(job, index) for job, index in sampled if job.grammar is not None]
         if bound:
             rows = self._masks([job for job, _ in bound], model.vocab_size)
@@ -325,6 +333,9 @@ class Scheduler(DecodeLoop):
         for job, index in sampled:
             try:
                 token = ctx.sample(job.sampler, index)
+                if job.logprobs is not None:  # a sampled token is never one a mask set to -inf
+                    logit = float(ctx.logits(index)[token])
+                    job.logprobs.append(self.logprobs.entry(summaries[job], token, logit))
                 if self._take(job, token, None if model.is_eog(token) else model.piece(token)):
                     job.last = token
             except Exception as exc:  # one request's failure must not stop the others

@@ -408,6 +408,7 @@ class Generation:
         tokens_at = self.meter.tokens
         # StreamLog.append, inline: the token path costs no more than before the log.
         texts = log.texts.append
+        logprobs = log.logprobs  # None unless the request asked for them
         produced = already  # self.completion_tokens, kept in a local while the engine runs
         try:
             async for delta in stream:
@@ -418,6 +419,8 @@ class Generation:
                     texts(text)
                     if n != 1:
                         log.counted(n)
+                    if logprobs is not None and delta.logprobs:
+                        logprobs.extend(delta.logprobs)
                     produced += n
                     push = log.push  # readers may join or leave between tokens
                     if push is not None:
@@ -516,7 +519,9 @@ class Generation:
         )
 
     def _done(self, finish: FinishReason) -> DoneFrame:
-        text = None if self.message.stream else "".join(self.parts)
+        text = logprobs = None
+        if not self.message.stream:
+            text, logprobs = "".join(self.parts), self.log.logprobs
         return DoneFrame(
             done=True,
             request_id=self.request_id,
@@ -530,6 +535,7 @@ class Generation:
             timing=self._timing(),
             text=text,
             model_version=self.requester.model.version or None,
+            logprobs=logprobs,
         )
 
     def _log(self, outcome: str) -> None:

@@ -33,13 +33,16 @@ class Generations:
 
     def open_log(self, requester: Requester, request_id: RequestId, message: Generate) -> StreamLog:
         """A new generation's log (the session's previous one is replaced)."""
-        return self.streams.open(
+        log = self.streams.open(
             requester.tenant,
             requester.log_key(request_id),
             request_id,
             resumable=message.resumable,
             stream=message.stream,
         )
+        if message.logprobs is not None:
+            log.logprobs = []
+        return log
 
     def add(self, generation: Generation) -> None:
         """``generation`` runs from now on (its task starts)."""

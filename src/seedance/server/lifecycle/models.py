@@ -110,6 +110,13 @@ class ServedModel:
             raise InvalidRequest(f"{field} must be between 1 and {self.limits.max_tokens}")
         if message.schema is not None:
             self.engine.check_schema(output_schema(message.schema, schema_field), schema_field)
+        if message.logprobs is not None and not self.engine.logprobs:
+            engine = self.engine.info
+            raise InvalidRequest(
+                f"logprobs: the {engine.engine} engine of model {engine.name} gives no log "
+                "probabilities",
+                param="logprobs",
+            )
         signed = self.signed
         if signed is None:
             return message

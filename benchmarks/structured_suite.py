@@ -1,0 +1,130 @@
+"""Suite 17 of ``make bench``: typed output on the embedded SmolLM2: replies bound to a JSON
+Schema, and log probabilities.
+
+``benchmarks/risk_schema.json`` (12 fields, nested, every string and number bounded) binds every
+reply: Seedance's ``/v2/infer`` with ``schema`` (llguidance's masks, :mod:`seedance.engines.grammar`)
+against llama.cpp's ``llama-server`` with ``response_format`` ``json_schema`` (its grammar
+sampler, from the GBNF it writes for the schema), both at 8 slots, 1 and 8 closed-loop streams,
+greedy. Seedance also runs the same loads unbound: the cost of binding. Goals: Seedance bound at
+least 0.9x its own unbound tokens/s, at least 1.0x llama-server's bound tokens/s, and at most
+its TTFT p50. The unbound loads run once more with each token's log probability and its 5
+likeliest alternatives: at least 0.9x the tokens/s without.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from benchmarks.harness import commands, fmt, ratio, servers, verdict
+from benchmarks.llama_suite import llama_server, seedance_llama
+
+if TYPE_CHECKING:
+    from benchmarks.harness import Report
+
+SCHEMA = Path(__file__).with_name("risk_schema.json")
+STREAMS = (1, 8)
+TOP_LOGPROBS = 5
+
+
+def structured_suite(report: Report) -> None:
+    seconds = {1: 10, 8: 20} if report.quick else {1: 20, 8: 40}
+    contenders = [seedance_llama("Seedance", "seedance"), llama_server(report)]
+    common = ["--warmup", "0", "--ramp-up", "2", "--temperature", "0"]
+    common += ["--max-tokens", "256", "--prompt-tokens", "16"]
+    loads = []
+    for n in STREAMS:
+        run = ["-c", str(n), "-d", str(seconds[n]), *common]
+        loads.append((f"{n} streams, schema", [*run, "--schema", str(SCHEMA)]))
+        loads.append((f"{n} streams, free", run))
+        loads.append((f"{n} streams, logprobs", [*run, "--logprobs", str(TOP_LOGPROBS)]))
+    with servers(contenders) as running:
+        cells = report.alternate(running, loads, "17 schemas")
+    rows, logprob_rows = [], []
+    goal_own = goal_llama = goal_logprobs = True
+    for n in STREAMS:
+        free = {k: cells[(f"{n} streams, free", k)] for k in ("seedance", "llama")}
+        scored = {k: cells[(f"{n} streams, logprobs", k)] for k in ("seedance", "llama")}
+        plain = {k: c.median("summary", "delivered_tokens_per_s") for k, c in free.items()}
+        with_lp = {k: c.median("summary", "delivered_tokens_per_s") for k, c in scored.items()}
+        goal_logprobs &= with_lp["seedance"] >= 0.9 * plain["seedance"]
+        logprob_rows.append(
+            f"| {n} | {fmt(with_lp['seedance'], 1)} / {fmt(plain['seedance'], 1)} "
+            f"({ratio(with_lp['seedance'], plain['seedance'])}) "
+            f"| {fmt(with_lp['llama'], 1)} / {fmt(plain['llama'], 1)} "
+            f"({ratio(with_lp['llama'], plain['llama'])}) "
+            f"| {' / '.join(str(c.errors()) for c in scored.values())} |"
+        )
+    for n in STREAMS:
+        bound = {k: cells[(f"{n} streams, schema", k)] for k in ("seedance", "llama")}
+        free = {k: cells[(f"{n} streams, free", k)] for k in ("seedance", "llama")}
+        tps = {k: c.median("summary", "delivered_tokens_per_s") for k, c in bound.items()}
+        free_tps = {k: c.median("summary", "delivered_tokens_per_s") for k, c in free.items()}
+        t50 = {k: c.median("summary", "ttft", "p50_ms") for k, c in bound.items()}
+        goal_own &= tps["seedance"] >= 0.9 * free_tps["seedance"]
+        goal_llama &= tps["seedance"] >= tps["llama"] and t50["seedance"] <= t50["llama"]
+        rows.append(
+            f"| {n} | {fmt(tps['seedance'], 1)} / {fmt(tps['llama'], 1)} "
+            f"({ratio(tps['seedance'], tps['llama'])}) "
+            f"| {fmt(free_tps['seedance'], 1)} ({ratio(tps['seedance'], free_tps['seedance'])}) "
+            f"/ {fmt(free_tps['llama'], 1)} ({ratio(tps['llama'], free_tps['llama'])}) "
+            f"| {fmt(t50['seedance'], 0)} / {fmt(t50['llama'], 0)} "
+            f"({ratio(t50['seedance'], t50['llama'])}) "
+            f"| {' / '.join(str(round(c.median('summary', 'completed'))) for c in bound.values())} "
+            f"| {' / '.join(str(c.errors()) for c in bound.values())} |"
+        )
+    report.goals.append(
+        ("17. Schema-bound replies: at least 0.9x Seedance's own unbound tokens/s", "", goal_own)
+    )
+    report.goals.append(
+        (
+            "17. Schema-bound replies: at least llama-server's tokens/s, at most its TTFT p50",
+            "",
+            goal_llama,
+        )
+    )
+    report.goals.append(
+        (
+            f"17. Log probabilities (top {TOP_LOGPROBS}): at least 0.9x the tokens/s without",
+            "",
+            goal_logprobs,
+        )
+    )
+    report.sections.append(
+        "\n".join(
+            [
+                "## 17. Typed output: schema-bound replies and log probabilities",
+                "",
+                "Every reply bound to `benchmarks/risk_schema.json` (12 fields, nested, strings "
+                "and numbers bounded): Seedance's `/v2/infer` with `schema` (llguidance's token "
+                "masks, computed together for the step's bound sequences) against llama.cpp's "
+                "`llama-server` with `response_format` `json_schema` (its grammar sampler), 8 "
+                "slots each, closed loops of N users with 16-word prompts, greedy, replies of up "
+                "to 256 tokens (a bound reply ends when its document is whole). The same loads "
+                "unbound give each server's own floor. Goals: Seedance bound at least 0.9x its "
+                f"unbound tokens/s: {verdict(goal_own)}; at least llama-server's bound tokens/s "
+                f"and at most its TTFT p50: {verdict(goal_llama)}. The mask's own cost per "
+                "token, without a server: `python -m benchmarks.grammar_mask` (docs/engines.md).",
+                "",
+                "| streams | bound tokens/s, Seedance / llama-server | unbound tokens/s, "
+                "Seedance (bound's share) / llama-server (bound's share) "
+                "| bound TTFT p50 ms | replies | errors |",
+                "|---|---|---|---|---|---|",
+                *rows,
+                "",
+                f"Log probabilities: the unbound loads again, each token with its log "
+                f"probability and its {TOP_LOGPROBS} likeliest alternatives (`/v2/infer`: "
+                f"`logprobs: {TOP_LOGPROBS}`; llama-server: `logprobs: true, top_logprobs: "
+                f"{TOP_LOGPROBS}`). Goal: Seedance at least 0.9x its tokens/s without: "
+                f"{verdict(goal_logprobs)}.",
+                "",
+                "| streams | Seedance tokens/s, with / without | llama-server tokens/s, with / "
+                "without | errors |",
+                "|---|---|---|---|",
+                *logprob_rows,
+                "",
+                commands(contenders, loads),
+                "",
+            ]
+        )
+    )
