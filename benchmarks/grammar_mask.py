@@ -5,13 +5,16 @@ together for ``--tokens`` steps, greedy, each reply bound to ``benchmarks/risk_s
 (12 fields, nested) by one of:
 
 - ``none``: no schema (the floor);
-- ``llguidance``: the engines' own path (:mod:`seedance.engines.grammar`): the step's masks
-  computed together, then set to -inf in each sequence's logits before llama.cpp samples;
+- ``llguidance``: the llamacpp engine's own path (:mod:`seedance.engines.grammar`): each
+  sequence samples as if free and keeps a token its grammar allows; the step's sequences whose
+  token it forbade get their masks computed together, set to -inf in their logits, and sample
+  again (rejection sampling);
 - ``gbnf``: llama.cpp's grammar sampler in each sequence's sampler chain, from the GBNF that
   llama-cpp-python writes for the schema (what ``llama-server`` uses for ``json_schema``).
 
-Prints, per mode, tokens/s and the milliseconds a step spends masking and sampling (a step
-samples one token per stream), as JSON lines, and the CPU:
+Prints, per mode, tokens/s, the milliseconds a step spends on the grammar (checks and masks)
+and on llama.cpp's sampling (the grammar sampler's work, for ``gbnf``; a step samples one token
+per stream), and the rows masked, as JSON lines, and the CPU:
 
     python -m benchmarks.grammar_mask --streams 1
     python -m benchmarks.grammar_mask --streams 8
@@ -70,26 +73,37 @@ def run(model: LlamaModel, mode: str, streams: int, tokens: int, threads: int) -
             index[seq] = ctx.add(token, pos, seq, pos == len(prompt) - 1)
     assert ctx.decode() == 0
     live, produced = list(range(streams)), [0] * streams
-    mask_s = sample_s = 0.0
+    grammar_s = sample_s = 0.0
+    masked = 0  # rows masked (a sampled token the schema forbade)
     steps, start = 0, time.perf_counter()
     for step in range(tokens):
-        t0 = time.perf_counter()
-        if matchers:
-            rows = masks.fill([matchers[seq] for seq in live], model.vocab_size)
-            for row, seq in zip(rows, live, strict=True):
-                mask_logits(ctx.logits(index[seq]), row)
-        t1 = time.perf_counter()
-        sampled = {}
+        picked: dict[int, int] = {}
+        refused: list[int] = []
         for seq in live:
+            t0 = time.perf_counter()
             token = ctx.sample(samplers[seq], index[seq])
-            if matchers:
-                matchers[seq].consume_token(token)
+            t1 = time.perf_counter()
+            if matchers and matchers[seq].try_consume_tokens([token]) != 1:
+                refused.append(seq)
+            else:
+                picked[seq] = token
+            grammar_s, sample_s = grammar_s + time.perf_counter() - t1, sample_s + t1 - t0
+        if refused:  # the engine's way: only a forbidden token costs a mask
+            t0 = time.perf_counter()
+            rows = masks.fill([matchers[seq] for seq in refused], model.vocab_size)
+            for row, seq in zip(rows, refused, strict=True):
+                mask_logits(ctx.logits(index[seq]), row)
+                picked[seq] = token = ctx.sample(samplers[seq], index[seq])
+                assert matchers[seq].try_consume_tokens([token]) == 1
+            grammar_s += time.perf_counter() - t0
+            masked += len(refused)
+        sampled = {}
+        for seq, token in picked.items():
             if model.is_eog(token) or (matchers and matchers[seq].is_stopped()):
                 continue
             sampled[seq] = token
             produced[seq] += 1
-        t2 = time.perf_counter()
-        mask_s, sample_s, steps = mask_s + t1 - t0, sample_s + t2 - t1, steps + 1
+        steps += 1
         live = sorted(sampled)
         if not live:
             break
@@ -106,8 +120,9 @@ def run(model: LlamaModel, mode: str, streams: int, tokens: int, threads: int) -
         "streams": streams,
         "tokens": sum(produced),
         "tokens_per_s": round(sum(produced) / elapsed, 1),
-        "mask_ms_per_step": round(1000 * mask_s / steps, 3),
+        "grammar_ms_per_step": round(1000 * grammar_s / steps, 3),
         "sample_ms_per_step": round(1000 * sample_s / steps, 3),
+        "rows_masked": masked,
     }
 
 

@@ -28,7 +28,7 @@ TOP_LOGPROBS = 5
 
 
 def structured_suite(report: Report) -> None:
-    seconds = {1: 10, 8: 20} if report.quick else {1: 20, 8: 40}
+    seconds = {1: 8, 8: 15} if report.quick else {1: 15, 8: 30}
     contenders = [seedance_llama("Seedance", "seedance"), llama_server(report)]
     common = ["--warmup", "0", "--ramp-up", "2", "--temperature", "0"]
     common += ["--max-tokens", "256", "--prompt-tokens", "16"]

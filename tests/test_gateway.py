@@ -366,7 +366,12 @@ async def test_schemas_pass_through_to_the_upstream(make_server, smollm: Running
     )
     assert isinstance(reply.choices[0].message.parsed, City)
     async with connect(server.url) as session:
-        schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+        schema = {
+            "type": "object",
+            "properties": {"ok": {"type": "boolean"}},
+            "required": ["ok"],
+            "additionalProperties": False,
+        }
         done = await session.complete("Is the sky blue?", schema=schema, max_tokens=30)
         jsonschema.validate(json.loads(done.text or ""), schema)
     # What the upstream cannot enforce is its 400, passed on.

@@ -197,8 +197,11 @@ class TorchLoop(DecodeLoop):
                 if job.logprobs is not None:  # a sampled token is never one a mask forbade
                     entry = self.logprobs.entry(summaries[row], token, float(logits[row, token]))
                     job.logprobs.append(entry)
+                if not self._fits(job, token):  # its mask allowed it: llguidance disagrees
+                    self._fail(job, "the reply left its schema")
+                    continue
                 piece = None if token in self.stops else self.pieces[token]
-                if self._take(job, token, piece):
+                if self._take(job, piece):
                     job.last = token
             except Exception as exc:  # one request's failure must not stop the others
                 logger.exception("sampling failed")
