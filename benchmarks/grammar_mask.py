@@ -9,6 +9,8 @@ together for ``--tokens`` steps, greedy, each reply bound to ``benchmarks/risk_s
   sequence samples as if free and keeps a token its grammar allows; the step's sequences whose
   token it forbade get their masks computed together, set to -inf in their logits, and sample
   again (rejection sampling);
+- ``masked``: llguidance as the transformers engine uses it: every bound row's mask computed
+  (together) and applied before sampling;
 - ``gbnf``: llama.cpp's grammar sampler in each sequence's sampler chain, from the GBNF that
   llama-cpp-python writes for the schema (what ``llama-server`` uses for ``json_schema``).
 
@@ -58,7 +60,7 @@ def run(model: LlamaModel, mode: str, streams: int, tokens: int, threads: int) -
             sampler.close()
             sampler.ptr = chain
     matchers = []
-    if mode == "llguidance":
+    if mode in ("llguidance", "masked"):
         grammars = Grammars(lambda: grammar_vocabulary(model))
         matchers = [grammars.matcher(schema) for _ in range(streams)]
     masks = Masks()
@@ -79,6 +81,13 @@ def run(model: LlamaModel, mode: str, streams: int, tokens: int, threads: int) -
     for step in range(tokens):
         picked: dict[int, int] = {}
         refused: list[int] = []
+        if mode == "masked":  # a mask for every row first, then sampling
+            t0 = time.perf_counter()
+            rows = masks.fill([matchers[seq] for seq in live], model.vocab_size)
+            for row, seq in zip(rows, live, strict=True):
+                mask_logits(ctx.logits(index[seq]), row)
+            grammar_s += time.perf_counter() - t0
+            masked += len(live)
         for seq in live:
             t0 = time.perf_counter()
             token = ctx.sample(samplers[seq], index[seq])
@@ -131,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--streams", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=120)
     parser.add_argument("--threads", type=int, default=machine_cores())
-    parser.add_argument("--modes", default="none,llguidance,gbnf")
+    parser.add_argument("--modes", default="none,llguidance,masked,gbnf")
     args = parser.parse_args(argv)
     model = LlamaModel(default_model_path())
     print(json.dumps({"cpu": cpu(), "threads": args.threads}))

@@ -561,3 +561,18 @@ def test_the_embeddings_suite_sets_seedance_beside_sentence_transformers(tmp_pat
             line.startswith("| 32 |")]  # fmt: skip
     assert len(rows) == 2, section
     assert all(row.endswith("| 0 |") for row in rows), rows  # no errors
+
+
+@pytest.mark.model
+def test_schema_and_logprobs_loads(smollm: RunningServer, tmp_path: Path) -> None:
+    """``--schema`` and ``--logprobs`` in each API's own fields: /v2/infer's ``schema`` and
+    ``logprobs``, the OpenAI API's ``response_format`` and ``logprobs``/``top_logprobs``."""
+    schema = str(Path(__file__).parents[1] / "benchmarks" / "risk_schema.json")
+    for args in ([smollm.infer_url], ["--openai", f"{smollm.http_url}/v1"]):
+        for extra in (["--schema", schema], ["--logprobs", "5"]):
+            result, data = bench_json(
+                tmp_path, *args, "-c", "2", "-n", "3", "--max-tokens", "300", "-q", *extra
+            )
+            assert result.returncode == 0, result.stderr
+            summary = data["summary"]
+            assert summary["completed"] == summary["requests"] and summary["errors"] == {}

@@ -75,14 +75,9 @@ async def test_chat_logprobs_equal_the_reference(single: RunningServer) -> None:
         ).json()
     expected = reference(prompt["tokens"], 12)
     api = client(single)
-    reply = await api.chat.completions.create(
-        model=MODEL,
-        messages=QUESTION,
-        max_tokens=12,
-        temperature=0,
-        logprobs=True,
-        top_logprobs=TOP,
-    )
+    ask: dict[str, Any] = {"model": MODEL, "messages": QUESTION, "max_tokens": 12}
+    ask.update(temperature=0, logprobs=True, top_logprobs=TOP)
+    reply = await api.chat.completions.create(**ask)
     content = reply.choices[0].logprobs.content  # type: ignore[union-attr]
     assert content is not None and len(content) == len(expected) == reply.usage.completion_tokens  # type: ignore[union-attr]
     for got, (text, logprob, tops) in zip(content, expected, strict=True):
@@ -95,15 +90,7 @@ async def test_chat_logprobs_equal_the_reference(single: RunningServer) -> None:
     assert "".join(t.token for t in content) == reply.choices[0].message.content
 
     # Streamed: the same entries, each chunk with those of its tokens.
-    stream = await api.chat.completions.create(
-        model=MODEL,
-        messages=QUESTION,
-        max_tokens=12,
-        temperature=0,
-        logprobs=True,
-        top_logprobs=TOP,
-        stream=True,
-    )
+    stream = await api.chat.completions.create(**ask, stream=True)
     streamed: list[Any] = []
     async for chunk in stream:
         if chunk.choices and chunk.choices[0].logprobs and chunk.choices[0].logprobs.content:

@@ -91,12 +91,25 @@ async def test_errors_have_openai_shape_and_status(server: RunningServer) -> Non
     with pytest.raises(openai.BadRequestError) as many:
         await api.chat.completions.create(model="synthetic", messages=messages, n=2)  # type: ignore[arg-type]
     assert "n:" in many.value.message
-    with pytest.raises(openai.BadRequestError) as tool:
+    with pytest.raises(openai.BadRequestError) as robot:
         await api.chat.completions.create(
             model="synthetic",
-            messages=[{"role": "tool", "content": "x", "tool_call_id": "1"}],
+            messages=[{"role": "robot", "content": "x"}],  # type: ignore[list-item]
         )
-    assert "role" in tool.value.message
+    assert "role" in robot.value.message
+    weather = {"type": "function", "function": {"name": "weather", "parameters": {}}}
+    with pytest.raises(openai.BadRequestError) as tools:  # never a silent text reply
+        await api.chat.completions.create(model="synthetic", messages=messages, tools=[weather])  # type: ignore[arg-type, list-item]
+    assert tools.value.param == "tools"
+    assert "synthetic engine of model synthetic cannot call tools" in tools.value.message
+    unused = await api.chat.completions.create(
+        model="synthetic",
+        messages=messages,  # type: ignore[arg-type]
+        tools=[weather],  # type: ignore[list-item]
+        tool_choice="none",
+        max_tokens=2,
+    )
+    assert unused.choices[0].message.content
     async with httpx.AsyncClient(base_url=server.http_url) as http:
         broken = await http.post("/v1/chat/completions", content=b"{not json")
         assert broken.status_code == 400

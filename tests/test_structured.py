@@ -22,6 +22,7 @@ from seedance.client import connect
 from seedance.protocol.errors import InvalidRequest
 from seedance.protocol.schemas import closed, output_schema
 from tests.support.servers import RunningServer, server_config
+from tests.support.waits import eventually
 
 #: The benchmark's schema (benchmarks/structured_suite.py): 12 fields, nested, bounded.
 RISK = json.loads((Path(__file__).parents[1] / "benchmarks" / "risk_schema.json").read_text())
@@ -110,14 +111,17 @@ async def test_two_streams_at_once_each_valid_for_the_nested_schema(
         jsonschema.validate(document, RISK)
         assert list(document) == list(RISK["properties"])  # in the schema's order
     text = output_schema(closed(RISK), "schema").text  # strict: as the engine got it
-    assert hashlib.sha256(text.encode()).hexdigest() in await schema_hashes(audit_log)
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    await eventually(lambda: digest in schema_hashes(audit_log), what="the schema's hash")
 
 
-async def schema_hashes(audit_log: Path) -> set[str]:
+def records_of(audit_log: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in audit_log.read_text().splitlines()]
+
+
+def schema_hashes(audit_log: Path) -> set[str]:
     """The ``schema_sha256`` of the request records written so far."""
-    lines = (await asyncio.to_thread(audit_log.read_text)).splitlines()
-    records = [json.loads(line) for line in lines]
-    return {r["schema_sha256"] for r in records if "schema_sha256" in r}
+    return {r["schema_sha256"] for r in records_of(audit_log) if "schema_sha256" in r}
 
 
 async def test_json_object_and_the_responses_api(smollm_audited: RunningServer) -> None:
@@ -257,3 +261,22 @@ def test_strict_closes_objects_that_say_nothing_of_other_properties() -> None:
     assert out["properties"]["d"]["items"]["additionalProperties"] is False
     assert out["$defs"]["f"]["additionalProperties"] is False
     assert out["$defs"]["f"]["properties"]["g"] == {"const": {"properties": 1}}  # data, untouched
+
+
+async def test_the_audit_counts_tool_calls(smollm_audited: RunningServer, audit_log: Path) -> None:
+    from tests.test_tools import QUESTION, WEATHER
+
+    api = client(smollm_audited)
+    reply = await api.chat.completions.create(
+        model=await model_of(api),
+        messages=QUESTION,  # type: ignore[arg-type]
+        tools=[WEATHER],  # type: ignore[list-item]
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=80,
+    )
+    assert reply.choices[0].finish_reason == "tool_calls"
+    await eventually(lambda: reply.id in audit_log.read_text(), what="the request's record")
+    mine = [r for r in records_of(audit_log) if r.get("request_id") == reply.id]
+    assert mine[-1]["tool_calls"] == 1

@@ -53,7 +53,7 @@ def test_an_engine_without_a_tokenizer_says_so(server: RunningServer) -> None:
         ({"prompt": "a", "chat_template": "x"}, "chat_template"),
         ({"content": "a", "add_special_tokens": True}, "add_special_tokens goes with prompt"),
         ({"prompt": "a", "add_special": True}, "add_special goes with content"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
         ({"prompt": 3}, "$.prompt"),
     ],
 )

@@ -264,6 +264,27 @@ async def test_replies_bound_to_a_schema(hf: RunningServer) -> None:
     jsonschema.validate(json.loads(risky.choices[0].message.content or ""), RISK)
 
 
+async def test_a_tool_call_parses_and_is_valid(hf: RunningServer) -> None:
+    import jsonschema
+    import openai
+
+    from tests.test_tools import QUESTION, TIME, WEATHER
+
+    api = openai.AsyncOpenAI(base_url=f"{hf.http_url}/v1", api_key="none", max_retries=0)
+    reply = await api.chat.completions.create(
+        model="smollm2-135m",
+        messages=QUESTION,  # type: ignore[arg-type]
+        tools=[WEATHER, TIME],  # type: ignore[list-item]
+        tool_choice="required",
+        temperature=0,
+        max_tokens=80,
+    )
+    assert reply.choices[0].finish_reason == "tool_calls"
+    for call in reply.choices[0].message.tool_calls or ():
+        tool = WEATHER if call.function.name == "get_weather" else TIME
+        jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])  # type: ignore[index]
+
+
 async def test_logprobs_equal_a_reference_forward_pass(hf: RunningServer) -> None:
     """Each token's log probability and its 3 likeliest alternatives, against log-softmax in
     float64 over the logits of a plain forward pass of the same model over the whole text."""

@@ -26,6 +26,7 @@ from seedance.protocol.messages import (
     TokenLogprob,
 )
 from seedance.protocol.schemas import OutputSchema, output_schema
+from seedance.protocol.tools import grammar, parse_tools
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,9 +68,18 @@ class SamplingParams:
             stop=message.stop_strings(),
             seed=message.seed,
             unset=unset,
-            schema=None if message.schema is None else output_schema(message.schema, "schema"),
+            schema=bound_to(message),
             logprobs=message.logprobs,
         )
+
+
+def bound_to(message: Generate) -> OutputSchema | None:
+    """What a (validated) request binds its reply to: its schema, or the grammar of a reply to
+    its tools (None: free text)."""
+    if message.schema is not None:
+        return output_schema(message.schema, "schema")
+    tools = parse_tools(message.tools, message.tool_choice, message.parallel_tool_calls)
+    return None if tools is None else OutputSchema(grammar(tools), kind="lark")
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,9 +204,9 @@ class Engine(abc.ABC):
     def check_schema(self, schema: OutputSchema, field: str) -> None:
         """Refuse (:class:`InvalidRequest` naming ``field``) a schema this engine cannot bind
         its replies to, before any token; by default every schema: the engine cannot."""
+        what = "call tools" if schema.kind == "lark" else "bind its replies to a schema"
         raise InvalidRequest(
-            f"{field}: the {self.info.engine} engine of model {self.info.name} cannot bind its "
-            "replies to a schema",
+            f"{field}: the {self.info.engine} engine of model {self.info.name} cannot {what}",
             param=field,
         )
 

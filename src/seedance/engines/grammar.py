@@ -37,24 +37,31 @@ if TYPE_CHECKING:
 _COMPILE_OPTIONS: Final[JsonCompileOptions] = {"whitespace_flexible": False}
 
 
-@functools.lru_cache(maxsize=256)
-def grammar(schema: str) -> str:
-    """llguidance's grammar for a schema's canonical text."""
-    return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_COMPILE_OPTIONS)
+def grammar(schema: OutputSchema) -> str:
+    """llguidance's grammar for what a reply is bound to."""
+    return _grammar(schema.text, schema.kind)
 
 
 @functools.lru_cache(maxsize=256)
-def _unsupported(schema: str) -> str | None:
-    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar(schema))
+def _grammar(text: str, kind: str) -> str:
+    if kind == "lark":
+        return llguidance.LLMatcher.grammar_from_lark(text)
+    return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=_COMPILE_OPTIONS)
+
+
+@functools.lru_cache(maxsize=256)
+def _unsupported(text: str, kind: str) -> str | None:
+    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(_grammar(text, kind))
     return messages[0] if failed and messages else ("not supported" if failed else None)
 
 
 def check_schema(schema: OutputSchema, field: str) -> None:
     """Refuse a schema that llguidance cannot enforce, naming what it lacks
     (``Unimplemented keys: ["not"]``)."""
-    why = _unsupported(schema.text)
+    why = _unsupported(schema.text, schema.kind)
     if why is not None:
-        raise InvalidRequest(f"{field}: this schema cannot be enforced: {why}", param=field)
+        what = "these tools' parameters" if schema.kind == "lark" else "this schema"
+        raise InvalidRequest(f"{field}: {what} cannot be enforced: {why}", param=field)
 
 
 class Grammars:
@@ -78,7 +85,7 @@ class Grammars:
 
     def matcher(self, schema: OutputSchema) -> llguidance.LLMatcher:
         """A fresh matcher for one reply (about 1 ms for a 12-field schema)."""
-        matcher = llguidance.LLMatcher(self.tokenizer(), grammar(schema.text), log_level=0)
+        matcher = llguidance.LLMatcher(self.tokenizer(), grammar(schema), log_level=0)
         if matcher.is_error():  # check_schema let it through: llguidance's limits, say
             raise InvalidRequest(f"schema: this schema cannot be enforced: {matcher.get_error()}")
         return matcher

@@ -287,7 +287,10 @@ class OpenAIUpstreamEngine(Engine):
         return path, _encode(body)
 
     def check_schema(self, schema: OutputSchema, field: str) -> None:
-        """Any schema: the upstream decides what it can enforce (its 400 is passed on)."""
+        """Any JSON Schema: the upstream decides what it can enforce (its 400 is passed on).
+        Tools are not passed on (yet): refused."""
+        if schema.kind != "json":
+            super().check_schema(schema, field)
 
     async def _stream(
         self, upstream: Upstream, path: str, body: bytes, headers: dict[str, str]

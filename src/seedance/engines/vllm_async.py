@@ -256,7 +256,10 @@ class VllmEngine(PromptedEngine):
         return SamplingParams(**sampling)
 
     def check_schema(self, schema: OutputSchema, field: str) -> None:
-        """Any schema: vLLM's structured-output backend decides (its refusal is passed on)."""
+        """Any JSON Schema: vLLM's structured-output backend decides (its refusal is passed
+        on). Tools are refused (the generic format's grammar is llguidance's dialect)."""
+        if schema.kind != "json":
+            super().check_schema(schema, field)
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
         prompt = self.prompts.tokens(request.messages, request.raw, request.continuation)

@@ -37,6 +37,7 @@ from seedance.protocol.messages import (
 )
 from seedance.protocol.qos import parse_qos
 from seedance.protocol.schemas import output_schema
+from seedance.protocol.tools import parse_tools
 
 MAX_SEED: Final = 2**64 - 1
 #: Most alternatives a token's log probability comes with (OpenAI's ``top_logprobs`` limit).
@@ -217,12 +218,16 @@ def validate_generate(msg: Generate, limits: FrameLimits, request_id: str | None
             raise bad(exc.message) from None
     if msg.logprobs is not None and not 0 <= msg.logprobs <= MAX_TOP_LOGPROBS:
         raise bad(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
-    if msg.schema is not None:
-        try:
+    try:
+        if msg.schema is not None:
             output_schema(msg.schema, "schema")
-        except InvalidRequest as exc:
-            exc.request_id = request_id
-            raise
+        if msg.tools or msg.tool_choice is not None:
+            tools = parse_tools(msg.tools, msg.tool_choice, msg.parallel_tool_calls)
+            if tools is not None and msg.schema is not None:
+                raise InvalidRequest("schema: a reply to tools cannot be bound to a schema too")
+    except InvalidRequest as exc:
+        exc.request_id = request_id
+        raise
 
 
 def _id_rule_broken(value: str) -> str | None:

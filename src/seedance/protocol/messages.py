@@ -66,6 +66,10 @@ class Generate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: Log probabilities of the reply's tokens, each with this many likeliest alternatives
     #: (0 to 20; None: none).
     logprobs: int | None = None
+    #: Functions the reply may call, OpenAI's way (:mod:`seedance.protocol.tools`).
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     def turns(self) -> list[ChatMessage]:
         """The turns this request appends to the session context."""

@@ -3,7 +3,8 @@ and the streamed chunks of OpenAI-compatible servers, as Seedance's clients of t
 
 Pure: bytes in, a validated :class:`OpenAIRequest` (or a :class:`SeedanceError`) out. Fields that
 OpenAI defines and Seedance does not use (``frequency_penalty``, ``user``, ...) are accepted
-and ignored, as clients send them by default; ``n`` other than 1 and tool messages are refused.
+and ignored, as clients send them by default; ``n`` other than 1 is refused. Tools and tool
+messages are written in the generic format of :mod:`seedance.protocol.tools`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from seedance.protocol.codec import MAX_TOP_LOGPROBS, FrameLimits, validate_gene
 from seedance.protocol.errors import InvalidJSON, InvalidRequest, SeedanceError
 from seedance.protocol.messages import ChatMessage, DoneFrame, ErrorFrame, Generate
 from seedance.protocol.schemas import format_schema
+from seedance.protocol.tools import Tools, call_text, parse_tools, result_text, system_prompt
 
 #: ``max_tokens`` of ``/v1/completions`` when absent (OpenAI's default).
 COMPLETIONS_DEFAULT_MAX_TOKENS: Final = 16
@@ -35,11 +37,25 @@ class _ContentPart(msgspec.Struct):
     text: str | None = None
 
 
+class _Function(msgspec.Struct):
+    name: str
+    arguments: str = "{}"
+
+
+class _ToolCall(msgspec.Struct):
+    function: _Function
+    id: str | None = None
+    type: str = "function"
+
+
 class Message(msgspec.Struct):
-    """A chat message as OpenAI's APIs send it (text only)."""
+    """A chat message as OpenAI's APIs send it (text, and an assistant's tool calls)."""
 
     role: str
     content: str | list[_ContentPart] | None = None
+    tool_calls: list[_ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
 
 class _StreamOptions(msgspec.Struct):
@@ -89,6 +105,10 @@ class _ChatBody(_Common, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    tools: Any = None  # checked by parse_tools, which names the field
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None  # deprecated by OpenAI: refused
 
 
 class _CompletionBody(_Common, kw_only=True):
@@ -123,9 +143,14 @@ _completion_decoder = msgspec.json.Decoder(_CompletionBody)
 def decode_chat(body: bytes, limits: FrameLimits) -> OpenAIRequest:
     """A ``/v1/chat/completions`` body."""
     parsed = decode_body(_chat_decoder, body)
+    if parsed.functions:
+        raise InvalidRequest("functions: deprecated by OpenAI; use tools", param="functions")
+    tools = parse_tools(parsed.tools, parsed.tool_choice, parsed.parallel_tool_calls)
     messages = [chat_message(i, m) for i, m in enumerate(parsed.messages)]
     if not messages:
         raise InvalidRequest("messages must hold at least one message")
+    if tools is not None:  # the model is told of them first
+        messages = with_tools(messages, tools)
     max_tokens = parsed.max_tokens
     if parsed.max_completion_tokens is not None:  # the newer name wins
         max_tokens = parsed.max_completion_tokens
@@ -133,7 +158,17 @@ def decode_chat(body: bytes, limits: FrameLimits) -> OpenAIRequest:
     if top is not None and not parsed.logprobs:
         raise InvalidRequest("top_logprobs: needs logprobs: true", param="top_logprobs")
     logprobs = _top_logprobs(top or 0, "top_logprobs") if parsed.logprobs else None
-    return _request("chat", parsed, limits, max_tokens, messages=messages, logprobs=logprobs)
+    return _request(
+        "chat",
+        parsed,
+        limits,
+        max_tokens,
+        messages=messages,
+        logprobs=logprobs,
+        tools=parsed.tools if tools is not None else None,
+        tool_choice=parsed.tool_choice if tools is not None else None,
+        parallel_tool_calls=parsed.parallel_tool_calls if tools is not None else None,
+    )
 
 
 def decode_completion(body: bytes, limits: FrameLimits) -> OpenAIRequest:
@@ -173,19 +208,39 @@ def decode_body(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
 
 def chat_message(index: int, message: Message) -> ChatMessage:
     """``messages[index]`` as the engines take it; roles and parts Seedance does not serve are
-    refused by name."""
-    role = ROLES.get(message.role)
-    if role is None:
-        raise InvalidRequest(
-            f"messages[{index}].role: {message.role!r} is not supported "
-            "(system, developer, user, assistant)"
-        )
+    refused by name. Tool calls and results are written in the generic format
+    (:mod:`~seedance.protocol.tools`): an assistant's calls as it writes them, a tool's result
+    as a user turn."""
     content = message.content
     if isinstance(content, list):
         if any(part.type != "text" or part.text is None for part in content):
             raise InvalidRequest(f"messages[{index}].content: only text parts are supported")
         content = "".join(part.text or "" for part in content)
-    return ChatMessage(role, content or "")  # type: ignore[arg-type]
+    text = content or ""
+    if message.role == "tool":
+        return ChatMessage("user", result_text(text))
+    role = ROLES.get(message.role)
+    if role is None:
+        raise InvalidRequest(
+            f"messages[{index}].role: {message.role!r} is not supported "
+            "(system, developer, user, assistant, tool)"
+        )
+    if message.tool_calls:
+        if role != "assistant":
+            raise InvalidRequest(f"messages[{index}].tool_calls: only an assistant's")
+        calls = (call_text(c.function.name, c.function.arguments) for c in message.tool_calls)
+        text += "".join(calls)
+    return ChatMessage(role, text)  # type: ignore[arg-type]
+
+
+def with_tools(messages: list[ChatMessage], tools: Tools) -> list[ChatMessage]:
+    """``messages`` with the tools described in the system message (one is added first where
+    there is none)."""
+    described = system_prompt(tools)
+    if messages[0].role == "system":
+        first = ChatMessage("system", f"{messages[0].content}\n\n{described}")
+        return [first, *messages[1:]]
+    return [ChatMessage("system", described), *messages]
 
 
 def _request(

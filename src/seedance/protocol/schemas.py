@@ -10,7 +10,7 @@ engine's to say (:meth:`~seedance.engines.base.Engine.check_schema`).
 from __future__ import annotations
 
 import functools
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 import jsonschema
 import msgspec
@@ -31,12 +31,14 @@ _SUBSCHEMAS: Final = (
 
 
 class OutputSchema(msgspec.Struct, frozen=True):
-    """A checked schema: its text (compact JSON, its keys in the order given: the order of
-    ``properties`` is the order the reply writes them in) and what named it."""
+    """What a reply is bound to: a checked JSON Schema (its text: compact JSON, its keys in
+    the order given, so the order of ``properties`` is the order the reply writes them in), or
+    the grammar of a reply to tools (``kind`` ``lark``: :func:`seedance.protocol.tools.grammar`)."""
 
     text: str
     #: The API's name for it (``response_format.json_schema.name``), where it gave one.
     name: str | None = None
+    kind: Literal["json", "lark"] = "json"
 
 
 def output_schema(schema: Any, field: str, name: str | None = None) -> OutputSchema:

@@ -29,6 +29,7 @@ from seedance.protocol.errors import InvalidRequest, Overloaded, SeedanceError, 
 from seedance.protocol.messages import DoneFrame, ErrorFrame, RequestId, TokenLogprob
 from seedance.protocol.openai import decode_chat, decode_completion
 from seedance.protocol.qos import qos_from_headers
+from seedance.protocol.tools import CallReader, ToolCall, parse_tools
 from seedance.server.http_call import (
     JSON_HEADERS,
     SSE_HEADERS,
@@ -101,6 +102,12 @@ class OpenAIEndpoint:
             "created": int(time.time()),
             "model": model.name,
         }
+        if message.tools:  # the reply is read for calls
+            generation.log.meta["tools"] = [
+                message.tools,
+                message.tool_choice,
+                message.parallel_tool_calls,
+            ]
         return generation
 
 
@@ -111,10 +118,16 @@ async def relay(
     meta = log.meta
     assert meta is not None  # an OpenAI API request's log
     chunks = _Chunks(meta["kind"], log.request_id, meta["model"], meta["created"])
+    if "tools" in meta:
+        tools = parse_tools(*meta["tools"])
+        chunks.calls = None if tools is None else CallReader(tools, log.request_id)
     response = call.response
     first = after_seq + 1  # the seq of the next token to send
     if log.logprobs is not None:  # a resumed reply's offsets count the text already sent
         chunks.offset = sum(len(entry.token) for entry in log.logprobs[:first])
+    if chunks.calls is not None and after_seq >= 0:  # what was sent, read again unsent
+        whole, rest = "".join(log.texts[: log.entries]), log.missing(after_seq)
+        chunks.calls.feed_all(whole[: len(whole) - len(rest[0] if rest else "")])
     with Reading(log, generation, after_seq) as reading:
         async for text, last_seq in reading:
             if not response.started:  # headers with the first text
@@ -123,7 +136,8 @@ async def relay(
                     await response.event(chunks.delta({"role": "assistant", "content": ""}))
             event_id = f"{log.request_id}:{last_seq}" if log.resumable else None
             logprobs = None if log.logprobs is None else log.logprobs[first : last_seq + 1]
-            await response.event(chunks.delta(text, logprobs=logprobs), event_id)
+            for event in chunks.events(text, logprobs):
+                await response.event(event, event_id)
             first = last_seq + 1
     await _finish(call, log, reading.end, chunks)
 
@@ -157,15 +171,29 @@ async def _finish(
         "total_tokens": end.usage.total_tokens,
     }
     response = call.response
+    finish: str = end.finish_reason
+    calls = None
+    try:
+        if chunks.calls is not None:  # checked whole: a call cut by max_tokens is an error
+            if not log.stream:
+                chunks.calls.feed_all("".join(log.texts))
+            calls = chunks.calls.finish()
+    except SeedanceError as exc:
+        call.outcome = exc.code
+        await call.render_error(exc)
+        return
+    if calls:
+        finish = "tool_calls"
     if log.stream:
         if not response.started:
             await response.start(200, SSE_HEADERS)
-        await response.event(chunks.delta(None, end.finish_reason))
+        await response.event(chunks.delta(None, finish))
         if log.meta and log.meta.get("include_usage"):
             await response.event(chunks.usage(usage))
         await response.write(b"data: [DONE]\n\n", more=False)
     else:
-        whole = chunks.whole("".join(log.texts), end.finish_reason, usage, log.logprobs)
+        text = "".join(log.texts)
+        whole = chunks.whole(text, finish, usage, log.logprobs, calls)
         await response.respond(200, JSON_HEADERS, whole)
 
 
@@ -247,16 +275,38 @@ class _Chunks:
             "model": model,
         }
         self.offset = 0  # completions: where the next token's text starts in the reply
+        #: Chat with tools: reads the reply's calls as it streams (None: no tools).
+        self.calls: CallReader | None = None
+
+    def events(self, text: str, logprobs: list[TokenLogprob] | None) -> list[bytes]:
+        """The chunks of the reply's next ``text``: its content, or with tools, the calls it
+        begins and their arguments' parts (``delta.tool_calls``, as OpenAI streams them)."""
+        if self.calls is None:
+            return [self.delta(text, logprobs=logprobs)]
+        out = []
+        for event in self.calls.feed(text):
+            if event.text:
+                out.append(self.delta(event.text, logprobs=logprobs))
+                logprobs = None
+                continue
+            function = {"arguments": event.arguments}
+            call: dict[str, Any] = {"index": event.index}
+            if event.name:  # a call begins
+                call.update(id=event.id, type="function")
+                function = {"name": event.name, "arguments": ""}
+            call["function"] = function
+            out.append(self.delta({"tool_calls": [call]}))
+        return out
 
     def delta(
         self,
-        content: str | dict[str, str] | None,
+        content: str | dict[str, Any] | None,
         finish: str | None = None,
         logprobs: list[TokenLogprob] | None = None,
     ) -> bytes:
         if self.chat:
             if isinstance(content, dict):
-                delta: dict[str, str] = content
+                delta: dict[str, Any] = content
             else:
                 delta = {} if content is None else {"content": content}
             choice: dict[str, Any] = {"index": 0, "delta": delta}
@@ -295,11 +345,15 @@ class _Chunks:
         finish: str,
         usage: dict[str, int],
         logprobs: list[TokenLogprob] | None = None,
+        calls: list[ToolCall] | None = None,
     ) -> bytes:
         if self.chat:
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if calls:
+                message = {**message, "content": None, "tool_calls": [c.openai() for c in calls]}
             choice: dict[str, Any] = {
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
+                "message": message,
                 "logprobs": self.logprobs(logprobs),
                 "finish_reason": finish,
             }

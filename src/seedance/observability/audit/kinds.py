@@ -41,6 +41,8 @@ class Request(AuditRecord, kw_only=True):
     completion_sha256: str | UnsetType = UNSET
     #: Of the JSON Schema the reply was bound to, as the engine received it (compact JSON).
     schema_sha256: str | UnsetType = UNSET
+    #: Calls the reply made, when the request offered tools.
+    tool_calls: int | UnsetType = UNSET
     queue_ms: float | UnsetType | None = UNSET
     ttft_ms: float | UnsetType | None = UNSET
     total_ms: float | UnsetType | None = UNSET

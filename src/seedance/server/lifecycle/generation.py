@@ -32,6 +32,7 @@ from seedance.observability.audit.records import json_text, text_sha256
 from seedance.observability.logs import bind_request
 from seedance.observability.metrics import RequestMeter
 from seedance.observability.tracing import request_attributes
+from seedance.protocol import tools
 from seedance.protocol.codec import error_frame
 from seedance.protocol.errors import EngineError, InternalError, Overloaded, SeedanceError
 from seedance.protocol.messages import (
@@ -445,8 +446,11 @@ class Generation:
         messages = [{"role": m.role, "content": m.content} for m in self.prompt.messages]
         timing = self._timing()
         session = requester.session
-        schema = self.message.schema
+        message = self.message
+        schema = message.schema
         schema_sha256 = UNSET if schema is None else text_sha256(output_schema(schema, "").text)
+        reply = "".join(self.parts)
+        tool_calls = reply.count(tools.OPEN) if message.tools else UNSET
         return audit.Request(
             api=requester.api,
             tenant=requester.tenant,
@@ -461,8 +465,9 @@ class Generation:
             prompt_tokens=self.prompt_tokens,
             completion_tokens=self.completion_tokens,
             prompt_sha256=text_sha256(json_text(messages)),
-            completion_sha256=text_sha256("".join(self.parts)),
+            completion_sha256=text_sha256(reply),
             schema_sha256=schema_sha256,
+            tool_calls=tool_calls,
             outcome=outcome,
             queue_ms=timing.queue_ms,
             ttft_ms=timing.ttft_ms,

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from msgspec import structs
 
 from seedance.config import ConfigError
+from seedance.engines.base import bound_to
 from seedance.protocol.codec import FrameLimits
 from seedance.protocol.errors import InvalidRequest, ModelNotFound
 from seedance.protocol.schemas import output_schema
@@ -110,6 +111,10 @@ class ServedModel:
             raise InvalidRequest(f"{field} must be between 1 and {self.limits.max_tokens}")
         if message.schema is not None:
             self.engine.check_schema(output_schema(message.schema, schema_field), schema_field)
+        elif message.tools:
+            bound = bound_to(message)
+            if bound is not None:
+                self.engine.check_schema(bound, "tools")
         if message.logprobs is not None and not self.engine.logprobs:
             engine = self.engine.info
             raise InvalidRequest(

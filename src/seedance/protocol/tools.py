@@ -1,0 +1,363 @@
+"""Tool calling in the generic format: tools checked, written into the prompt, the reply bound
+to "a text reply or calls of these tools", and the calls read back out of the reply.
+
+A model whose chat template says nothing of tools (the embedded SmolLM2) is told of them in a
+system message, and calls one by writing ::
+
+    <tool_call>{"name":"get_weather","arguments":{"city":"Paris"}}</tool_call>
+
+(the format Hermes-style templates such as Qwen 2.5's use). Decoding is bound to a grammar
+(:func:`grammar`, llguidance's Lark dialect with ``%json`` for each tool's parameters), so the
+calls always parse and their arguments are valid for the tool's schema; :func:`parse_calls`
+still checks both, and a reply cut inside a call (``max_tokens``) is an error, never a text
+reply. A text reply may not begin with ``<``: that is how a call is told apart at once.
+
+Pure: no I/O; the OpenAI APIs and ``/v2/infer`` share it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal
+
+import jsonschema
+import msgspec
+
+from seedance.protocol.errors import InvalidRequest
+from seedance.protocol.schemas import closed, output_schema
+
+OPEN: Final = "<tool_call>"
+CLOSE: Final = "</tool_call>"
+_NAME_RE: Final = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_NO_PARAMETERS: Final = {"type": "object", "properties": {}}
+_encode = msgspec.json.Encoder().encode
+
+Choice = Literal["none", "auto", "required"] | str  # or the one tool's name
+
+
+@dataclass(frozen=True, slots=True)
+class Tool:
+    """A function the model may call: its name, what it does, and its parameters' schema."""
+
+    name: str
+    description: str
+    parameters: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """A call the reply made: ``arguments`` is its JSON text, as OpenAI gives it."""
+
+    id: str
+    name: str
+    arguments: str
+
+    def openai(self) -> dict[str, Any]:
+        """As Chat Completions writes it in ``message.tool_calls``."""
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Tools:
+    """A request's tools and how it lets the model use them."""
+
+    tools: tuple[Tool, ...]
+    choice: Choice = "auto"
+    parallel: bool = True
+    by_name: dict[str, Tool] = field(default_factory=dict, compare=False)
+
+    @property
+    def callable(self) -> tuple[Tool, ...]:
+        """The tools the reply may call (``tool_choice`` naming one: that one)."""
+        if self.choice in ("none", "auto", "required"):
+            return self.tools if self.choice != "none" else ()
+        return (self.by_name[self.choice],)
+
+
+def parse_tools(tools: Any, tool_choice: Any, parallel: bool | None) -> Tools | None:
+    """OpenAI's ``tools``, ``tool_choice`` and ``parallel_tool_calls``, checked (None: no tools,
+    or ``tool_choice: "none"``). Each fault is an :class:`InvalidRequest` naming its field."""
+    if not tools:
+        if tool_choice not in (None, "none", "auto"):
+            raise InvalidRequest("tool_choice: there are no tools to call", param="tool_choice")
+        return None
+    if not isinstance(tools, list):
+        raise InvalidRequest("tools: must be a list", param="tools")
+    checked: list[Tool] = []
+    for i, spec in enumerate(tools):
+        checked.append(_tool(spec, f"tools[{i}]"))
+    by_name = {tool.name: tool for tool in checked}
+    if len(by_name) != len(checked):
+        raise InvalidRequest("tools: two tools have the same name", param="tools")
+    choice = _choice(tool_choice, by_name)
+    if choice == "none":
+        return None
+    return Tools(tuple(checked), choice, parallel is not False, by_name)
+
+
+def _tool(spec: Any, where: str) -> Tool:
+    if not isinstance(spec, dict) or spec.get("type", "function") != "function":
+        raise InvalidRequest(f"{where}.type: only 'function' tools are supported", param=where)
+    function = spec.get("function", spec)  # Chat Completions nests it; Responses does not
+    if not isinstance(function, dict):
+        raise InvalidRequest(f"{where}.function: must be an object", param=where)
+    name = function.get("name")
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise InvalidRequest(
+            f"{where}.function.name: required, 1-64 letters, digits, _ or -", param=where
+        )
+    description = function.get("description") or ""
+    if not isinstance(description, str):
+        raise InvalidRequest(f"{where}.function.description: must be a string", param=where)
+    parameters = function.get("parameters")
+    if parameters is None:
+        parameters = dict(_NO_PARAMETERS)
+    output_schema(parameters, f"{where}.function.parameters")
+    if function.get("strict"):
+        parameters = closed(parameters)
+    return Tool(name, description, parameters)
+
+
+def _choice(value: Any, by_name: dict[str, Tool]) -> Choice:
+    if value is None:
+        return "auto"
+    if value in ("none", "auto", "required"):
+        return value  # type: ignore[no-any-return]
+    name = None
+    if isinstance(value, dict):
+        function = value.get("function", value)  # {"type": "function", "function": {"name"}}
+        name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str):
+        raise InvalidRequest(
+            "tool_choice: 'none', 'auto', 'required' or {\"type\": \"function\", "
+            '"function": {"name": ...}}',
+            param="tool_choice",
+        )
+    if name not in by_name:
+        raise InvalidRequest(f"tool_choice: no tool is named {name!r}", param="tool_choice")
+    return name
+
+
+# --------------------------------------------------------------------------- the prompt
+
+
+def system_prompt(tools: Tools) -> str:
+    """What the model is told of the tools it may call, and how to call them."""
+    lines = [
+        "You can call functions. To call one, reply with only this, once per call:",
+        f'{OPEN}{{"name": <function name>, "arguments": <arguments as a JSON object>}}{CLOSE}',
+        "The functions:",
+    ]
+    for tool in tools.callable:
+        spec = {"name": tool.name, "description": tool.description, "parameters": tool.parameters}
+        lines.append(_encode(spec).decode())
+    if tools.choice == "auto":
+        lines.append("If no function is needed, reply in plain text.")
+    return "\n".join(lines)
+
+
+def call_text(name: str, arguments: str) -> str:
+    """A call as the reply writes it (for an assistant turn of the history)."""
+    return f'{OPEN}{{"name":{_encode(name).decode()},"arguments":{arguments or "{}"}}}{CLOSE}'
+
+
+def result_text(content: str) -> str:
+    """A tool's result as the next turn gives it to the model."""
+    return f"<tool_response>{content}</tool_response>"
+
+
+# --------------------------------------------------------------------------- the grammar
+
+
+def grammar(tools: Tools) -> str:
+    """The Lark grammar (llguidance's dialect) of a reply to ``tools``: calls of the tools it
+    may call, each with arguments valid for the tool's parameters (compact JSON, ``name``
+    first); with ``tool_choice: "auto"``, a text reply instead (not beginning with ``<``)."""
+    variants = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": tool.name}, "arguments": tool.parameters},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for tool in tools.callable
+    ]
+    schema: dict[str, Any] = variants[0] if len(variants) == 1 else {"anyOf": variants}
+    schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
+    calls = "call+" if tools.parallel else "call"
+    rules = [
+        f"calls: {calls}",
+        f'call: "{OPEN}" %json {_encode(schema).decode()} "{CLOSE}"',
+    ]
+    if tools.choice == "auto":
+        rules.insert(0, "start: calls | TEXT")
+        rules.append(r"TEXT: /[^<][\s\S]*/")
+    else:
+        rules.insert(0, "start: calls")
+    return "\n".join(rules)
+
+
+# --------------------------------------------------------------------------- the reply
+
+
+class BadToolCall(InvalidRequest):
+    """The reply's call does not parse, names no tool, or has arguments its schema refuses."""
+
+
+def call_id(request_id: str, index: int) -> str:
+    """The id of a reply's ``index``-th call: the same however often the reply is read."""
+    digest = hashlib.sha256(f"{request_id}:{index}".encode()).hexdigest()
+    return "call_" + digest[:24]
+
+
+def parse_calls(text: str, tools: Tools, request_id: str = "") -> list[ToolCall] | None:
+    """The calls ``text`` (a whole reply) makes (None: it is a text reply); a reply that
+    begins a call and does not make it whole raises :class:`BadToolCall`."""
+    if not text.startswith("<"):
+        return None
+    calls: list[ToolCall] = []
+    decoder = json.JSONDecoder()
+    at = 0
+    while at < len(text):
+        if not text.startswith(OPEN, at):
+            if OPEN.startswith(text[at:]):
+                raise BadToolCall("the reply ended inside a tool call (max_tokens?)")
+            raise BadToolCall(f"the reply's tool call does not parse at character {at}")
+        try:
+            body, end = decoder.raw_decode(text, at + len(OPEN))
+        except json.JSONDecodeError:
+            raise BadToolCall("the reply ended inside a tool call (max_tokens?)") from None
+        if not text.startswith(CLOSE, end):
+            raise BadToolCall("the reply ended inside a tool call (max_tokens?)")
+        calls.append(_call(body, tools, call_id(request_id, len(calls))))
+        at = end + len(CLOSE)
+    return calls
+
+
+def _call(body: Any, tools: Tools, id: str) -> ToolCall:
+    if not isinstance(body, dict) or set(body) != {"name", "arguments"}:
+        raise BadToolCall('a tool call must be {"name": ..., "arguments": {...}}')
+    tool = tools.by_name.get(body["name"])
+    if tool is None:
+        raise BadToolCall(f"the reply called {body['name']!r}, which is not a tool")
+    try:
+        jsonschema.validate(body["arguments"], tool.parameters)
+    except jsonschema.ValidationError as exc:
+        raise BadToolCall(f"the arguments of {tool.name} are not valid: {exc.message}") from None
+    return ToolCall(id, tool.name, _encode(body["arguments"]).decode())
+
+
+@dataclass(slots=True)
+class CallEvent:
+    """What a streamed reply adds: text, or a call begun (``name``), or part of a call's
+    arguments (``arguments``), for the call ``index``."""
+
+    index: int = -1
+    text: str = ""
+    name: str = ""
+    id: str = ""
+    arguments: str = ""
+
+
+_HEAD: Final = re.compile(re.escape(OPEN) + r'\{"name":("(?:[^"\\]|\\.)*"),"arguments":')
+_TAIL: Final = "}" + CLOSE
+
+
+class CallReader:
+    """Reads a reply's calls as its text streams in (the grammar wrote it: compact JSON,
+    ``name`` first), so a client gets each call's name as soon as it is whole and its
+    arguments piece by piece, as OpenAI streams them. :meth:`finish` checks the whole."""
+
+    def __init__(self, tools: Tools, request_id: str = "") -> None:
+        self.tools = tools
+        self.request_id = request_id
+        self.text = ""  # the whole reply so far
+        self._mode: Literal["", "text", "calls"] = ""
+        # Reading calls: where (``_at``), and what comes there: a call's head (``head``),
+        # its arguments (``arguments``), or the end of the call (``tail``).
+        self._at = 0
+        self._next: Literal["head", "arguments", "tail"] = "head"
+        self._index = -1
+        self._depth = 0  # brackets open in the arguments
+        self._in_string = False
+        self._escaped = False
+
+    def feed(self, text: str) -> Iterator[CallEvent]:
+        """What ``text``, the next part of the reply, adds."""
+        self.text += text
+        if not self._mode and self.text:
+            self._mode = "calls" if self.text.startswith("<") else "text"
+        if self._mode == "text":
+            if text:
+                yield CallEvent(text=text)
+        elif self._mode == "calls":
+            yield from self._calls()
+
+    def _calls(self) -> Iterator[CallEvent]:
+        text = self.text
+        while True:
+            if self._next == "head":
+                match = _HEAD.match(text, self._at)
+                if match is None:
+                    return  # not all here yet
+                self._index += 1
+                self._at, self._next = match.end(), "arguments"
+                name = json.loads(match.group(1))
+                yield CallEvent(self._index, name=name, id=call_id(self.request_id, self._index))
+            elif self._next == "arguments":
+                start = self._at
+                self._at = self._scan(text)
+                if self._at > start:
+                    yield CallEvent(self._index, arguments=text[start : self._at])
+                if self._next == "arguments":
+                    return
+            else:
+                if not text.startswith(_TAIL, self._at):
+                    return
+                self._at, self._next = self._at + len(_TAIL), "head"
+
+    def _scan(self, text: str) -> int:
+        """Past the arguments' characters here; at their end, the tail comes next."""
+        i = self._at
+        while i < len(text):
+            c = text[i]
+            i += 1
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif c == "\\":
+                    self._escaped = True
+                elif c == '"':
+                    self._in_string = False
+            elif c == '"':
+                self._in_string = True
+            elif c in "{[":
+                self._depth += 1
+            elif c in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    self._next = "tail"
+                    return i
+        return i
+
+    def feed_all(self, text: str) -> None:
+        """Read a whole reply at once (no events wanted)."""
+        for _ in self.feed(text):
+            pass
+
+    def finish(self) -> list[ToolCall] | None:
+        """The calls of the whole reply, checked (None: a text reply)."""
+        return parse_calls(self.text, self.tools, self.request_id)
+
+    @property
+    def calls(self) -> int:
+        """Calls begun so far."""
+        return self._index + 1

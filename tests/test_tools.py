@@ -1,0 +1,223 @@
+"""Tool calling on Chat Completions with the generic format, against the embedded SmolLM2 on
+llama.cpp, driven by the official ``openai`` package over real sockets: calls that parse, with
+arguments valid for the tool's schema, streamed as OpenAI streams them; a whole tool loop
+(call, result, answer); bad tools refused by name. The format's own pieces (the reader of
+streamed calls, the grammar) are checked without a model at the end."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+
+from seedance.protocol.errors import InvalidRequest
+from seedance.protocol.tools import BadToolCall, CallReader, parse_calls, parse_tools
+from tests.support.servers import RunningServer
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city now.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 30},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+        "strict": True,
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The local time in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 30}},
+            "required": ["city"],
+        },
+        "strict": True,
+    },
+}
+QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+#: What every call of the model here asks: the question and both tools.
+ASK: dict[str, Any] = {"model": "smollm2-135m", "messages": QUESTION, "tools": [WEATHER, TIME]}
+
+
+def client(server: RunningServer) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{server.http_url}/v1", api_key="none", max_retries=0)
+
+
+def schema_of(name: str) -> dict[str, Any]:
+    tool = WEATHER if name == "get_weather" else TIME
+    return tool["function"]["parameters"]  # type: ignore[index, return-value]
+
+
+@pytest.mark.model
+async def test_a_required_call_parses_and_the_loop_ends_in_an_answer(smollm: RunningServer) -> None:
+    api = client(smollm)
+    reply = await api.chat.completions.create(
+        **ASK,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=80,
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None and choice.message.tool_calls
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), schema_of(call.function.name))
+
+    # The loop: the call and its result go back; the model answers in text.
+    history: list[Any] = [
+        *QUESTION,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 18, "sky": "clear"}'},
+    ]
+    answer = await api.chat.completions.create(
+        model="smollm2-135m",
+        messages=history,
+        tools=[WEATHER, TIME],  # type: ignore[list-item]
+        tool_choice="none",
+        temperature=0,
+        max_tokens=40,
+    )
+    assert answer.choices[0].finish_reason in ("stop", "length")
+    assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
+
+
+@pytest.mark.model
+async def test_a_named_call_streams_as_openai_streams_it(smollm: RunningServer) -> None:
+    api = client(smollm)
+    stream = await api.chat.completions.create(
+        **ASK,
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        temperature=0.7,
+        seed=5,
+        max_tokens=80,
+        stream=True,
+    )
+    calls: dict[int, dict[str, str]] = {}
+    finish = None
+    pieces = 0
+    async for chunk in stream:
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        assert not delta.content  # a call, not text
+        for part in delta.tool_calls or ():
+            entry = calls.setdefault(part.index, {"id": "", "name": "", "arguments": ""})
+            if part.id:
+                entry["id"] = part.id
+            if part.function and part.function.name:
+                entry["name"] = part.function.name
+            if part.function and part.function.arguments:
+                entry["arguments"] += part.function.arguments
+                pieces += 1
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and calls and pieces > 1  # the arguments came in parts
+    for entry in calls.values():
+        assert entry["name"] == "get_time" and entry["id"].startswith("call_")
+        jsonschema.validate(json.loads(entry["arguments"]), schema_of("get_time"))
+
+
+@pytest.mark.model
+async def test_auto_gives_text_or_a_valid_call(smollm: RunningServer) -> None:
+    api = client(smollm)
+    for content in ("Hello! How are you?", "What is the weather in Paris? Use the tool."):
+        reply = await api.chat.completions.create(
+            model="smollm2-135m",
+            messages=[{"role": "user", "content": content}],
+            tools=[WEATHER],  # type: ignore[list-item]
+            temperature=0,
+            max_tokens=60,
+        )
+        message = reply.choices[0].message
+        if reply.choices[0].finish_reason == "tool_calls":
+            for call in message.tool_calls or ():
+                jsonschema.validate(json.loads(call.function.arguments), schema_of("get_weather"))
+        else:
+            assert message.content and not message.content.startswith("<")
+
+
+@pytest.mark.model
+async def test_a_call_cut_by_max_tokens_is_an_error_not_text(smollm: RunningServer) -> None:
+    api = client(smollm)
+    with pytest.raises(openai.BadRequestError, match="ended inside a tool call"):
+        await api.chat.completions.create(
+            model="smollm2-135m",
+            messages=QUESTION,  # type: ignore[arg-type]
+            tools=[WEATHER],  # type: ignore[list-item]
+            tool_choice="required",
+            max_tokens=5,
+        )
+
+
+@pytest.mark.parametrize(
+    ("tools", "choice", "words"),
+    [
+        ([{"type": "function", "function": {"parameters": {}}}], None, "tools[0].function.name"),
+        ([{"type": "retrieval"}], None, "tools[0].type"),
+        ([WEATHER, WEATHER], None, "same name"),
+        (
+            [{"type": "function", "function": {"name": "x", "parameters": {"type": 3}}}],
+            None,
+            "tools[0].function.parameters['type']: not a valid JSON Schema",
+        ),
+        ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "no tool is named"),
+        ([WEATHER], "sometimes", "tool_choice"),
+        (None, "required", "no tools to call"),
+    ],
+)
+async def test_bad_tools_get_a_400_naming_the_field(
+    server: RunningServer, tools: Any, choice: Any, words: str
+) -> None:
+    api = client(server)
+    fields: dict[str, Any] = {"tools": tools} if tools is not None else {}
+    if choice is not None:
+        fields["tool_choice"] = choice
+    with pytest.raises(openai.BadRequestError) as bad:
+        await api.chat.completions.create(model="synthetic", messages=QUESTION, **fields)  # type: ignore[arg-type]
+    assert words in bad.value.message
+
+
+def test_the_reader_streams_names_then_arguments_in_parts() -> None:
+    tools = parse_tools([WEATHER, TIME], "required", True)
+    assert tools is not None
+    text = (
+        '<tool_call>{"name":"get_weather","arguments":{"city":"P\\"a}ris","unit":"celsius"}}'
+        '</tool_call><tool_call>{"name":"get_time","arguments":{"city":"Oslo"}}</tool_call>'
+    )
+    reader = CallReader(tools, "r-1")
+    events = [event for i in range(0, len(text), 4) for event in reader.feed(text[i : i + 4])]
+    names = [(e.index, e.name, e.id) for e in events if e.name]
+    assert [(i, n) for i, n, _ in names] == [(0, "get_weather"), (1, "get_time")]
+    arguments: dict[int, str] = {}
+    for event in events:
+        arguments[event.index] = arguments.get(event.index, "") + event.arguments
+    assert json.loads(arguments[0]) == {"city": 'P"a}ris', "unit": "celsius"}
+    assert json.loads(arguments[1]) == {"city": "Oslo"}
+    calls = reader.finish()
+    assert calls is not None and [c.id for c in calls] == [i for _, _, i in names]  # stable ids
+    for cut in (5, 40):
+        with pytest.raises(BadToolCall, match="ended inside a tool call"):
+            parse_calls(text[:cut], tools)
+    with pytest.raises(BadToolCall, match="not valid"):
+        parse_calls('<tool_call>{"name":"get_time","arguments":{}}</tool_call>', tools)
+    assert parse_calls("Plain text.", tools) is None
+
+
+def test_tool_choice_none_means_no_tools() -> None:
+    assert parse_tools([WEATHER], "none", None) is None
+    with pytest.raises(InvalidRequest, match="tools: must be a list"):
+        parse_tools({"a": 1}, None, None)
