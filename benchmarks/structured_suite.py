@@ -8,21 +8,25 @@ sampler, from the GBNF it writes for the schema), both at 8 slots, 1 and 8 close
 greedy. Seedance also runs the same loads unbound: the cost of binding. Goals: Seedance bound at
 least 0.9x its own unbound tokens/s, at least 1.0x llama-server's bound tokens/s, and at most
 its TTFT p50. The unbound loads run once more with each token's log probability and its 5
-likeliest alternatives: at least 0.9x the tokens/s without.
+likeliest alternatives: at least 0.9x the tokens/s without. Last, requests that end in a tool
+call (``tool_choice: "required"``), 8 streams, over the OpenAI API against ``llama-server
+--jinja``: at least its requests/s.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from benchmarks.harness import commands, fmt, ratio, servers, verdict
+from benchmarks.harness import Contender, Load, commands, fmt, ratio, servers, verdict
 from benchmarks.llama_suite import llama_server, seedance_llama
 
 if TYPE_CHECKING:
     from benchmarks.harness import Report
 
 SCHEMA = Path(__file__).with_name("risk_schema.json")
+TOOLS = Path(__file__).with_name("weather_tools.json")
 STREAMS = (1, 8)
 TOP_LOGPROBS = 5
 
@@ -90,6 +94,10 @@ def structured_suite(report: Report) -> None:
             goal_logprobs,
         )
     )
+    tool_rows, tool_contenders, tool_loads, goal_tools = _tool_calls(report)
+    report.goals.append(
+        ("17. Tool calls, 8 streams: at least llama-server's (--jinja) requests/s", "", goal_tools)
+    )
     report.sections.append(
         "\n".join(
             [
@@ -125,6 +133,47 @@ def structured_suite(report: Report) -> None:
                 "",
                 commands(contenders, loads),
                 "",
+                "Tool calls: closed loops of 8 users over the OpenAI API, each request offering "
+                "the two tools of `benchmarks/weather_tools.json` with `tool_choice: "
+                '"required"`, so every reply is one call or more (16-word prompts, greedy, up to '
+                "128 tokens): Seedance's generic format bound by its grammar against "
+                "`llama-server --jinja` (its own tool-call handling of a template without "
+                "tools: a generic JSON format under its grammar sampler). Goal: at least "
+                f"llama-server's requests/s: {verdict(goal_tools)}.",
+                "",
+                "| streams | requests/s, Seedance / llama-server | TTFT p50 ms | "
+                "replies | errors |",
+                "|---|---|---|---|---|",
+                *tool_rows,
+                "",
+                commands(tool_contenders, tool_loads),
+                "",
             ]
         )
     )
+
+
+def _tool_calls(report: Report) -> tuple[list[str], list[Contender], list[Load], bool]:
+    """Requests that end in a tool call, 8 streams, Seedance against llama-server --jinja."""
+    seedance = dataclasses.replace(seedance_llama("Seedance", "seedance"), path="/v1")
+    llama = llama_server(report)
+    llama = dataclasses.replace(llama, argv=[*llama.argv, "--jinja"])
+    contenders = [seedance, llama]
+    run = ["-c", "8", "-d", "15" if report.quick else "30", "--warmup", "0", "--ramp-up", "2"]
+    run += ["--temperature", "0", "--max-tokens", "128", "--prompt-tokens", "16"]
+    run += ["--tools", str(TOOLS), "--tool-choice", "required"]
+    loads: list[Load] = [("8 streams, one call", run)]
+    with servers(contenders) as running:
+        cells = report.alternate(running, loads, "17 tool calls")
+    cell = {k: cells[("8 streams, one call", k)] for k in ("seedance", "llama")}
+    rps = {k: c.median("summary", "requests_per_s") for k, c in cell.items()}
+    t50 = {k: c.median("summary", "ttft", "p50_ms") for k, c in cell.items()}
+    goal = rps["seedance"] >= rps["llama"] and all(c.errors() == 0 for c in cell.values())
+    row = (
+        f"| 8 | {fmt(rps['seedance'], 2)} / {fmt(rps['llama'], 2)} "
+        f"({ratio(rps['seedance'], rps['llama'])}) "
+        f"| {fmt(t50['seedance'], 0)} / {fmt(t50['llama'], 0)} "
+        f"| {' / '.join(str(round(c.median('summary', 'completed'))) for c in cell.values())} "
+        f"| {' / '.join(str(c.errors()) for c in cell.values())} |"
+    )
+    return [row], contenders, loads, goal

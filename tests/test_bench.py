@@ -564,15 +564,26 @@ def test_the_embeddings_suite_sets_seedance_beside_sentence_transformers(tmp_pat
 
 
 @pytest.mark.model
-def test_schema_and_logprobs_loads(smollm: RunningServer, tmp_path: Path) -> None:
-    """``--schema`` and ``--logprobs`` in each API's own fields: /v2/infer's ``schema`` and
-    ``logprobs``, the OpenAI API's ``response_format`` and ``logprobs``/``top_logprobs``."""
-    schema = str(Path(__file__).parents[1] / "benchmarks" / "risk_schema.json")
-    for args in ([smollm.infer_url], ["--openai", f"{smollm.http_url}/v1"]):
-        for extra in (["--schema", schema], ["--logprobs", "5"]):
-            result, data = bench_json(
-                tmp_path, *args, "-c", "2", "-n", "3", "--max-tokens", "300", "-q", *extra
-            )
-            assert result.returncode == 0, result.stderr
-            summary = data["summary"]
-            assert summary["completed"] == summary["requests"] and summary["errors"] == {}
+def test_schema_logprobs_and_tools_loads(smollm: RunningServer, tmp_path: Path) -> None:
+    """``--schema``, ``--logprobs`` and ``--tools`` in each API's own fields: /v2/infer's
+    ``schema`` and ``logprobs``, the OpenAI API's ``response_format``, ``logprobs`` and
+    ``top_logprobs``, ``tools`` and ``tool_choice`` (a reply of calls counts as output)."""
+    folder = Path(__file__).parents[1] / "benchmarks"
+    schema, tools = str(folder / "risk_schema.json"), str(folder / "weather_tools.json")
+    openai = ["--openai", f"{smollm.http_url}/v1"]
+    for args, extra in [
+        ([smollm.infer_url], ["--schema", schema]),
+        ([smollm.infer_url], ["--logprobs", "5"]),
+        (openai, ["--schema", schema]),
+        (openai, ["--logprobs", "5"]),
+        (openai, ["--tools", tools]),
+    ]:
+        result, data = bench_json(
+            tmp_path, *args, "-c", "2", "-n", "3", "--max-tokens", "300", "-q", *extra
+        )
+        assert result.returncode == 0, result.stderr
+        summary = data["summary"]
+        assert summary["completed"] == summary["requests"] and summary["errors"] == {}
+        assert summary["output_tokens"] > 0
+    refused = bench(smollm.infer_url, "-n", "1", "--tools", tools)
+    assert refused.returncode != 0 and "--tools is for --openai" in refused.stderr

@@ -184,7 +184,7 @@ def test_openai_bodies_raise_only_400s(body: bytes) -> None:
     ),
     max_tokens=st.none() | st.integers(1, 4096),
     extra=st.dictionaries(
-        st.sampled_from(["user", "logprobs", "metadata"]), json_values, max_size=2
+        st.sampled_from(["user", "service_tier", "metadata"]), json_values, max_size=2
     ),
 )
 def test_valid_chat_bodies_keep_their_messages(

@@ -100,6 +100,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "response_format json_schema)",
     )
     load.add_argument(
+        "--tools",
+        default=None,
+        metavar="FILE",
+        help="OpenAI: a JSON file of tools every request offers (Chat Completions' tools)",
+    )
+    load.add_argument(
+        "--tool-choice",
+        default="required",
+        help="with --tools: auto, required (default) or none",
+    )
+    load.add_argument(
         "--logprobs",
         type=int,
         default=None,
@@ -147,10 +158,14 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
 
+def _read_json(path: Path) -> Any:
+    return json.loads(path.read_text())
+
+
 def _schema_fields(path: Path, openai: bool) -> dict[str, Any]:
     """The fields that bind every reply to the JSON Schema in ``path``, in the target API's
     own way (OpenAI: ``response_format``; ``/v2/infer``: ``schema``)."""
-    schema = json.loads(path.read_text())
+    schema = _read_json(path)
     if openai:
         spec = {"name": path.stem, "schema": schema}
         return {"response_format": {"type": "json_schema", "json_schema": spec}}
@@ -181,6 +196,11 @@ async def _main(args: argparse.Namespace) -> int:
         fields["temperature"] = args.temperature
     if args.schema is not None:
         fields.update(_schema_fields(Path(args.schema), isinstance(target, OpenAITarget)))
+    if args.tools is not None:
+        if not isinstance(target, OpenAITarget):
+            raise ValueError("--tools is for --openai (/v2/infer does not call tools yet)")
+        fields["tools"] = _read_json(Path(args.tools))
+        fields["tool_choice"] = args.tool_choice
     if args.logprobs is not None:
         if isinstance(target, OpenAITarget):
             fields.update(logprobs=True, top_logprobs=args.logprobs)

@@ -371,7 +371,7 @@ class OpenAIConn(Conn):
                     if chunk.usage is not None:
                         usage = chunk.usage
                     for choice in chunk.choices:
-                        if choice.content:
+                        if choice.content or choice.calls:
                             sample.add_chunk(clock.now(), 1)
                         if choice.finish_reason is not None:
                             sample.finish_reason = choice.finish_reason

@@ -290,8 +290,14 @@ def _schema(response_format: _ResponseFormat | None) -> dict[str, Any] | None:
 # --------------------------------------------------------------------------- streamed replies
 
 
+class ChunkToolCall(msgspec.Struct):
+    index: int = 0
+    function: dict[str, Any] | None = None
+
+
 class ChunkDelta(msgspec.Struct):
     content: str | None = None
+    tool_calls: list[ChunkToolCall] | None = None
 
 
 class ChunkChoice(msgspec.Struct):
@@ -303,6 +309,11 @@ class ChunkChoice(msgspec.Struct):
     def content(self) -> str | None:
         """The text this choice adds, whichever endpoint sent it."""
         return self.delta.content if self.delta is not None else self.text
+
+    @property
+    def calls(self) -> bool:
+        """Whether this choice adds to a tool call (its name, or a part of its arguments)."""
+        return bool(self.delta is not None and self.delta.tool_calls)
 
 
 class ChunkUsage(msgspec.Struct):

@@ -115,7 +115,11 @@ _decoder = msgspec.json.Decoder(_Body)
 def decode_responses(body: bytes, limits: FrameLimits) -> ResponsesRequest:
     parsed: _Body = decode_body(_decoder, body)
     if parsed.tools:
-        raise InvalidRequest("tools: tools are not supported (text responses only)")
+        raise InvalidRequest(
+            "tools: tools are not supported on the Responses API yet (POST "
+            "/v1/chat/completions calls them)",
+            param="tools",
+        )
     if parsed.tool_choice not in (None, "none", "auto"):
         raise InvalidRequest("tool_choice: only 'auto' and 'none' are supported (no tools)")
     text_format = parsed.text.format if parsed.text is not None else None
