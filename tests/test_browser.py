@@ -151,6 +151,42 @@ async def test_the_sdk_streams_cancels_and_measures_the_round_trip(
     assert result["sessionId"] == "js-1"
 
 
+@pytest.mark.model
+async def test_the_sdk_embeds_and_reads_typed_output(
+    browser: Browser, make_server: Callable[..., RunningServer]
+) -> None:
+    """``embed()`` beside a text model, and a schema-bound reply with log probabilities, from
+    the browser SDK in Chromium."""
+    server = make_server(
+        engine="llamacpp", parallel=2, n_ctx=2048, embedding_model="all-minilm-l6-v2"
+    )
+    async with tab(browser, blank(server)) as page:
+        result = await page.sdk(
+            """
+            const session = await sd.connect("", {sessionId: "js-typed"});
+            const vectors = await session.embed(["The sea is calm.", "Otters sleep."]);
+            let refused = null;
+            try { await session.embed(""); } catch (error) { refused = error.code; }
+            const schema = {type: "object", properties: {ok: {type: "boolean"}},
+                            required: ["ok"], additionalProperties: false};
+            const reply = session.generate("Is the sky blue?", {schema, logprobs: 2, max_tokens: 20});
+            const chunks = [];
+            for await (const chunk of reply) chunks.push(chunk.logprobs.length === chunk.n);
+            return {
+                count: vectors.data.length, size: vectors.data[0].length, refused,
+                json: JSON.parse(reply.text), perChunk: chunks.every(Boolean),
+                logprobs: reply.logprobs.length, tokens: reply.done.usage.completion_tokens,
+                tops: reply.logprobs[0].top_logprobs.length,
+            };
+            """
+        )
+        page.check()
+    assert result["count"] == 2 and result["size"] == 384
+    assert result["refused"] == "invalid_request"
+    assert isinstance(result["json"]["ok"], bool) and result["perChunk"]
+    assert result["logprobs"] == result["tokens"] and result["tops"] == 2
+
+
 async def test_the_sdk_raises_the_protocols_errors_as_their_classes(
     browser: Browser, make_server: Callable[..., RunningServer], tmp_path: Path
 ) -> None:

@@ -148,6 +148,33 @@ export interface GenerateFields {
   traceparent?: string;
   /** A JSON Schema the reply is bound to: the reply is a JSON document valid for it. */
   schema?: Record<string, unknown>;
+  /** 0 to 20: each token comes with its log probability and this many alternatives. */
+  logprobs?: number;
+}
+
+/** A token's log probability, and the likeliest tokens at its position (OpenAI's shape). */
+export interface TokenLogprob {
+  token: string;
+  logprob: number;
+  bytes: number[];
+  top_logprobs: { token: string; logprob: number; bytes: number[] }[];
+}
+
+/** The fields of an embed frame besides its input (docs/protocol.md). */
+export interface EmbedFields {
+  model?: string;
+  encoding_format?: "float" | "base64";
+  dimensions?: number;
+  request_id?: string;
+}
+
+/** The answer to an embed: a vector per input, in order (base64: little-endian float32). */
+export interface EmbeddingsFrame {
+  type: "embeddings";
+  request_id: string;
+  model: string;
+  data: (number[] | string)[];
+  usage: { prompt_tokens: number; total_tokens: number };
 }
 
 /** Tokens `seq` .. `seq + n - 1` of a reply. */
@@ -155,6 +182,8 @@ export interface TokenChunk {
   text: string;
   seq: number;
   n: number;
+  /** One per token, when the request asked for `logprobs`. */
+  logprobs?: TokenLogprob[];
 }
 
 // ------------------------------------------------------------------------ sessions
@@ -233,6 +262,7 @@ export declare class Session extends EventTarget {
   readonly busy: boolean;
   qos: QoS | string | undefined;
   generate(prompt: string | GenerateFields, fields?: GenerateFields): Generation;
+  embed(input: string | string[] | number[] | number[][], fields?: EmbedFields): Promise<EmbeddingsFrame>;
   cancel(requestId?: string): void;
   ping(): Promise<number>;
   end(): void;
@@ -257,6 +287,8 @@ export declare class Generation implements AsyncIterable<TokenChunk> {
   readonly lastSeq: number;
   readonly resumes: number;
   readonly text: string;
+  /** Each token's log probability, in order, when the request asked for `logprobs`. */
+  readonly logprobs: TokenLogprob[];
   cancel(): void;
   result(): Promise<DoneFrame>;
   [Symbol.asyncIterator](): AsyncIterator<TokenChunk>;

@@ -162,6 +162,7 @@ export class Session extends EventTarget {
     this.closed = false;
     this._ws = null;
     this._generations = new Map();
+    this._embeds = new Map(); // request id -> {resolve, reject} of an embed() waiting
     this._pings = []; // send times of heartbeats not answered yet
     this._heartbeat = null;
     this._closing = false;
@@ -198,6 +199,19 @@ export class Session extends EventTarget {
     this._generations.set(frame.request_id, generation);
     this._send(JSON.stringify(frame));
     return generation;
+  }
+
+  /** Vectors for `input` (a string, strings, token ids, or lists of them) from an embedding
+   * model: `embed(["a", "b"], {model, encoding_format})` resolves to the `embeddings` frame
+   * (`data`: a vector per input, in order); an error frame about it rejects. Not resumed: a
+   * drop of the connection before the answer rejects, and it may be sent again. */
+  embed(input, fields = {}) {
+    const frame = { type: "embed", input, ...fields };
+    frame.request_id ??= `js-e-${randomId()}`;
+    return new Promise((resolve, reject) => {
+      this._embeds.set(frame.request_id, { resolve, reject });
+      this._send(JSON.stringify(frame));
+    });
   }
 
   /** Stop the running reply (its `done` says "cancelled"). */
@@ -388,6 +402,13 @@ export class Session extends EventTarget {
       return;
     }
     if (frame.type === "pong") return;
+    const embed = this._embeds.get(frame.request_id);
+    if (embed && (frame.type === "embeddings" || frame.type === "error")) {
+      this._embeds.delete(frame.request_id);
+      if (frame.type === "embeddings") embed.resolve(frame);
+      else embed.reject(errorFromWire(frame.error, frame.request_id));
+      return;
+    }
     let generation = this._generations.get(frame.request_id);
     if (frame.type === "error") {
       const error = errorFromWire(frame.error, frame.request_id ?? null);
@@ -427,6 +448,7 @@ export class Session extends EventTarget {
   // others fail at once (their text cannot be read again).
   async _reopen(code) {
     const dropped = new ConnectionClosed(code);
+    this._failEmbeds(dropped);
     for (const generation of [...this._generations.values()]) {
       if (!generation.resumable) {
         this._generations.delete(generation.requestId);
@@ -472,6 +494,12 @@ export class Session extends EventTarget {
   _failAll(error) {
     for (const generation of this._generations.values()) generation._fail(error);
     this._generations.clear();
+    this._failEmbeds(error);
+  }
+
+  _failEmbeds(error) {
+    for (const embed of this._embeds.values()) embed.reject(error);
+    this._embeds.clear();
   }
 
   _finish(code, reason) {
@@ -499,6 +527,8 @@ export class Generation {
     /** The index of the last token received (-1: none): where a resume starts from. */
     this.lastSeq = -1;
     this.resumes = 0;
+    /** Each token's log probability, in order, when the request asked for `logprobs`. */
+    this.logprobs = [];
     this._parts = [];
     this._queue = [];
     this._wake = null;
@@ -544,10 +574,12 @@ export class Generation {
       if (last <= this.lastSeq) return; // held already (never sent twice by the server)
       this.lastSeq = last;
       this._parts.push(frame.token);
-      this._queue.push({ text: frame.token, seq: frame.seq, n });
+      if (frame.logprobs) this.logprobs.push(...frame.logprobs);
+      this._queue.push({ text: frame.token, seq: frame.seq, n, logprobs: frame.logprobs });
     } else if (frame.type === "done") {
       this.done = frame;
       if (frame.text != null && this._parts.length === 0) this._parts.push(frame.text);
+      if (frame.logprobs && this.logprobs.length === 0) this.logprobs.push(...frame.logprobs);
     }
     this._wakeUp();
   }
