@@ -382,3 +382,32 @@ async def test_schemas_pass_through_to_the_upstream(make_server, smollm: Running
             messages=[{"role": "user", "content": "x"}],
             response_format=bad,  # type: ignore[arg-type]
         )
+
+
+@pytest.mark.model
+async def test_logprobs_come_from_the_upstream(make_server, smollm: RunningServer) -> None:  # type: ignore[no-untyped-def]
+    """Log probabilities in gateway mode: asked of the upstream (another Seedance on llama.cpp)
+    in each endpoint's shape and read back per chunk, equal to the upstream's own answer."""
+    import openai
+
+    server = gateway(make_server, f"{smollm.http_url}/v1")
+    direct = openai.AsyncOpenAI(base_url=f"{smollm.http_url}/v1", api_key="none", max_retries=0)
+    through = openai.AsyncOpenAI(base_url=f"{server.http_url}/v1", api_key="none", max_retries=0)
+    model = (await through.models.list()).data[0].id
+    ask: dict[str, Any] = {"model": model, "max_tokens": 8, "temperature": 0}
+    ask["messages"] = [{"role": "user", "content": "What is the capital of France?"}]
+    replies = [
+        await api.chat.completions.create(**ask, logprobs=True, top_logprobs=3)
+        for api in (direct, through)
+    ]
+    entries = [reply.choices[0].logprobs.content for reply in replies]  # type: ignore[union-attr]
+    assert entries[0] and [(e.token, e.logprob) for e in entries[0]] == [
+        (e.token, e.logprob) for e in entries[1] or ()
+    ]
+    assert [t.token for t in entries[1][0].top_logprobs] == [  # type: ignore[index]
+        t.token for t in entries[0][0].top_logprobs
+    ]
+    legacy = await through.completions.create(
+        model=model, prompt="The capital of France is", max_tokens=4, temperature=0, logprobs=2
+    )
+    assert legacy.choices[0].logprobs and len(legacy.choices[0].logprobs.tokens or []) == 4

@@ -13,7 +13,8 @@ OpenAI's chat completions API (vLLM, TGI, llama.cpp's server, Ollama, another Se
   upstream; after the first token a failure ends it with ``engine_error``.
 - **Cancel**: closing the reply closes the upstream HTTP request, which aborts it there.
 - **Schemas**: a reply bound to a JSON Schema is asked of the upstream as OpenAI's
-  ``response_format`` (``json_schema``), on both of its endpoints.
+  ``response_format`` (``json_schema``), on both of its endpoints; **log probabilities** as
+  ``logprobs``/``top_logprobs`` (chat) or ``logprobs`` (completions), read back per chunk.
 
 Upstream 4xx answers other than 429 are the request's fault: they are passed on (400 as
 ``invalid_request``, with the upstream's message) and do not count against the upstream.
@@ -63,6 +64,7 @@ class UpstreamFailure(Exception):
 class OpenAIUpstreamEngine(Engine):
     message_overhead_tokens = 4
     reply_overhead_tokens = 3
+    logprobs = True  # the upstream's own, asked for and read back
 
     def __init__(
         self,
@@ -229,7 +231,8 @@ class OpenAIUpstreamEngine(Engine):
             started = False
             asked = time.monotonic()
             try:
-                async for delta in self._stream(upstream, path, body, headers):
+                stream = self._stream(upstream, path, body, headers, request.params.logprobs)
+                async for delta in stream:
                     if not started:
                         started = True
                         upstream.ttft.add(time.monotonic() - asked)
@@ -276,6 +279,11 @@ class OpenAIUpstreamEngine(Engine):
             body["stop"] = list(params.stop)
         if params.seed is not None:
             body["seed"] = params.seed
+        if params.logprobs is not None:  # Chat Completions' fields, or the legacy one
+            if request.raw:
+                body["logprobs"] = params.logprobs
+            else:
+                body.update(logprobs=True, top_logprobs=params.logprobs)
         if params.schema is not None:  # the upstream binds the reply itself
             body["response_format"] = {
                 "type": "json_schema",
@@ -293,8 +301,15 @@ class OpenAIUpstreamEngine(Engine):
             super().check_schema(schema, field)
 
     async def _stream(
-        self, upstream: Upstream, path: str, body: bytes, headers: dict[str, str]
+        self,
+        upstream: Upstream,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        logprobs: int | None = None,
     ) -> AsyncIterator[TokenDelta]:
+        """The upstream's reply as deltas (with log probabilities, when ``logprobs`` asked for
+        them: a delta of each chunk's tokens, as many as its entries)."""
         assert self._session is not None, "start() first"
         timeout = aiohttp.ClientTimeout(
             total=None, connect=self.timeout_s, sock_read=self.timeout_s
@@ -317,8 +332,15 @@ class OpenAIUpstreamEngine(Engine):
                         text = choice.content
                         if choice.finish_reason is not None:
                             finish = _FINISH.get(choice.finish_reason, "stop")
-                        if text:
+                        if not text:
+                            continue
+                        if logprobs is None:
                             yield TokenDelta(text, 1)
+                            continue
+                        entries = choice.logprobs.entries() if choice.logprobs else []
+                        if not entries:
+                            raise EngineError("the upstream sent no log probabilities")
+                        yield TokenDelta(text, len(entries), logprobs=entries)
                 if finish is None:
                     raise UpstreamFailure("the stream ended without a finish reason")
                 yield TokenDelta("", 0, finish)

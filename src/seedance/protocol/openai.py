@@ -17,7 +17,14 @@ import msgspec
 
 from seedance.protocol.codec import MAX_TOP_LOGPROBS, FrameLimits, validate_generate
 from seedance.protocol.errors import InvalidJSON, InvalidRequest, SeedanceError
-from seedance.protocol.messages import ChatMessage, DoneFrame, ErrorFrame, Generate
+from seedance.protocol.messages import (
+    ChatMessage,
+    DoneFrame,
+    ErrorFrame,
+    Generate,
+    TokenLogprob,
+    TopLogprob,
+)
 from seedance.protocol.schemas import format_schema
 from seedance.protocol.tools import Tools, call_text, parse_tools, result_text, system_prompt
 
@@ -300,10 +307,52 @@ class ChunkDelta(msgspec.Struct):
     tool_calls: list[ChunkToolCall] | None = None
 
 
+class _UpstreamTop(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class _UpstreamLogprob(_UpstreamTop):
+    top_logprobs: list[_UpstreamTop] = []
+
+
+class ChunkLogprobs(msgspec.Struct):
+    """A streamed choice's ``logprobs``: Chat Completions' ``content`` entries, or the legacy
+    Completions lists."""
+
+    content: list[_UpstreamLogprob] | None = None
+    tokens: list[str] | None = None
+    token_logprobs: list[float | None] | None = None
+    top_logprobs: list[dict[str, float] | None] | None = None
+
+    def entries(self) -> list[TokenLogprob]:
+        """One entry per token, in Seedance's (and Chat Completions') shape."""
+
+        def top(entry: _UpstreamTop) -> TopLogprob:
+            raw = entry.bytes if entry.bytes is not None else list(entry.token.encode())
+            return TopLogprob(entry.token, entry.logprob, raw)
+
+        if self.content is not None:
+            return [
+                TokenLogprob(e.token, e.logprob, top(e).bytes, [top(t) for t in e.top_logprobs])
+                for e in self.content
+            ]
+        values, tops = self.token_logprobs or [], self.top_logprobs or []
+        out = []
+        for i, token in enumerate(self.tokens or ()):
+            logprob = values[i] if i < len(values) else None
+            alternatives = tops[i] if i < len(tops) else None
+            others = [TopLogprob(t, v, list(t.encode())) for t, v in (alternatives or {}).items()]
+            out.append(TokenLogprob(token, logprob or 0.0, list(token.encode()), others))
+        return out
+
+
 class ChunkChoice(msgspec.Struct):
     delta: ChunkDelta | None = None  # chat completions
     text: str | None = None  # completions
     finish_reason: str | None = None
+    logprobs: ChunkLogprobs | None = None
 
     @property
     def content(self) -> str | None:
