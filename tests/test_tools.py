@@ -13,6 +13,7 @@ import jsonschema
 import openai
 import pytest
 
+from seedance.client import connect
 from seedance.protocol.errors import InvalidRequest
 from seedance.protocol.tools import BadToolCall, CallReader, parse_calls, parse_tools
 from tests.support.servers import RunningServer
@@ -94,6 +95,40 @@ async def test_a_required_call_parses_and_the_loop_ends_in_an_answer(smollm: Run
     )
     assert answer.choices[0].finish_reason in ("stop", "length")
     assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
+
+
+@pytest.mark.model
+async def test_the_tool_loop_on_v2_infer(smollm: RunningServer) -> None:
+    """/v2/infer: the call in the ``done`` frame, the result in a ``tool`` message of the next
+    request, the answer in text; the session keeps the call as a call."""
+    async with connect(smollm.url, session_id="tools-v2") as session:
+        called = await session.complete(
+            "What is the weather in Paris?",
+            tools=[WEATHER, TIME],
+            tool_choice="required",
+            parallel_tool_calls=False,
+            temperature=0,
+            max_tokens=80,
+        )
+        assert called.finish_reason == "stop" and called.tool_calls
+        (call,) = called.tool_calls
+        assert call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.arguments), schema_of(call.name))
+        result = {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 18}'}
+        answer = await session.complete(
+            messages=[result],
+            tools=[WEATHER, TIME],
+            tool_choice="none",
+            temperature=0,
+            max_tokens=40,
+        )
+        assert answer.text and answer.tool_calls is None
+        with pytest.raises(InvalidRequest, match="ended inside a tool call"):
+            await session.complete(
+                "And in Oslo?", tools=[WEATHER], tool_choice="required", max_tokens=4
+            )
+        with pytest.raises(InvalidRequest, match=r"tools\[0\].function.name"):
+            await session.complete("x", tools=[{"type": "function", "function": {}}])
 
 
 @pytest.mark.model
@@ -207,7 +242,7 @@ def test_the_reader_streams_names_then_arguments_in_parts() -> None:
         arguments[event.index] = arguments.get(event.index, "") + event.arguments
     assert json.loads(arguments[0]) == {"city": 'P"a}ris', "unit": "celsius"}
     assert json.loads(arguments[1]) == {"city": "Oslo"}
-    calls = reader.finish()
+    calls = parse_calls(reader.text, tools, "r-1")
     assert calls is not None and [c.id for c in calls] == [i for _, _, i in names]  # stable ids
     for cut in (5, 40):
         with pytest.raises(BadToolCall, match="ended inside a tool call"):

@@ -31,6 +31,7 @@ from types import TracebackType
 from typing import Any, Literal
 from urllib.parse import urlencode, urlsplit, urlunsplit
 
+import msgspec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
@@ -282,7 +283,7 @@ class ClientSession:
         self,
         prompt: str | None = None,
         *,
-        messages: Sequence[ChatMessage | dict[str, str]] | None = None,
+        messages: Sequence[ChatMessage | Mapping[str, Any]] | None = None,
         stream: bool = True,
         max_tokens: int | None = None,
         temperature: float | None = None,
@@ -296,6 +297,9 @@ class ClientSession:
         qos: QoS | str | None = None,
         schema: Mapping[str, Any] | None = None,
         logprobs: int | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
     ) -> Stream:
         """Ask for a reply; iterate the result for its tokens. ``priority`` (-10 to 10, within
         the tenant's maximum) orders the request in the server's admission queue.
@@ -305,7 +309,11 @@ class ClientSession:
         the reply is bound to (a Pydantic model's ``model_json_schema()``, say): the reply is
         a JSON document valid for it, unless ``max_tokens`` cuts it (``finish_reason``
         ``length``). ``logprobs``: each token comes with its log probability and this many
-        likeliest alternatives (0 to 20; :attr:`Stream.logprobs`, :attr:`TokenChunk.logprobs`)."""
+        likeliest alternatives (0 to 20; :attr:`Stream.logprobs`, :attr:`TokenChunk.logprobs`).
+        ``tools``, ``tool_choice``, ``parallel_tool_calls``: functions the reply may call, as
+        OpenAI's Chat Completions takes them; the ``done`` frame's ``tool_calls`` holds the
+        calls made, and a later request answers them with ``{"role": "tool", "tool_call_id":
+        ..., "content": ...}`` messages."""
         fields: dict[str, Any] = {
             "prompt": prompt,
             "stream": stream,
@@ -317,10 +325,13 @@ class ClientSession:
             "qos": qos.header() if isinstance(qos, QoS) else qos,
             "schema": dict(schema) if schema is not None else None,
             "logprobs": logprobs,
+            "tools": [dict(tool) for tool in tools] if tools is not None else None,
+            "tool_choice": dict(tool_choice) if isinstance(tool_choice, Mapping) else tool_choice,
+            "parallel_tool_calls": parallel_tool_calls,
         }
         if messages is not None:
             fields["messages"] = [
-                m if isinstance(m, ChatMessage) else ChatMessage(m["role"], m["content"])  # type: ignore[arg-type]
+                m if isinstance(m, ChatMessage) else msgspec.convert(m, ChatMessage)
                 for m in messages
             ]
         for name, value in (

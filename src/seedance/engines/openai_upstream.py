@@ -43,6 +43,7 @@ from seedance.protocol.errors import EngineError, InvalidRequest
 from seedance.protocol.messages import FinishReason
 from seedance.protocol.openai import decode_stream_chunk, sse_data
 from seedance.protocol.schemas import OutputSchema
+from seedance.protocol.tools import plain
 from seedance.settings import Option, non_negative, positive, urls
 
 if TYPE_CHECKING:
@@ -274,7 +275,8 @@ class OpenAIUpstreamEngine(Engine):
             )
         else:
             path = "/chat/completions"
-            body["messages"] = [{"role": m.role, "content": m.content} for m in request.messages]
+            messages = plain(request.messages)  # tool turns written out (tools: not passed on)
+            body["messages"] = [{"role": m.role, "content": m.content} for m in messages]
         if params.stop:
             body["stop"] = list(params.stop)
         if params.seed is not None:

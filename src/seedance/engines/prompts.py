@@ -17,6 +17,7 @@ from seedance.engines.base import Engine, ModelInfo, SamplingParams
 from seedance.engines.template import ChatTemplate
 from seedance.protocol.errors import ContextOverflow, InvalidRequest
 from seedance.protocol.messages import ChatMessage
+from seedance.protocol.tools import plain
 
 _CACHE_SIZE: Final = 256
 
@@ -95,8 +96,10 @@ class Prompts:
     def render(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool) -> str:
         """``messages`` in the chat template, as text (an :class:`InvalidRequest` where the
         template refuses them)."""
-        try:
-            return self.template.render(messages, add_generation_prompt=add_generation_prompt)
+        try:  # tool turns in the generic format (a template of the model's own: not yet)
+            return self.template.render(
+                plain(messages), add_generation_prompt=add_generation_prompt
+            )
         except jinja2.TemplateError as exc:
             raise InvalidRequest(f"the model's chat template refused the messages: {exc}") from None
 

@@ -16,7 +16,7 @@ SessionId = NewType("SessionId", str)
 RequestId = NewType("RequestId", str)
 TenantId = NewType("TenantId", str)
 
-Role = Literal["system", "user", "assistant"]
+Role = Literal["system", "user", "assistant", "tool"]
 FinishReason = Literal["stop", "length", "cancelled"]
 
 PROTOCOL_VERSION = "2.1"
@@ -27,11 +27,22 @@ HEARTBEAT_PING = b"\x01\x00"
 HEARTBEAT_PONG = b"\x02\x00"
 
 
-class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One turn of a conversation."""
+class ToolCallTurn(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A call of a tool a reply made: ``arguments`` is its JSON text."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """One turn of a conversation: an assistant's may hold the tools it called
+    (``tool_calls``), and a ``tool`` turn is a call's result (``tool_call_id``: which call)."""
 
     role: Role
     content: str
+    tool_calls: tuple[ToolCallTurn, ...] | None = None
+    tool_call_id: str | None = None
 
 
 # --------------------------------------------------------------------------- client -> server
@@ -233,6 +244,8 @@ class DoneFrame(_ServerFrame, tag="done"):
     model_version: str | None = None
     #: ``stream: false`` with ``logprobs``: one per token of ``text``.
     logprobs: list[TokenLogprob] | None = None
+    #: The calls the reply made, when the request offered ``tools`` (checked against them).
+    tool_calls: list[ToolCallTurn] | None = None
 
 
 class ErrorBody(msgspec.Struct, omit_defaults=True):

@@ -23,10 +23,11 @@ from seedance.protocol.messages import (
     ErrorFrame,
     Generate,
     TokenLogprob,
+    ToolCallTurn,
     TopLogprob,
 )
 from seedance.protocol.schemas import format_schema
-from seedance.protocol.tools import Tools, call_text, parse_tools, result_text, system_prompt
+from seedance.protocol.tools import parse_tools
 
 #: ``max_tokens`` of ``/v1/completions`` when absent (OpenAI's default).
 COMPLETIONS_DEFAULT_MAX_TOKENS: Final = 16
@@ -36,7 +37,7 @@ ROLES: Final = {
     "developer": "system",
     "user": "user",
     "assistant": "assistant",
-}
+}  # and "tool", whose turns carry the call they answer
 
 
 class _ContentPart(msgspec.Struct):
@@ -156,8 +157,6 @@ def decode_chat(body: bytes, limits: FrameLimits) -> OpenAIRequest:
     messages = [chat_message(i, m) for i, m in enumerate(parsed.messages)]
     if not messages:
         raise InvalidRequest("messages must hold at least one message")
-    if tools is not None:  # the model is told of them first
-        messages = with_tools(messages, tools)
     max_tokens = parsed.max_tokens
     if parsed.max_completion_tokens is not None:  # the newer name wins
         max_tokens = parsed.max_completion_tokens
@@ -215,9 +214,8 @@ def decode_body(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
 
 def chat_message(index: int, message: Message) -> ChatMessage:
     """``messages[index]`` as the engines take it; roles and parts Seedance does not serve are
-    refused by name. Tool calls and results are written in the generic format
-    (:mod:`~seedance.protocol.tools`): an assistant's calls as it writes them, a tool's result
-    as a user turn."""
+    refused by name. An assistant's tool calls and a tool's result stay what they are (the
+    engine's prompt writes them: :func:`seedance.protocol.tools.plain`)."""
     content = message.content
     if isinstance(content, list):
         if any(part.type != "text" or part.text is None for part in content):
@@ -225,7 +223,7 @@ def chat_message(index: int, message: Message) -> ChatMessage:
         content = "".join(part.text or "" for part in content)
     text = content or ""
     if message.role == "tool":
-        return ChatMessage("user", result_text(text))
+        return ChatMessage("tool", text, tool_call_id=message.tool_call_id)
     role = ROLES.get(message.role)
     if role is None:
         raise InvalidRequest(
@@ -235,19 +233,12 @@ def chat_message(index: int, message: Message) -> ChatMessage:
     if message.tool_calls:
         if role != "assistant":
             raise InvalidRequest(f"messages[{index}].tool_calls: only an assistant's")
-        calls = (call_text(c.function.name, c.function.arguments) for c in message.tool_calls)
-        text += "".join(calls)
+        calls = tuple(
+            ToolCallTurn(c.id or "", c.function.name, c.function.arguments)
+            for c in message.tool_calls
+        )
+        return ChatMessage("assistant", text, tool_calls=calls)
     return ChatMessage(role, text)  # type: ignore[arg-type]
-
-
-def with_tools(messages: list[ChatMessage], tools: Tools) -> list[ChatMessage]:
-    """``messages`` with the tools described in the system message (one is added first where
-    there is none)."""
-    described = system_prompt(tools)
-    if messages[0].role == "system":
-        first = ChatMessage("system", f"{messages[0].content}\n\n{described}")
-        return [first, *messages[1:]]
-    return [ChatMessage("system", described), *messages]
 
 
 def _request(

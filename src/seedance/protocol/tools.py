@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
@@ -28,6 +28,7 @@ import jsonschema
 import msgspec
 
 from seedance.protocol.errors import InvalidRequest
+from seedance.protocol.messages import ChatMessage, Generate, ToolCallTurn
 from seedance.protocol.schemas import closed, output_schema
 
 OPEN: Final = "<tool_call>"
@@ -46,23 +47,6 @@ class Tool:
     name: str
     description: str
     parameters: dict[str, Any]
-
-
-@dataclass(frozen=True, slots=True)
-class ToolCall:
-    """A call the reply made: ``arguments`` is its JSON text, as OpenAI gives it."""
-
-    id: str
-    name: str
-    arguments: str
-
-    def openai(self) -> dict[str, Any]:
-        """As Chat Completions writes it in ``message.tool_calls``."""
-        return {
-            "id": self.id,
-            "type": "function",
-            "function": {"name": self.name, "arguments": self.arguments},
-        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +148,13 @@ def system_prompt(tools: Tools) -> str:
     return "\n".join(lines)
 
 
+def preamble(message: Generate) -> list[ChatMessage]:
+    """The system turn that tells the model of a request's tools (none without tools): it
+    opens the prompt, before the conversation, and is not kept in a session."""
+    tools = parse_tools(message.tools, message.tool_choice, message.parallel_tool_calls)
+    return [] if tools is None else [ChatMessage("system", system_prompt(tools))]
+
+
 def call_text(name: str, arguments: str) -> str:
     """A call as the reply writes it (for an assistant turn of the history)."""
     return f'{OPEN}{{"name":{_encode(name).decode()},"arguments":{arguments or "{}"}}}{CLOSE}'
@@ -172,6 +163,21 @@ def call_text(name: str, arguments: str) -> str:
 def result_text(content: str) -> str:
     """A tool's result as the next turn gives it to the model."""
     return f"<tool_response>{content}</tool_response>"
+
+
+def plain(messages: Sequence[ChatMessage]) -> list[ChatMessage]:
+    """``messages`` as a chat template without tools takes them: an assistant turn's calls
+    written as the reply writes them, a tool's result as a user turn (the generic format)."""
+    out = []
+    for message in messages:
+        if message.role == "tool":
+            out.append(ChatMessage("user", result_text(message.content)))
+        elif message.tool_calls:
+            calls = "".join(call_text(c.name, c.arguments) for c in message.tool_calls)
+            out.append(ChatMessage(message.role, message.content + calls))
+        else:
+            out.append(message)
+    return out
 
 
 # --------------------------------------------------------------------------- the grammar
@@ -218,12 +224,12 @@ def call_id(request_id: str, index: int) -> str:
     return "call_" + digest[:24]
 
 
-def parse_calls(text: str, tools: Tools, request_id: str = "") -> list[ToolCall] | None:
+def parse_calls(text: str, tools: Tools, request_id: str = "") -> list[ToolCallTurn] | None:
     """The calls ``text`` (a whole reply) makes (None: it is a text reply); a reply that
     begins a call and does not make it whole raises :class:`BadToolCall`."""
     if not text.startswith("<"):
         return None
-    calls: list[ToolCall] = []
+    calls: list[ToolCallTurn] = []
     decoder = json.JSONDecoder()
     at = 0
     while at < len(text):
@@ -242,7 +248,7 @@ def parse_calls(text: str, tools: Tools, request_id: str = "") -> list[ToolCall]
     return calls
 
 
-def _call(body: Any, tools: Tools, id: str) -> ToolCall:
+def _call(body: Any, tools: Tools, id: str) -> ToolCallTurn:
     if not isinstance(body, dict) or set(body) != {"name", "arguments"}:
         raise BadToolCall('a tool call must be {"name": ..., "arguments": {...}}')
     tool = tools.by_name.get(body["name"])
@@ -252,7 +258,7 @@ def _call(body: Any, tools: Tools, id: str) -> ToolCall:
         jsonschema.validate(body["arguments"], tool.parameters)
     except jsonschema.ValidationError as exc:
         raise BadToolCall(f"the arguments of {tool.name} are not valid: {exc.message}") from None
-    return ToolCall(id, tool.name, _encode(body["arguments"]).decode())
+    return ToolCallTurn(id, tool.name, _encode(body["arguments"]).decode())
 
 
 @dataclass(slots=True)
@@ -274,7 +280,8 @@ _TAIL: Final = "}" + CLOSE
 class CallReader:
     """Reads a reply's calls as its text streams in (the grammar wrote it: compact JSON,
     ``name`` first), so a client gets each call's name as soon as it is whole and its
-    arguments piece by piece, as OpenAI streams them. :meth:`finish` checks the whole."""
+    arguments piece by piece, as OpenAI streams them. The generation checks the whole reply
+    (:func:`parse_calls`): this reader only cuts it up."""
 
     def __init__(self, tools: Tools, request_id: str = "") -> None:
         self.tools = tools
@@ -348,16 +355,7 @@ class CallReader:
                     return i
         return i
 
-    def feed_all(self, text: str) -> None:
-        """Read a whole reply at once (no events wanted)."""
+    def skip(self, text: str) -> None:
+        """Read the part of the reply a reader already has (a resumed stream), for nothing."""
         for _ in self.feed(text):
             pass
-
-    def finish(self) -> list[ToolCall] | None:
-        """The calls of the whole reply, checked (None: a text reply)."""
-        return parse_calls(self.text, self.tools, self.request_id)
-
-    @property
-    def calls(self) -> int:
-        """Calls begun so far."""
-        return self._index + 1

@@ -558,12 +558,6 @@ class Connection:
         try:
             if bad_parent is not None:
                 raise bad_parent
-            if message.tools or message.tool_choice is not None:
-                raise InvalidRequest(
-                    "tools: not on /v2/infer yet (POST /v1/chat/completions calls tools)",
-                    request_id=request_id,
-                    param="tools",
-                )
             # The version served now (a reload may have swapped one in since the last).
             served, message = prepare(
                 services.models, arrival, self.model.name, self.session.session_id, message

@@ -26,10 +26,16 @@ import msgspec
 from seedance.observability.tracing import request_attributes
 from seedance.protocol.codec import FrameLimits
 from seedance.protocol.errors import InvalidRequest, Overloaded, SeedanceError, error_from_wire
-from seedance.protocol.messages import DoneFrame, ErrorFrame, RequestId, TokenLogprob
+from seedance.protocol.messages import (
+    DoneFrame,
+    ErrorFrame,
+    RequestId,
+    TokenLogprob,
+    ToolCallTurn,
+)
 from seedance.protocol.openai import decode_chat, decode_completion
 from seedance.protocol.qos import qos_from_headers
-from seedance.protocol.tools import CallReader, ToolCall, parse_tools
+from seedance.protocol.tools import CallReader, parse_tools
 from seedance.server.http_call import (
     JSON_HEADERS,
     SSE_HEADERS,
@@ -89,7 +95,11 @@ class OpenAIEndpoint:
             schema_field="response_format",
         )
         prompt = explicit_prompt(
-            model, request.messages, raw=request.kind == "completion", unset=request.unset
+            model,
+            request.messages,
+            raw=request.kind == "completion",
+            unset=request.unset,
+            message=message,
         )
         qos = qos_from_headers(call.scope.get("headers", ()))
         requester = Requester(principal, model, "http", qos=qos)
@@ -127,7 +137,7 @@ async def relay(
         chunks.offset = sum(len(entry.token) for entry in log.logprobs[:first])
     if chunks.calls is not None and after_seq >= 0:  # what was sent, read again unsent
         whole, rest = "".join(log.texts[: log.entries]), log.missing(after_seq)
-        chunks.calls.feed_all(whole[: len(whole) - len(rest[0] if rest else "")])
+        chunks.calls.skip(whole[: len(whole) - len(rest[0] if rest else "")])
     with Reading(log, generation, after_seq) as reading:
         async for text, last_seq in reading:
             if not response.started:  # headers with the first text
@@ -171,19 +181,8 @@ async def _finish(
         "total_tokens": end.usage.total_tokens,
     }
     response = call.response
-    finish: str = end.finish_reason
-    calls = None
-    try:
-        if chunks.calls is not None:  # checked whole: a call cut by max_tokens is an error
-            if not log.stream:
-                chunks.calls.feed_all("".join(log.texts))
-            calls = chunks.calls.finish()
-    except SeedanceError as exc:
-        call.outcome = exc.code
-        await call.render_error(exc)
-        return
-    if calls:
-        finish = "tool_calls"
+    calls = end.tool_calls  # checked by the generation (a call it could not read: an error)
+    finish = "tool_calls" if calls else end.finish_reason
     if log.stream:
         if not response.started:
             await response.start(200, SSE_HEADERS)
@@ -345,12 +344,12 @@ class _Chunks:
         finish: str,
         usage: dict[str, int],
         logprobs: list[TokenLogprob] | None = None,
-        calls: list[ToolCall] | None = None,
+        calls: list[ToolCallTurn] | None = None,
     ) -> bytes:
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": text}
             if calls:
-                message = {**message, "content": None, "tool_calls": [c.openai() for c in calls]}
+                message = {**message, "content": None, "tool_calls": [_call(c) for c in calls]}
             choice: dict[str, Any] = {
                 "index": 0,
                 "message": message,
@@ -363,3 +362,9 @@ class _Chunks:
             choice = {"index": 0, "text": text, "logprobs": entries, "finish_reason": finish}
             kind = "text_completion"
         return _encode({**self.head, "object": kind, "choices": [choice], "usage": usage})
+
+
+def _call(call: ToolCallTurn) -> dict[str, Any]:
+    """A call as Chat Completions writes it in ``message.tool_calls``."""
+    function = {"name": call.name, "arguments": call.arguments}
+    return {"id": call.id, "type": "function", "function": function}

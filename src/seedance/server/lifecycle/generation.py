@@ -44,6 +44,7 @@ from seedance.protocol.messages import (
     RequestId,
     StartFrame,
     Timing,
+    ToolCallTurn,
     Usage,
     ms,
 )
@@ -132,6 +133,8 @@ class Generation:
         self.ending = False  # past the engine: a cancel comes too late
         #: The done or error frame, logged once the audit record is written (None: none).
         self.end: DoneFrame | ErrorFrame | None = None
+        #: The calls the reply made, when the request offered tools (None: it offered none).
+        self.tool_calls: list[ToolCallTurn] | None = None
         self.outcome = ""
         self.task: asyncio.Task[None] | None = None
         self._running = False  # the task has begun
@@ -243,8 +246,12 @@ class Generation:
                         )
                     )
                 finish = await self._stream()
+                text = "".join(self.parts)
+                self.tool_calls = self._calls(text)  # an unparsable call fails the request
                 if session is not None:
-                    reply = ChatMessage("assistant", "".join(self.parts))
+                    reply = ChatMessage("assistant", text)
+                    if self.tool_calls:  # kept as calls: a prompt writes them its own way
+                        reply = ChatMessage("assistant", "", tool_calls=tuple(self.tool_calls))
                     # The reply's tokens are known: no need to tokenize it again.
                     reply_tokens = self.completion_tokens + model.engine.message_overhead_tokens
                     turns = [*self.prompt.new_turns, Turn(reply, reply_tokens, model.name)]
@@ -450,7 +457,8 @@ class Generation:
         schema = message.schema
         schema_sha256 = UNSET if schema is None else text_sha256(output_schema(schema, "").text)
         reply = "".join(self.parts)
-        tool_calls = reply.count(tools.OPEN) if message.tools else UNSET
+        calls = self.tool_calls
+        tool_calls = UNSET if calls is None else len(calls)
         return audit.Request(
             api=requester.api,
             tenant=requester.tenant,
@@ -523,6 +531,19 @@ class Generation:
             total_ms=ms(now - self.received),
         )
 
+    def _calls(self, text: str) -> list[ToolCallTurn] | None:
+        """The calls ``text``, the whole reply, makes, checked against the request's tools
+        (None: it offered none); a call it began and did not make whole raises."""
+        message = self.message
+        offered = tools.parse_tools(message.tools, message.tool_choice, message.parallel_tool_calls)
+        if offered is None:
+            return None
+        try:
+            return tools.parse_calls(text, offered, self.request_id) or []
+        except tools.BadToolCall as exc:
+            exc.request_id = self.request_id
+            raise
+
     def _done(self, finish: FinishReason) -> DoneFrame:
         text = logprobs = None
         if not self.message.stream:
@@ -541,6 +562,7 @@ class Generation:
             text=text,
             model_version=self.requester.model.version or None,
             logprobs=logprobs,
+            tool_calls=self.tool_calls or None,
         )
 
     def _log(self, outcome: str) -> None:

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from seedance.protocol import tools
 from seedance.protocol.errors import ContextOverflow
 from seedance.protocol.messages import ChatMessage, Generate, RequestId
 from seedance.protocol.qos import QoS
@@ -63,10 +64,16 @@ class Prompt:
 
 
 def explicit_prompt(
-    model: ServedModel, messages: Sequence[ChatMessage], *, raw: bool, unset: frozenset[str]
+    model: ServedModel,
+    messages: Sequence[ChatMessage],
+    *,
+    raw: bool,
+    unset: frozenset[str],
+    message: Generate | None = None,
 ) -> Prompt:
-    """A whole conversation sent with the request (the OpenAI HTTP API), counted."""
-    messages = tuple(messages)
+    """A whole conversation sent with the request (the OpenAI HTTP API), counted; the
+    description of the request's tools (``message``'s) opens it."""
+    messages = tuple(messages) if message is None else (*tools.preamble(message), *messages)
     return Prompt(messages, model.engine.prompt_tokens(messages, raw=raw), raw=raw, unset=unset)
 
 
@@ -92,13 +99,15 @@ def session_prompt(
     preamble: Sequence[ChatMessage] = (),
 ) -> Prompt:
     """The session's history and the request's turns, trimmed so that the prompt leaves room
-    for ``max_tokens``. ``preamble`` (the Responses API's ``instructions``) opens the prompt
-    and is never trimmed nor kept in the session.
+    for ``max_tokens``. ``preamble`` (the Responses API's ``instructions``), then the
+    description of the request's tools, open the prompt and are never trimmed nor kept in the
+    session.
 
     Turn counts are estimates (each message tokenized alone); an engine that counts the
     rendered prompt exactly may find more, and then the history is trimmed further.
     """
     engine, name = model.engine, model.name
+    preamble = [*preamble, *tools.preamble(message)]
     new_turns = [Turn(m, engine.count_message_tokens(m), name) for m in message.turns()]
     history = [] if message.reset else _history(model, session)
     max_tokens = message.max_tokens

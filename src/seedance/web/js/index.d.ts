@@ -126,10 +126,25 @@ export interface DoneFrame {
   usage: Usage;
   timing: { queue_ms: number; ttft_ms: number | null; total_ms: number };
   text?: string;
+  model_version?: string;
+  /** stream: false with logprobs: one per token of `text`. */
+  logprobs?: TokenLogprob[];
+  /** The calls the reply made, when the request offered `tools`. */
+  tool_calls?: ToolCallTurn[];
+}
+/** A call of a tool a reply made (`arguments`: its JSON text). */
+export interface ToolCallTurn {
+  id: string;
+  name: string;
+  arguments: string;
 }
 export interface Message {
-  role: "system" | "user" | "assistant";
+  role: "system" | "user" | "assistant" | "tool";
   content: string;
+  /** An assistant's calls, sent back with the history. */
+  tool_calls?: ToolCallTurn[];
+  /** A tool's result: the call it answers. */
+  tool_call_id?: string;
 }
 /** The fields of a generate frame (docs/protocol.md, section 2). */
 export interface GenerateFields {
@@ -150,6 +165,10 @@ export interface GenerateFields {
   schema?: Record<string, unknown>;
   /** 0 to 20: each token comes with its log probability and this many alternatives. */
   logprobs?: number;
+  /** Functions the reply may call, as OpenAI's Chat Completions takes them. */
+  tools?: { type: "function"; function: { name: string; description?: string; parameters?: Record<string, unknown>; strict?: boolean } }[];
+  tool_choice?: "auto" | "none" | "required" | { type: "function"; function: { name: string } };
+  parallel_tool_calls?: boolean;
 }
 
 /** A token's log probability, and the likeliest tokens at its position (OpenAI's shape). */
