@@ -151,10 +151,15 @@ async def test_a_response_is_stored_retrieved_continued_and_deleted(
     ("body", "message"),
     [
         ({"input": "x", "colour": "red"}, "unknown field `colour`"),
-        ({"input": "x", "tools": [{"type": "function"}]}, "tools are not supported"),
+        ({"input": "x", "tools": [{"type": "function"}]}, "tools[0].function.name"),
         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens must be between 1 and"),
         ({"input": "x", "background": True, "store": False}, "must be stored"),
-        ({"input": [{"type": "function_call"}]}, "input[0].type: 'function_call'"),
+        ({"input": [{"type": "function_call"}]}, "input[0].call_id: required"),
+        ({"input": [{"type": "reasoning"}]}, "input[0].type: 'reasoning'"),
+        (
+            {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[]"}]},
+            "input[0].arguments: a JSON object",
+        ),
         ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text.format"),
         ({"input": "x", "previous_response_id": "no such"}, "not a response id"),
     ],

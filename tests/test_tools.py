@@ -15,6 +15,7 @@ import pytest
 
 from seedance.client import connect
 from seedance.protocol.errors import InvalidRequest
+from seedance.protocol.responses import CallEvents
 from seedance.protocol.tools import BadToolCall, CallReader, parse_calls, parse_tools
 from tests.support.servers import RunningServer
 
@@ -196,6 +197,151 @@ async def test_a_call_cut_by_max_tokens_is_an_error_not_text(smollm: RunningServ
             tool_choice="required",
             max_tokens=5,
         )
+
+
+# --------------------------------------------------------------------------- the Responses API
+
+#: The tools as the Responses API takes them (flat, not nested in ``function``).
+FLAT = [{"type": "function", **tool["function"]} for tool in (WEATHER, TIME)]  # type: ignore[dict-item]
+
+
+@pytest.mark.model
+async def test_the_tool_loop_on_the_responses_api(smollm: RunningServer) -> None:
+    """A call as a ``function_call`` output item; its result as a ``function_call_output``
+    input item, continuing the stored conversation, or stateless with the call given back."""
+    api = client(smollm)
+    called = await api.responses.create(
+        model="smollm2-135m",
+        input="What is the weather in Paris?",
+        tools=FLAT,  # type: ignore[arg-type]
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_output_tokens=80,
+    )
+    assert called.status == "completed" and len(called.output) == 1
+    (call,) = called.output
+    assert call.type == "function_call" and call.call_id.startswith("call_")
+    assert call.id and call.id.startswith("fc_") and call.status == "completed"
+    jsonschema.validate(json.loads(call.arguments), schema_of(call.name))
+    assert [tool.name for tool in called.tools] == ["get_weather", "get_time"]  # type: ignore[union-attr]
+    assert called.tool_choice == "required" and called.parallel_tool_calls is False
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": '{"temp": 18}'}
+    answer = await api.responses.create(
+        model="smollm2-135m",
+        previous_response_id=called.id,
+        input=[result],  # type: ignore[list-item]
+        tools=FLAT,  # type: ignore[arg-type]
+        tool_choice="none",
+        temperature=0,
+        max_output_tokens=40,
+    )
+    assert answer.output_text and answer.output[0].type == "message"
+    # Stateless: the call given back as the SDK returned it, then its result.
+    stateless = await api.responses.create(
+        model="smollm2-135m",
+        input=[
+            {"role": "user", "content": "What is the weather in Paris?"},
+            *called.output,
+            result,
+        ],  # type: ignore[list-item]
+        tools=FLAT,  # type: ignore[arg-type]
+        tool_choice="none",
+        store=False,
+        temperature=0,
+        max_output_tokens=40,
+    )
+    # The same conversation, so the same prompt: the same greedy answer.
+    assert stateless.output_text == answer.output_text
+    assert stateless.usage is not None and answer.usage is not None
+    assert stateless.usage.input_tokens == answer.usage.input_tokens
+    await api.close()
+
+
+@pytest.mark.model
+async def test_a_call_streams_as_the_responses_api_streams_it_and_resumes(
+    smollm: RunningServer,
+) -> None:
+    api = client(smollm)
+    stream = await api.responses.create(
+        model="smollm2-135m",
+        input="What time is it in Oslo?",
+        tools=FLAT,  # type: ignore[arg-type]
+        tool_choice={"type": "function", "name": "get_time"},
+        temperature=0.7,
+        max_output_tokens=60,
+        background=True,
+        stream=True,
+    )
+    seen: list[Any] = []
+    async for event in stream:
+        seen.append(event)
+        if event.type == "response.function_call_arguments.delta" and len(seen) > 5:
+            break  # the connection drops inside the arguments
+    await stream.close()
+    response_id = seen[0].response.id
+    rest = await api.responses.retrieve(
+        response_id, stream=True, starting_after=seen[-1].sequence_number
+    )
+    seen += [event async for event in rest]
+    numbers = [event.sequence_number for event in seen]
+    assert numbers == sorted(set(numbers))  # each once, in order
+    kinds = [event.type for i, event in enumerate(seen) if i == 0 or seen[i - 1].type != event.type]
+    assert kinds == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    added, done = seen[2].item, seen[-2].item
+    assert added.type == "function_call" and added.name == "get_time" and added.arguments == ""
+    arguments = "".join(e.delta for e in seen if e.type == "response.function_call_arguments.delta")
+    assert arguments == seen[-3].arguments == done.arguments
+    jsonschema.validate(json.loads(arguments), schema_of("get_time"))
+    final = seen[-1].response
+    assert final.output[0].arguments == arguments and final.output[0].call_id == added.call_id
+    await api.close()
+
+
+def test_call_events_are_numbered_by_where_they_end_and_resume_mid_arguments() -> None:
+    tools = parse_tools([WEATHER, TIME], "required", True)
+    assert tools is not None
+    text = (
+        '<tool_call>{"name":"get_time","arguments":{"city":"Oslo"}}</tool_call>'
+        '<tool_call>{"name":"get_time","arguments":{"city":"Rome"}}</tool_call>'
+    )
+    live = CallEvents("resp_1", tools, -1)
+    events = [event for i in range(0, len(text), 3) for event in live.feed(text[i : i + 3])]
+    numbers = [event["sequence_number"] for event in events]
+    assert numbers == sorted(set(numbers)) and numbers[0] > 1
+    # Coming back after any event, read from the whole text at once: the rest, each once.
+    for k, event in enumerate(events):
+        again = CallEvents("resp_1", tools, event["sequence_number"]).feed(text)
+        assert [e["type"] for e in again] == [e["type"] for e in _merged(events[k + 1 :])]
+        for index in (0, 1):
+            had = "".join(
+                e.get("delta", "") for e in events[: k + 1] if e.get("output_index") == index
+            )
+            got = "".join(e.get("delta", "") for e in again if e.get("output_index") == index)
+            assert json.loads(had + got) == {"city": ("Oslo", "Rome")[index]}
+
+
+def _merged(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Events with each run of one call's argument deltas as one (as a whole text gives it)."""
+    out: list[dict[str, Any]] = []
+    for event in events:
+        last = out[-1] if out else None
+        if (
+            last is not None
+            and event["type"] == last["type"] == "response.function_call_arguments.delta"
+            and event["output_index"] == last["output_index"]
+        ):
+            continue
+        out.append(event)
+    return out
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,15 @@ of the reply is ``4 + b``; after the reply's ``n`` tokens, ``response.output_tex
 ``response.incomplete`` or ``response.failed``). Numbers only grow, and a resume
 ``starting_after=N`` gets exactly the events above ``N`` (the tokens after token ``N - 4``, in
 as few deltas as it likes): every event once.
+
+**A reply that calls tools** has no message: its output items are ``function_call`` items,
+and its events after ``response.in_progress`` are numbered by where in the reply's text ``p``
+what they say ends: ``2 + 4p`` a call's ``response.output_item.added``, ``3 + 4p`` a
+``response.function_call_arguments.delta`` (its arguments up to ``p``), ``4 + 4p`` and
+``5 + 4p`` the call's ``response.function_call_arguments.done`` and ``output_item.done``; the
+last event is ``6 + 4n`` after a reply of ``n`` characters. A request with tools learns which
+kind its reply is from the reply's first character (a call begins with ``<``, a text reply
+never does), and only then sends the first item's ``added`` event.
 """
 
 from __future__ import annotations
@@ -24,9 +33,17 @@ import msgspec
 
 from seedance.protocol.codec import MAX_TOP_LOGPROBS, FrameLimits, validate_generate
 from seedance.protocol.errors import InvalidRequest
-from seedance.protocol.messages import ChatMessage, DoneFrame, ErrorFrame, Generate, TokenLogprob
+from seedance.protocol.messages import (
+    ChatMessage,
+    DoneFrame,
+    ErrorFrame,
+    Generate,
+    TokenLogprob,
+    ToolCallTurn,
+)
 from seedance.protocol.openai import ROLES, JsonSchemaFormat, decode_body, end_status
 from seedance.protocol.schemas import format_schema
+from seedance.protocol.tools import CallReader, Tools, parse_tools
 
 #: Sequence numbers of the events before the first token's.
 CREATED, IN_PROGRESS, ITEM_ADDED, PART_ADDED, FIRST_DELTA = 0, 1, 2, 3, 4
@@ -53,6 +70,11 @@ class _Item(msgspec.Struct, kw_only=True):
     type: str = "message"
     id: str | None = None
     status: str | None = None
+    # A function_call (call_id, name, arguments) or its function_call_output (call_id, output).
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | list[_Part] | None = None
 
 
 class _Format(JsonSchemaFormat, kw_only=True):
@@ -75,10 +97,10 @@ class _Body(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     temperature: float | None = None
     top_p: float | None = None
     metadata: dict[str, str] | None = None
-    # Accepted as OpenAI's defaults (anything else is refused by name below).
-    tools: list[Any] | None = None
-    tool_choice: str | None = None
+    tools: Any = None  # checked by parse_tools, which names the field
+    tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    # Accepted as OpenAI's defaults (anything else is refused by name below).
     text: _Text | None = None
     truncation: str | None = None
     user: str | None = None
@@ -114,19 +136,17 @@ _decoder = msgspec.json.Decoder(_Body)
 
 def decode_responses(body: bytes, limits: FrameLimits) -> ResponsesRequest:
     parsed: _Body = decode_body(_decoder, body)
-    if parsed.tools:
-        raise InvalidRequest(
-            "tools: tools are not supported on the Responses API yet (POST "
-            "/v1/chat/completions calls them)",
-            param="tools",
-        )
-    if parsed.tool_choice not in (None, "none", "auto"):
-        raise InvalidRequest("tool_choice: only 'auto' and 'none' are supported (no tools)")
+    tools = parse_tools(parsed.tools, parsed.tool_choice, parsed.parallel_tool_calls)
     text_format = parsed.text.format if parsed.text is not None else None
     schema = None
     if text_format is not None:
         schema = format_schema(
             text_format.type, text_format.schema, "text.format", strict=text_format.strict
+        )
+    if tools is not None and schema is not None:
+        raise InvalidRequest(
+            "text.format: a reply that may call tools cannot be bound to a schema too",
+            param="text.format",
         )
     if parsed.truncation not in (None, "disabled", "auto"):
         raise InvalidRequest("truncation: 'auto' or 'disabled'")
@@ -151,6 +171,12 @@ def decode_responses(body: bytes, limits: FrameLimits) -> ResponsesRequest:
         "schema": schema,
         "logprobs": _logprobs(parsed),
     }
+    if tools is not None:
+        fields.update(
+            tools=parsed.tools,
+            tool_choice=parsed.tool_choice,
+            parallel_tool_calls=parsed.parallel_tool_calls,
+        )
     generate = Generate(**fields)
     try:
         validate_generate(generate, limits)
@@ -195,29 +221,71 @@ def _echo(text_format: _Format | None) -> dict[str, Any]:
 
 
 def _input(value: str | list[_Item]) -> list[ChatMessage]:
+    """The input items as turns: messages, and the calls a reply made (``function_call``
+    items, those in a row one assistant turn) with their results (``function_call_output``)."""
     if isinstance(value, str):
         return [ChatMessage("user", value)]
-    turns = []
+    turns: list[ChatMessage] = []
     for i, item in enumerate(value):
+        if item.type == "function_call":
+            call = _function_call(i, item)
+            last = turns[-1] if turns else None
+            if last is not None and last.role == "assistant" and last.tool_calls:
+                turns[-1] = msgspec.structs.replace(last, tool_calls=(*last.tool_calls, call))
+            else:
+                turns.append(ChatMessage("assistant", "", tool_calls=(call,)))
+            continue
+        if item.type == "function_call_output":
+            if not item.call_id:
+                raise InvalidRequest(f"input[{i}].call_id: required", param=f"input[{i}].call_id")
+            output = _text(i, item.output, "output")
+            turns.append(ChatMessage("tool", output, tool_call_id=item.call_id))
+            continue
         if item.type != "message":
-            raise InvalidRequest(f"input[{i}].type: {item.type!r} is not supported (message)")
+            raise InvalidRequest(
+                f"input[{i}].type: {item.type!r} is not supported (message, function_call, "
+                "function_call_output)",
+                param=f"input[{i}].type",
+            )
         role = ROLES.get(item.role or "")
         if role is None:
             raise InvalidRequest(
                 f"input[{i}].role: {item.role!r} is not supported (user, assistant, system, "
                 "developer)"
             )
-        content = item.content
-        if isinstance(content, list):
-            for j, part in enumerate(content):
-                if part.type not in _TEXT_PARTS or part.text is None:
-                    raise InvalidRequest(
-                        f"input[{i}].content[{j}]: only text parts are supported "
-                        "(input_text, output_text)"
-                    )
-            content = "".join(part.text or "" for part in content)
-        turns.append(ChatMessage(role, content or ""))  # type: ignore[arg-type]
+        turns.append(ChatMessage(role, _text(i, item.content, "content")))  # type: ignore[arg-type]
     return turns
+
+
+def _function_call(i: int, item: _Item) -> ToolCallTurn:
+    """A ``function_call`` input item (a call a reply made, given back with its result)."""
+    for name in ("call_id", "name"):
+        if not getattr(item, name):
+            raise InvalidRequest(f"input[{i}].{name}: required", param=f"input[{i}].{name}")
+    arguments = item.arguments or "{}"
+    try:
+        parsed = msgspec.json.decode(arguments)
+    except msgspec.DecodeError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise InvalidRequest(
+            f"input[{i}].arguments: a JSON object, as text", param=f"input[{i}].arguments"
+        )
+    assert item.call_id is not None and item.name is not None
+    return ToolCallTurn(item.call_id, item.name, arguments)
+
+
+def _text(i: int, content: str | list[_Part] | None, field: str) -> str:
+    """An item's content (or a call's output): a string or text parts."""
+    if isinstance(content, list):
+        for j, part in enumerate(content):
+            if part.type not in _TEXT_PARTS or part.text is None:
+                raise InvalidRequest(
+                    f"input[{i}].{field}[{j}]: only text parts are supported "
+                    "(input_text, output_text)"
+                )
+        return "".join(part.text or "" for part in content)
+    return content or ""
 
 
 # --------------------------------------------------------------------------- what goes out
@@ -238,6 +306,23 @@ class Rendered:
     ended: bool
     #: Each token's log probability, when the request included them (else None).
     logprobs: list[TokenLogprob] | None = None
+
+    @property
+    def tools(self) -> Tools | None:
+        """The tools the request offered (None: none)."""
+        offered = self.meta.get("tools")
+        return None if offered is None else parse_tools(*offered)
+
+    @property
+    def calls(self) -> bool:
+        """Whether the reply calls tools (it began a call), so far as it has come."""
+        return self.text.startswith("<") and self.tools is not None
+
+    @property
+    def kind_known(self) -> bool:
+        """Whether it is known yet what kind of reply this is (without tools: from the
+        start; with them: from the reply's first character, or its end)."""
+        return bool(self.text) or self.ended or "tools" not in self.meta
 
     @property
     def status(self) -> Status:
@@ -282,7 +367,12 @@ class Rendered:
         error = None
         if isinstance(end, ErrorFrame):
             error = {"code": "server_error", "message": end.error.message}
-        output = [self.item(done=True)] if self.ended and self.text else []
+        output: list[dict[str, Any]] = []
+        if isinstance(end, DoneFrame) and end.tool_calls:
+            output = [function_call(call, done=True) for call in end.tool_calls]
+        elif self.ended and self.text:
+            output = [self.item(done=True)]
+        tools, tool_choice, parallel = meta.get("tools") or (None, None, None)
         return {
             "id": self.id,
             "object": "response",
@@ -300,13 +390,13 @@ class Rendered:
             "max_output_tokens": meta.get("max_output_tokens"),
             "model": meta["model"],
             "output": output,
-            "parallel_tool_calls": True,
+            "parallel_tool_calls": parallel is not False,
             "previous_response_id": meta.get("previous_response_id"),
             "temperature": meta.get("temperature"),
             "top_p": meta.get("top_p"),
             "text": {"format": meta.get("text_format", _TEXT)},
-            "tool_choice": "auto",
-            "tools": [],
+            "tool_choice": tool_choice or "auto",
+            "tools": tools or [],
             "truncation": "disabled",
             "metadata": meta.get("metadata") or {},
             "usage": usage,
@@ -316,12 +406,21 @@ class Rendered:
     # ---------------------------------------------------------------- stream events
 
     def opening(self, after: int) -> list[dict[str, Any]]:
-        """The events before the first token's that are numbered above ``after``."""
+        """The events before the first token's that are numbered above ``after`` (the
+        message's item and part: once it is known that the reply is a message)."""
         events = []
         if after < CREATED:
             events.append(self._lifecycle("response.created", CREATED, in_progress=True))
         if after < IN_PROGRESS:
             events.append(self._lifecycle("response.in_progress", IN_PROGRESS, in_progress=True))
+        if self.kind_known and not self.calls:
+            events.extend(self.message_opening(after))
+        return events
+
+    def message_opening(self, after: int) -> list[dict[str, Any]]:
+        """The message's ``output_item.added`` and ``content_part.added``, those above
+        ``after``."""
+        events = []
         if after < ITEM_ADDED:
             events.append(
                 {
@@ -361,6 +460,9 @@ class Rendered:
     def closing(self, after: int) -> list[dict[str, Any]]:
         """The events after the last token's, numbered above ``after`` (the response has
         ended)."""
+        if self.calls:  # each call's end was an event of its own
+            number = call_number(len(self.text), 4)
+            return [self._last(number)] if number > after else []
         first = FIRST_DELTA + self.tokens
         where = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
         events: list[dict[str, Any]] = [
@@ -377,18 +479,22 @@ class Rendered:
             },
             {"type": "response.output_item.done", "output_index": 0, "item": self.item(done=True)},
         ]
-        status = self.status
-        last = {
-            "completed": "response.completed",
-            "failed": "response.failed",
-        }.get(status, "response.incomplete")  # incomplete, or cancelled (no event of its own)
-        events.append({"type": last, "response": self.response()})
+        events.append(self._last(0))
         numbered = []
         for offset, event in enumerate(events):
             number = first + offset
             if number > after:
+                event.pop("sequence_number", None)
                 numbered.append({"type": event.pop("type"), "sequence_number": number, **event})
         return numbered
+
+    def _last(self, number: int) -> dict[str, Any]:
+        """The last event: ``response.completed``, ``.failed`` or ``.incomplete``."""
+        kind = {
+            "completed": "response.completed",
+            "failed": "response.failed",
+        }.get(self.status, "response.incomplete")  # incomplete, or cancelled (no event of its own)
+        return {"type": kind, "sequence_number": number, "response": self.response()}
 
     def _lifecycle(self, kind: str, number: int, *, in_progress: bool) -> dict[str, Any]:
         response = self.response()
@@ -396,6 +502,79 @@ class Rendered:
             response.update(status="in_progress", output=[], usage=None, error=None)
             response.update(incomplete_details=None, completed_at=None)
         return {"type": kind, "sequence_number": number, "response": response}
+
+
+def call_number(position: int, step: int) -> int:
+    """The number of the event of a reply that calls tools that says what ends at
+    ``position`` of the reply (``step``: 0 a call added, 1 its arguments, 2 and 3 its end, 4
+    the response's end)."""
+    return 2 + 4 * position + step
+
+
+def function_call(call: ToolCallTurn, *, done: bool, arguments: str = "") -> dict[str, Any]:
+    """A ``function_call`` output item (not ``done``: as it begins, its arguments to come)."""
+    return {
+        "id": "fc_" + call.id.removeprefix("call_"),
+        "type": "function_call",
+        "status": "completed" if done else "in_progress",
+        "call_id": call.id,
+        "name": call.name,
+        "arguments": call.arguments if done else arguments,
+    }
+
+
+class CallEvents:
+    """The events of a reply that calls tools, from its text as it comes (see the module for
+    their numbers): those numbered above ``after``, the arguments a resuming client holds
+    left out of the first delta it gets."""
+
+    def __init__(self, response_id: str, tools: Tools, after: int) -> None:
+        self.reader = CallReader(tools, response_id)
+        self.after = after
+        self.held = max(0, (after - 2) // 4)  # the reply's characters the client holds
+        self.calls: list[ToolCallTurn] = []
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        """The events of the reply's next ``text``."""
+        events = []
+        for event in self.reader.feed(text):
+            index = event.index
+            if event.name:
+                self.calls.append(ToolCallTurn(event.id, event.name, ""))
+                number = call_number(event.end, 0)
+                item = function_call(self.calls[index], done=False)
+                added = {"output_index": index, "item": item}
+                events.append(self._event("response.output_item.added", number, added))
+                continue
+            call = self.calls[index]
+            where = {"item_id": "fc_" + call.id.removeprefix("call_"), "output_index": index}
+            if event.arguments:
+                self.calls[index] = msgspec.structs.replace(
+                    call, arguments=call.arguments + event.arguments
+                )
+                delta = event.arguments[max(0, self.held - (event.end - len(event.arguments))) :]
+                number = call_number(event.end, 1)
+                events.append(
+                    self._event("response.function_call_arguments.delta", number, where, delta)
+                )
+            elif event.done:
+                arguments = {"arguments": call.arguments}
+                done_item = {"output_index": index, "item": function_call(call, done=True)}
+                number = call_number(event.end, 2)
+                events.append(
+                    self._event("response.function_call_arguments.done", number, where | arguments)
+                )
+                events.append(self._event("response.output_item.done", number + 1, done_item))
+        return [event for event in events if event["sequence_number"] > self.after]
+
+    @staticmethod
+    def _event(
+        kind: str, number: int, fields: dict[str, Any], delta: str | None = None
+    ) -> dict[str, Any]:
+        event = {"type": kind, "sequence_number": number, **fields}
+        if delta is not None:
+            event["delta"] = delta
+        return event
 
 
 def deleted(response_id: str) -> dict[str, Any]:

@@ -264,13 +264,16 @@ def _call(body: Any, tools: Tools, id: str) -> ToolCallTurn:
 @dataclass(slots=True)
 class CallEvent:
     """What a streamed reply adds: text, or a call begun (``name``), or part of a call's
-    arguments (``arguments``), for the call ``index``."""
+    arguments (``arguments``), or the call's end (``done``), for the call ``index``; ``end``
+    is where in the reply what it says ends."""
 
     index: int = -1
     text: str = ""
     name: str = ""
     id: str = ""
     arguments: str = ""
+    done: bool = False
+    end: int = 0
 
 
 _HEAD: Final = re.compile(re.escape(OPEN) + r'\{"name":("(?:[^"\\]|\\.)*"),"arguments":')
@@ -304,7 +307,7 @@ class CallReader:
             self._mode = "calls" if self.text.startswith("<") else "text"
         if self._mode == "text":
             if text:
-                yield CallEvent(text=text)
+                yield CallEvent(text=text, end=len(self.text))
         elif self._mode == "calls":
             yield from self._calls()
 
@@ -318,18 +321,20 @@ class CallReader:
                 self._index += 1
                 self._at, self._next = match.end(), "arguments"
                 name = json.loads(match.group(1))
-                yield CallEvent(self._index, name=name, id=call_id(self.request_id, self._index))
+                id = call_id(self.request_id, self._index)
+                yield CallEvent(self._index, name=name, id=id, end=self._at)
             elif self._next == "arguments":
                 start = self._at
                 self._at = self._scan(text)
                 if self._at > start:
-                    yield CallEvent(self._index, arguments=text[start : self._at])
+                    yield CallEvent(self._index, arguments=text[start : self._at], end=self._at)
                 if self._next == "arguments":
                     return
             else:
                 if not text.startswith(_TAIL, self._at):
                     return
                 self._at, self._next = self._at + len(_TAIL), "head"
+                yield CallEvent(self._index, done=True, end=self._at)
 
     def _scan(self, text: str) -> int:
         """Past the arguments' characters here; at their end, the tail comes next."""

@@ -288,6 +288,8 @@ class _Chunks:
                 out.append(self.delta(event.text, logprobs=logprobs))
                 logprobs = None
                 continue
+            if event.done:  # Chat Completions says nothing at a call's end
+                continue
             function = {"arguments": event.arguments}
             call: dict[str, Any] = {"index": event.index}
             if event.name:  # a call begins

@@ -54,11 +54,13 @@ from seedance.protocol.openai import error_object
 from seedance.protocol.qos import qos_from_headers
 from seedance.protocol.responses import (
     FIRST_DELTA,
+    CallEvents,
     Rendered,
     ResponsesRequest,
     decode_responses,
     deleted,
 )
+from seedance.protocol.tools import Tools
 from seedance.server.http_call import (
     JSON_HEADERS,
     SSE_HEADERS,
@@ -278,6 +280,11 @@ class ResponseCall:
 
     async def stream(self, log: StreamLog, generation: Generation | None, after: int) -> None:
         """The response's events numbered above ``after``, to its end."""
+        view = rendered(log)
+        tools = view.tools
+        if tools is not None and (view.calls or not view.kind_known):
+            await self._stream_tools(log, generation, after, tools)
+            return
         cursor = max(-1, after - FIRST_DELTA)  # the last token the client holds
         if not log.running:
             cursor = min(cursor, log.next_seq - 1)
@@ -291,6 +298,47 @@ class ResponseCall:
             async for text, last_seq in reading:
                 await events.event(view.delta(text, last_seq, first))
                 first = last_seq + 1
+        await self._close(log, after)
+
+    async def _stream_tools(
+        self, log: StreamLog, generation: Generation | None, after: int, tools: Tools
+    ) -> None:
+        """A response that may call tools whose reply is a call, or has not begun: its
+        events are read from the start of the reply (they are numbered by where in it they
+        end), and the first text says whether the reply is a message after all."""
+        events = self.events
+        calls: CallEvents | None = None
+        message = False
+        with Reading(log, generation, -1) as reading:
+            view = rendered(log)
+            await events.open()
+            for event in view.opening(after):
+                await events.event(event)
+            first = 0  # the first token not yet sent (a message's)
+            async for text, last_seq in reading:
+                if calls is None and not message:
+                    if not text:
+                        continue
+                    message = not text.startswith("<")
+                    if message:
+                        for event in view.message_opening(after):
+                            await events.event(event)
+                    else:
+                        calls = CallEvents(log.request_id, tools, after)
+                if calls is not None:
+                    for event in calls.feed(text):
+                        await events.event(event)
+                else:
+                    await events.event(view.delta(text, last_seq, first))
+                    first = last_seq + 1
+        view = rendered(log)
+        if not view.text:  # an empty reply: a message, not opened yet
+            for event in view.message_opening(after):
+                await events.event(event)
+        await self._close(log, after)
+
+    async def _close(self, log: StreamLog, after: int) -> None:
+        events = self.events
         for event in rendered(log).closing(after):
             await events.event(event)
         await events.end()
@@ -362,6 +410,12 @@ class ResponseCall:
             "metadata": request.metadata,
             "text_format": request.text_format,
         }
+        if message.tools:  # the reply is read for calls
+            generation.log.meta["tools"] = [
+                message.tools,
+                message.tool_choice,
+                message.parallel_tool_calls,
+            ]
         return generation, request
 
     async def _conversation(self, previous: str) -> list[Turn]:
