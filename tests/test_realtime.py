@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import jsonschema
 import openai
 import pytest
 from openai.types import realtime as ga_types
@@ -24,6 +25,7 @@ from seedance.tenants.keys import add_key
 from tests.support.servers import RunningServer, slow_engine
 from tests.support.waits import eventually
 from tests.test_responses import client
+from tests.test_tools import FLAT
 
 
 def clients(server: RunningServer) -> tuple[openai.AsyncOpenAI, openai.AsyncOpenAI]:
@@ -168,10 +170,15 @@ def check(value: dict[str, Any], model: type[Any], where: str, beta: bool) -> No
         if isinstance(inner, dict):
             check(inner, inner_model, f"{where}.{name}", beta)
     items = [value["item"]] if isinstance(value.get("item"), dict) else []
-    items += value.get("output") or []
+    if isinstance(value.get("output"), list):  # a response's (a call's output is text)
+        items += value["output"]
     for item in items:
         if beta:
             item_model: type[Any] = beta_types.ConversationItem
+        elif item["type"] == "function_call":
+            item_model = ga_types.RealtimeConversationItemFunctionCall
+        elif item["type"] == "function_call_output":
+            item_model = ga_types.RealtimeConversationItemFunctionCallOutput
         elif item["role"] == "assistant":
             item_model = ga_types.RealtimeConversationItemAssistantMessage
         else:
@@ -219,6 +226,90 @@ async def test_the_events_match_openais_reference_field_by_field(
     delta = "response.text.delta" if beta else "response.output_text.delta"
     assert "".join(e["delta"] for e in events if e["type"] == delta) == "one two"
     assert error["error"]["event_id"] == "e1" and "not supported" in error["error"]["message"]
+
+
+# --------------------------------------------------------------------------- tools
+
+TOOLS_ORDER = [
+    "response.created",
+    "response.output_item.added",
+    "conversation.item.added",
+    "response.function_call_arguments.delta",
+    "response.function_call_arguments.done",
+    "response.output_item.done",
+    "conversation.item.done",
+    "response.done",
+]
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("flavour", ["ga", "beta"])
+async def test_the_tool_loop_on_realtime(smollm: RunningServer, flavour: str) -> None:
+    """Session tools; the reply's call as a function_call item with its arguments streamed;
+    the result as a function_call_output item; then the answer. Every event checked against
+    the package's types."""
+    beta = flavour == "beta"
+    headers = {"Authorization": "Bearer none"}
+    session: dict[str, Any] = {"tools": FLAT, "tool_choice": "required", "temperature": 0.6}
+    if beta:
+        headers["OpenAI-Beta"] = "realtime=v1"
+        session["modalities"] = ["text"]
+    else:
+        session |= {"type": "realtime", "output_modalities": ["text"]}
+        del session["temperature"]
+    url = f"ws://127.0.0.1:{smollm.port}/v1/realtime?model=smollm2-135m"
+    known = event_types(beta_types.RealtimeServerEvent if beta else ga_types.RealtimeServerEvent)
+
+    async def until_done(ws: Any) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        while not events or events[-1]["type"] != "response.done":
+            events.append(json.loads(await ws.recv()))
+            assert events[-1]["type"] != "error", events[-1]
+            check(events[-1], known[events[-1]["type"]], events[-1]["type"], beta)
+        return events
+
+    async with ws_connect(url, additional_headers=headers) as ws:
+        await ws.recv()  # session.created
+        await ws.send(json.dumps({"type": "session.update", "session": session}))
+        updated = json.loads(await ws.recv())
+        assert [t["name"] for t in updated["session"]["tools"]] == ["get_weather", "get_time"]
+        item = user("What is the weather in Paris?")
+        await ws.send(json.dumps({"type": "conversation.item.create", "item": item}))
+        await ws.send(
+            json.dumps(
+                {
+                    "type": "response.create",
+                    "response": {"tool_choice": {"type": "function", "name": "get_weather"}},
+                }
+            )
+        )
+        events = [e for e in await until_done(ws) if not e["type"].startswith("conversation.item.")]
+        names = [e["type"] for e in events]
+        order = [name for i, name in enumerate(names) if i == 0 or names[i - 1] != name]
+        assert order == [name for name in TOOLS_ORDER if not name.startswith("conversation.")]
+        (call,) = events[-1]["response"]["output"]
+        assert call["type"] == "function_call" and call["name"] == "get_weather"
+        assert call["status"] == "completed" and call["call_id"].startswith("call_")
+        deltas = [e for e in events if e["type"] == "response.function_call_arguments.delta"]
+        assert "".join(e["delta"] for e in deltas) == call["arguments"]
+        assert all(e["call_id"] == call["call_id"] for e in deltas)
+        jsonschema.validate(json.loads(call["arguments"]), FLAT[0]["parameters"])
+        result = {
+            "type": "function_call_output",
+            "call_id": call["call_id"],
+            "output": '{"temperature": 18}',
+        }
+        await ws.send(json.dumps({"type": "conversation.item.create", "item": result}))
+        await ws.send(json.dumps({"type": "response.create", "response": {"tool_choice": "none"}}))
+        answer = (await until_done(ws))[-1]["response"]
+        assert answer["status"] in ("completed", "incomplete")
+        assert (
+            answer["output"][0]["type"] == "message" and answer["output"][0]["content"][0]["text"]
+        )
+        # The call and its result are in the conversation: the answer's prompt holds both (the
+        # tools' description does not: tool_choice none).
+        called = events[-1]["response"]["usage"]
+        assert answer["usage"]["input_tokens"] > called["output_tokens"] + 10
 
 
 # --------------------------------------------------------------------------- refusals

@@ -26,7 +26,7 @@ from seedance.protocol.messages import (
     TokenLogprob,
 )
 from seedance.protocol.schemas import OutputSchema, output_schema
-from seedance.protocol.tools import grammar, parse_tools
+from seedance.protocol.tools import grammar, parse_tools, plain
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,7 +180,10 @@ class Engine(abc.ABC):
         """Tokens of ``text`` under the model's tokenizer."""
 
     def count_message_tokens(self, message: ChatMessage) -> int:
-        """Tokens one message takes in a prompt, template included."""
+        """Tokens one message takes in a prompt, template included (its calls, or its call's
+        result, as the prompt writes them)."""
+        if message.tool_calls or message.role == "tool":
+            (message,) = plain([message])
         return self.count_tokens(message.content) + self.message_overhead_tokens
 
     def count_prompt_tokens(self, messages: Sequence[ChatMessage]) -> int:

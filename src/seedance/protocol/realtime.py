@@ -7,6 +7,12 @@ shapes differ in names (GA ``response.output_text.delta``, ``conversation.item.a
 ``.done``, ``output_modalities``, ``max_output_tokens``; beta ``response.text.delta``,
 ``conversation.item.created``, ``modalities``, ``max_response_output_tokens``) and in an
 assistant item's content part (GA ``output_text``, beta ``text``); :class:`Shape` holds them.
+
+**Tools.** ``session.update`` and ``response.create`` take function ``tools`` (flat, as the
+Responses API), ``tool_choice`` and ``parallel_tool_calls``, checked as Chat Completions checks
+them (:mod:`seedance.protocol.tools`). A reply that calls them is one ``function_call`` item
+per call; the client answers with a ``function_call_output`` item and asks for the next
+response.
 """
 
 from __future__ import annotations
@@ -19,8 +25,9 @@ from typing import Any, Final, Literal
 import msgspec
 
 from seedance.protocol.errors import InvalidJSON, InvalidRequest, SeedanceError
-from seedance.protocol.messages import ChatMessage, DoneFrame, ErrorFrame, Usage
+from seedance.protocol.messages import ChatMessage, DoneFrame, ErrorFrame, ToolCallTurn, Usage
 from seedance.protocol.openai import ROLES, end_status, error_object
+from seedance.protocol.tools import parse_tools
 
 #: Client events about audio or items, which a text-only server refuses by name.
 UNSUPPORTED: Final = (
@@ -74,6 +81,10 @@ class SessionConfig:
     instructions: str = ""
     temperature: float | None = None
     max_output_tokens: int | None = None  # None: "inf" (the model's limit)
+    #: The functions a reply may call, and how (OpenAI's fields, checked).
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
 
 @dataclass(slots=True)
@@ -84,6 +95,19 @@ class ResponseParams:
     temperature: float | None
     max_output_tokens: int | None
     metadata: dict[str, str] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+
+    def tool_fields(self) -> dict[str, Any]:
+        """The tools as a generation's fields (none: no tools, or ``tool_choice: none``)."""
+        if parse_tools(self.tools, self.tool_choice, self.parallel_tool_calls) is None:
+            return {}
+        return {
+            "tools": self.tools,
+            "tool_choice": self.tool_choice,
+            "parallel_tool_calls": self.parallel_tool_calls,
+        }
 
 
 # --------------------------------------------------------------------------- client events
@@ -130,6 +154,7 @@ def update_session(config: SessionConfig, session: Any, shape: Shape, limit: int
     if not isinstance(session, dict):
         raise InvalidRequest("session: an object")
     known = {"type", "instructions", "temperature", "model", shape.modalities, shape.max_tokens}
+    known |= set(_TOOL_FIELDS)
     for name in session:
         if name not in known:
             raise InvalidRequest(f"session.{name}: not supported (text sessions only)")
@@ -153,15 +178,42 @@ def _settings(
     if shape.max_tokens in fields:
         name = f"{where}.{shape.max_tokens}"
         max_tokens = max_tokens_of(fields[shape.max_tokens], name, limit)
-    return SessionConfig(instructions, temperature, max_tokens)
+    tools = {name: fields.get(name, getattr(base, name)) for name in _TOOL_FIELDS}
+    try:
+        parse_tools(tools["tools"], tools["tool_choice"], tools["parallel_tool_calls"])
+    except InvalidRequest as exc:
+        param = f"{where}.{exc.param}" if exc.param else None
+        raise InvalidRequest(f"{where}.{exc.message}", param=param) from None
+    return SessionConfig(instructions, temperature, max_tokens, **tools)
+
+
+#: The fields of a session or a response that say which tools a reply may call.
+_TOOL_FIELDS: Final = ("tools", "tool_choice", "parallel_tool_calls")
 
 
 def item_message(item: Any) -> ChatMessage:
-    """``conversation.item.create``'s text message, as a turn of the conversation."""
+    """``conversation.item.create``'s item, as a turn of the conversation: a text message, a
+    call a reply made (``function_call``), or a call's result (``function_call_output``)."""
     if not isinstance(item, dict):
         raise InvalidRequest("item: an object")
-    if item.get("type", "message") != "message":
-        raise InvalidRequest(f"item.type: {item.get('type')!r} is not supported (message)")
+    kind = item.get("type", "message")
+    if kind == "function_call":
+        call_id, name, arguments = (item.get(key) for key in ("call_id", "name", "arguments"))
+        if not isinstance(call_id, str) or not call_id or not isinstance(name, str) or not name:
+            raise InvalidRequest("item: a function_call has a call_id and a name")
+        if not isinstance(arguments, str):
+            arguments = "{}"
+        call = ToolCallTurn(call_id, name, arguments)
+        return ChatMessage("assistant", "", tool_calls=(call,))
+    if kind == "function_call_output":
+        call_id, output = item.get("call_id"), item.get("output")
+        if not isinstance(call_id, str) or not call_id or not isinstance(output, str):
+            raise InvalidRequest("item: a function_call_output has a call_id and an output (text)")
+        return ChatMessage("tool", output, tool_call_id=call_id)
+    if kind != "message":
+        raise InvalidRequest(
+            f"item.type: {kind!r} is not supported (message, function_call, function_call_output)"
+        )
     role = ROLES.get(item.get("role") or "")
     if role is None:
         raise InvalidRequest(f"item.role: {item.get('role')!r} (user, assistant or system)")
@@ -194,7 +246,7 @@ def response_params(
         response = {}
     if not isinstance(response, dict):
         raise InvalidRequest("response: an object")
-    known = {"instructions", "temperature", "metadata", "conversation"}
+    known = {"instructions", "temperature", "metadata", "conversation", *_TOOL_FIELDS}
     for name in response:
         if name not in known | {shape.modalities, shape.max_tokens}:
             raise InvalidRequest(f"response.{name}: not supported (text responses only)")
@@ -207,7 +259,13 @@ def response_params(
         raise InvalidRequest("response.metadata: string pairs")
     settings = _settings(config, response, "response", shape, limit)
     return ResponseParams(
-        settings.instructions, settings.temperature, settings.max_output_tokens, metadata
+        settings.instructions,
+        settings.temperature,
+        settings.max_output_tokens,
+        metadata,
+        settings.tools,
+        settings.tool_choice,
+        settings.parallel_tool_calls,
     )
 
 
@@ -241,6 +299,8 @@ class Events:
             session["temperature"] = config.temperature
         else:
             session["type"] = "realtime"
+        session["tools"] = config.tools or []
+        session["tool_choice"] = config.tool_choice or "auto"
         return session
 
     def error(self, error: SeedanceError, client_event_id: str | None) -> dict[str, Any]:
@@ -255,6 +315,17 @@ class Events:
         message: ChatMessage,
         status: Literal["in_progress", "completed", "incomplete"],
     ) -> dict[str, Any]:
+        if message.tool_calls:
+            return self.call_item(item_id, message.tool_calls[0], status)
+        if message.role == "tool":
+            return {
+                "id": item_id,
+                "object": "realtime.item",
+                "type": "function_call_output",
+                "status": status,
+                "call_id": message.tool_call_id,
+                "output": message.content,
+            }
         if message.role == "assistant":
             parts = [{"type": self.shape.assistant_part, "text": message.content}]
             if status == "in_progress":
@@ -268,6 +339,23 @@ class Events:
             "role": message.role,
             "status": status,
             "content": parts,
+        }
+
+    @staticmethod
+    def call_item(
+        item_id: str,
+        call: ToolCallTurn,
+        status: Literal["in_progress", "completed", "incomplete"],
+    ) -> dict[str, Any]:
+        """A ``function_call`` item (in progress: its arguments so far)."""
+        return {
+            "id": item_id,
+            "object": "realtime.item",
+            "type": "function_call",
+            "status": status,
+            "call_id": call.id,
+            "name": call.name,
+            "arguments": call.arguments,
         }
 
     def item_added(self, item: dict[str, Any], previous: str | None) -> list[dict[str, Any]]:

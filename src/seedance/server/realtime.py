@@ -25,8 +25,10 @@ import time
 from collections.abc import Mapping
 from typing import Any, cast
 
+import msgspec
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketDisconnected
 
+from seedance.protocol.codec import DEFAULT_MAX_TOKENS
 from seedance.protocol.errors import (
     CLOSE_GOING_AWAY,
     InvalidRequest,
@@ -34,7 +36,14 @@ from seedance.protocol.errors import (
     SessionBusy,
     Unauthorized,
 )
-from seedance.protocol.messages import ChatMessage, DoneFrame, Generate, RequestId, TenantId
+from seedance.protocol.messages import (
+    ChatMessage,
+    DoneFrame,
+    Generate,
+    RequestId,
+    TenantId,
+    ToolCallTurn,
+)
 from seedance.protocol.qos import qos_from_headers
 from seedance.protocol.realtime import (
     UNSUPPORTED,
@@ -48,6 +57,7 @@ from seedance.protocol.realtime import (
     response_params,
     update_session,
 )
+from seedance.protocol.tools import CallReader, Tools, parse_tools
 from seedance.server.http_call import Receive, Scope, Send
 from seedance.server.lifecycle.admit import Requester, admit, choose_model, prepare, session_prompt
 from seedance.server.lifecycle.generation import Generation
@@ -289,14 +299,21 @@ class Realtime:
     def start(self, params: ResponseParams, arrival: Arrival) -> Generation:
         """Admit the response: a generation over the conversation so far."""
         arrival.request_id = response_id = RequestId("resp_" + secrets.token_hex(12))
+        if not self.session.turns:
+            raise InvalidRequest("response.create: the conversation is empty; add an item first")
+        # "inf": the conversation is kept whole where it leaves room for a default reply, and
+        # the reply then may take what room is left, up to the model's limit.
+        inf = params.max_output_tokens is None
         fields: dict[str, Any] = {
             "messages": [],  # the items are in the session already
-            "max_tokens": params.max_output_tokens or self.model.max_tokens,
+            "max_tokens": params.max_output_tokens
+            or min(DEFAULT_MAX_TOKENS, self.model.max_tokens),
             "stream": True,
             "request_id": response_id,
         }
         if params.temperature is not None:
             fields["temperature"] = params.temperature
+        fields.update(params.tool_fields())
         unset = frozenset() if params.temperature is not None else frozenset({"temperature"})
         # The version served now (a reload may have swapped one in since the last response).
         self.model, message = prepare(
@@ -310,8 +327,9 @@ class Realtime:
         )
         preamble = (ChatMessage("system", params.instructions),) if params.instructions else ()
         prompt = session_prompt(self.model, self.session, message, preamble)
-        if not prompt.messages:
-            raise InvalidRequest("response.create: the conversation is empty; add an item first")
+        if inf:
+            room = min(self.model.max_tokens, self.model.context_length - prompt.tokens)
+            message = msgspec.structs.replace(message, max_tokens=max(message.max_tokens, room))
         prompt.unset = unset
         requester = Requester(
             self.principal,
@@ -327,70 +345,195 @@ class Realtime:
         return generation
 
     async def respond(self, generation: Generation, params: ResponseParams) -> None:
-        """The response's events, from its log, to its ``response.done``."""
+        """The response's events, from its log, to its ``response.done``: a message, or (a
+        reply to tools that begins a call) its calls."""
         events = self.events
-        shape = self.shape
         response_id = generation.request_id
-        item_id = "item_" + secrets.token_hex(12)
-        where = {
-            "response_id": response_id,
-            "item_id": item_id,
-            "output_index": 0,
-            "content_index": 0,
-        }
-        reply = ChatMessage("assistant", "")
         await self.send(
             events.event("response.created", response=events.response(response_id, params))
         )
-        item = events.item(item_id, reply, "in_progress")
-        await self.send(
-            events.event(
-                "response.output_item.added", response_id=response_id, output_index=0, item=item
-            )
-        )
-        for event in events.item_added(item, self.last_item):
-            await self.send(event)
-        await self.send(events.event("response.content_part.added", **where, part=events.part("")))
+        tools = parse_tools(params.tools, params.tool_choice, params.parallel_tool_calls)
+        output: _Message | _Calls = _Message(self, response_id)
+        opened = False
         log = generation.log
         try:
             with Reading(log, generation) as reading:
                 async for text, _ in reading:
-                    await self.send(events.event(shape.text_delta, **where, delta=text))
+                    if not opened:
+                        if not text:
+                            continue
+                        if tools is not None and text.startswith("<"):
+                            output = _Calls(self, response_id, tools)
+                        opened = True
+                        await output.open()
+                    await output.feed(text)
         finally:
             self.generation = None
-        text = "".join(log.texts)
+        if not opened:  # an empty reply
+            await output.open()
         end = reading.end
         status, details = ended(end)
-        done_item = events.item(
-            item_id,
-            ChatMessage("assistant", text),
-            "completed" if status == "completed" else "incomplete",
-        )
-        await self.send(events.event(shape.text_done, **where, text=text))
-        await self.send(events.event("response.content_part.done", **where, part=events.part(text)))
-        await self.send(
-            events.event(
-                "response.output_item.done", response_id=response_id, output_index=0, item=done_item
-            )
-        )
-        if not shape.beta:
-            await self.send(
-                events.event(
-                    "conversation.item.done", previous_item_id=self.last_item, item=done_item
-                )
-            )
-        if status in ("completed", "incomplete"):
-            self.last_item = item_id  # the reply is in the conversation (the session's turns)
+        items = await output.close(status)
         response = events.response(
             response_id,
             params,
             status=status,
             status_details=details,
-            output=[done_item],
+            output=items,
             usage=end.usage if isinstance(end, DoneFrame) else None,
         )
         await self.send(events.event("response.done", response=response))
 
+    async def item_done(
+        self, response_id: str, index: int, item: dict[str, Any], previous: str | None
+    ) -> None:
+        """An output item is whole: ``response.output_item.done`` (and GA's
+        ``conversation.item.done``, after the item ``previous``)."""
+        events = self.events
+        await self.send(
+            events.event(
+                "response.output_item.done", response_id=response_id, output_index=index, item=item
+            )
+        )
+        if not self.shape.beta:
+            await self.send(
+                events.event("conversation.item.done", previous_item_id=previous, item=item)
+            )
+
     async def send(self, event: dict[str, Any]) -> None:
         async with self._writing:
             await self.ws.send_json(event)
+
+
+class _Message:
+    """A response's output as one assistant message: its item, its text part, the deltas."""
+
+    def __init__(self, connection: Realtime, response_id: str) -> None:
+        self.connection = connection
+        self.events = connection.events
+        self.response_id = response_id
+        self.item_id = "item_" + secrets.token_hex(12)
+        self.where = {
+            "response_id": response_id,
+            "item_id": self.item_id,
+            "output_index": 0,
+            "content_index": 0,
+        }
+        self.text = ""
+
+    async def open(self) -> None:
+        connection, events = self.connection, self.events
+        item = events.item(self.item_id, ChatMessage("assistant", ""), "in_progress")
+        await connection.send(
+            events.event(
+                "response.output_item.added",
+                response_id=self.response_id,
+                output_index=0,
+                item=item,
+            )
+        )
+        for event in events.item_added(item, connection.last_item):
+            await connection.send(event)
+        part = events.part("")
+        await connection.send(events.event("response.content_part.added", **self.where, part=part))
+
+    async def feed(self, text: str) -> None:
+        self.text += text
+        delta = self.events.event(self.connection.shape.text_delta, **self.where, delta=text)
+        await self.connection.send(delta)
+
+    async def close(self, status: str) -> list[dict[str, Any]]:
+        """The closing events; the output items."""
+        connection, events, text, where = self.connection, self.events, self.text, self.where
+        item = events.item(
+            self.item_id,
+            ChatMessage("assistant", text),
+            "completed" if status == "completed" else "incomplete",
+        )
+        await connection.send(events.event(connection.shape.text_done, **where, text=text))
+        part = events.part(text)
+        await connection.send(events.event("response.content_part.done", **where, part=part))
+        await connection.item_done(self.response_id, 0, item, connection.last_item)
+        if status in ("completed", "incomplete"):
+            connection.last_item = self.item_id  # the reply is in the conversation
+        return [item]
+
+
+class _Calls:
+    """A response's output as the calls it makes: a ``function_call`` item each, its
+    arguments streamed in parts (``response.function_call_arguments.delta``)."""
+
+    def __init__(self, connection: Realtime, response_id: str, tools: Tools) -> None:
+        self.connection = connection
+        self.events = connection.events
+        self.response_id = response_id
+        self.reader = CallReader(tools, response_id)
+        self.calls: list[ToolCallTurn] = []
+        self.item_ids: list[str] = []
+        self.previous: list[str | None] = []  # the item before each call's
+        self.done = 0  # calls whole
+
+    async def open(self) -> None:
+        pass
+
+    async def feed(self, text: str) -> None:
+        connection, events = self.connection, self.events
+        for event in self.reader.feed(text):
+            index = event.index
+            if event.name:
+                call = ToolCallTurn(event.id, event.name, "")
+                self.calls.append(call)
+                self.item_ids.append(item_id := "item_" + secrets.token_hex(12))
+                item = events.call_item(item_id, call, "in_progress")
+                await connection.send(
+                    events.event(
+                        "response.output_item.added",
+                        response_id=self.response_id,
+                        output_index=index,
+                        item=item,
+                    )
+                )
+                self.previous.append(connection.last_item)
+                for added in events.item_added(item, connection.last_item):
+                    await connection.send(added)
+                connection.last_item = item_id
+                continue
+            call = self.calls[index]
+            where = {
+                "response_id": self.response_id,
+                "item_id": self.item_ids[index],
+                "output_index": index,
+                "call_id": call.id,
+            }
+            if event.arguments:
+                self.calls[index] = ToolCallTurn(
+                    call.id, call.name, call.arguments + event.arguments
+                )
+                delta = events.event(
+                    "response.function_call_arguments.delta", **where, delta=event.arguments
+                )
+                await connection.send(delta)
+            elif event.done:
+                self.done += 1
+                named = {} if connection.shape.beta else {"name": call.name}  # GA names it
+                done = events.event(
+                    "response.function_call_arguments.done",
+                    **where,
+                    **named,
+                    arguments=call.arguments,
+                )
+                await connection.send(done)
+                item = events.call_item(self.item_ids[index], call, "completed")
+                await connection.item_done(self.response_id, index, item, self.previous[index])
+
+    async def close(self, status: str) -> list[dict[str, Any]]:
+        """A call left unfinished (the reply failed) is done as incomplete; the output items."""
+        items = []
+        for index, (item_id, call) in enumerate(zip(self.item_ids, self.calls, strict=True)):
+            whole = index < self.done
+            item = self.events.call_item(item_id, call, "completed" if whole else "incomplete")
+            if not whole:
+                previous = self.previous[index]
+                await self.connection.item_done(self.response_id, index, item, previous)
+            items.append(item)
+        return items
