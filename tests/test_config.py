@@ -230,7 +230,9 @@ def test_help_groups_flags_by_engine(plugins: Path) -> None:
     assert groups[0] == "--engine llamacpp:"  # the default engine first, then by name
     assert "--engine named:" in groups and "--engine vllm:" in groups
     transformers = text.partition("--engine transformers:")[2].partition("--engine ")[0]
-    assert "Also takes --parallel, --n-ctx, --threads (above)." in " ".join(transformers.split())
+    assert "Also takes --parallel, --n-ctx, --threads, --chat-template (above)." in " ".join(
+        transformers.split()
+    )
     assert "--serve-as" in text.partition("--engine named:")[2]
     assert text.count("  --parallel") == 1  # one flag, shown where first declared
 

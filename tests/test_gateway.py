@@ -411,3 +411,88 @@ async def test_logprobs_come_from_the_upstream(make_server, smollm: RunningServe
         model=model, prompt="The capital of France is", max_tokens=4, temperature=0, logprobs=2
     )
     assert legacy.choices[0].logprobs and len(legacy.choices[0].logprobs.tokens or []) == 4
+
+
+@pytest.mark.model
+async def test_tools_pass_through_to_the_upstream(make_server, smollm: RunningServer) -> None:  # type: ignore[no-untyped-def]
+    """Tool calling in gateway mode: the tools, and the history's calls and results, asked of
+    the upstream (another Seedance on llama.cpp) as OpenAI's fields; its streamed
+    ``delta.tool_calls`` read back into calls that every API gives out and checks."""
+    import jsonschema
+    import openai
+
+    from tests.test_tools import FLAT, QUESTION, TIME, WEATHER, schema_of
+
+    server = gateway(make_server, f"{smollm.http_url}/v1")
+    api = openai.AsyncOpenAI(base_url=f"{server.http_url}/v1", api_key="none", max_retries=0)
+    model = (await api.models.list()).data[0].id
+    ask: dict[str, Any] = {"model": model, "messages": QUESTION, "tools": [WEATHER, TIME]}
+    reply = await api.chat.completions.create(
+        **ask, tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=80
+    )
+    assert reply.choices[0].finish_reason == "tool_calls"
+    (call,) = reply.choices[0].message.tool_calls or ()
+    jsonschema.validate(json.loads(call.function.arguments), schema_of(call.function.name))
+    # Streamed: the name first, then the arguments in parts, as the upstream streamed them.
+    stream = await api.chat.completions.create(
+        **ask,
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        temperature=0,
+        max_tokens=60,
+        stream=True,
+    )
+    names, arguments = [], ""
+    async for chunk in stream:
+        for part in chunk.choices[0].delta.tool_calls or ():
+            if part.function and part.function.name:
+                names.append(part.function.name)
+            arguments += (part.function and part.function.arguments) or ""
+    assert names == ["get_time"]
+    jsonschema.validate(json.loads(arguments), schema_of("get_time"))
+    # The loop on the Responses API: the call's result goes back to the upstream as a tool
+    # message, and the answer is text.
+    called = await api.responses.create(
+        model=model,
+        input="What is the weather in Paris?",
+        tools=FLAT,  # type: ignore[arg-type]
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_output_tokens=80,
+    )
+    (item,) = called.output
+    assert item.type == "function_call"
+    result = {"type": "function_call_output", "call_id": item.call_id, "output": '{"temp": 18}'}
+    answer = await api.responses.create(
+        model=model,
+        previous_response_id=called.id,
+        input=[result],  # type: ignore[list-item]
+        temperature=0,
+        max_output_tokens=30,
+    )
+    assert answer.output_text
+    await api.close()
+
+
+def test_calls_streamed_in_parts_are_written_in_the_generic_format() -> None:
+    from seedance.protocol.tools import CallWriter, parse_calls, parse_tools
+    from tests.test_tools import TIME, WEATHER
+
+    tools = parse_tools([WEATHER, TIME], "required", True)
+    assert tools is not None
+    writer = CallWriter()
+    text = writer.part(0, "get_weather", "")
+    for fragment in ('{"city": "New ', 'York", ', '"unit": "celsius"}', "\n "):
+        text += writer.part(0, None, fragment)
+    text += (
+        writer.part(1, "get_time", None) + writer.part(1, None, '{"city":"Oslo"}') + writer.end()
+    )
+    calls = parse_calls(text, tools)
+    assert calls is not None
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "New York", "unit": "celsius"}),
+        ("get_time", {"city": "Oslo"}),
+    ]
+    empty = CallWriter()  # a call whose arguments never came: an empty object
+    text = empty.part(0, "get_time", None) + empty.end()
+    assert text == '<tool_call>{"name":"get_time","arguments":{}}</tool_call>'

@@ -7,17 +7,22 @@ streamed calls, the grammar) are checked without a model at the end."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import httpx
 import jsonschema
 import openai
 import pytest
 
 from seedance.client import connect
+from seedance.engines.template import ChatTemplate
 from seedance.protocol.errors import InvalidRequest
+from seedance.protocol.messages import ChatMessage, ToolCallTurn
 from seedance.protocol.responses import CallEvents
 from seedance.protocol.tools import BadToolCall, CallReader, parse_calls, parse_tools
-from tests.support.servers import RunningServer
+from tests.support.servers import RunningServer, server_config
 
 WEATHER = {
     "type": "function",
@@ -395,10 +400,90 @@ def test_the_reader_streams_names_then_arguments_in_parts() -> None:
             parse_calls(text[:cut], tools)
     with pytest.raises(BadToolCall, match="not valid"):
         parse_calls('<tool_call>{"name":"get_time","arguments":{}}</tool_call>', tools)
-    assert parse_calls("Plain text.", tools) is None
+    with pytest.raises(BadToolCall, match="'required' asked for a tool call and the reply is text"):
+        parse_calls("Plain text.", tools)
+    auto = parse_tools([WEATHER, TIME], "auto", True)
+    assert auto is not None and parse_calls("Plain text.", auto) is None
 
 
 def test_tool_choice_none_means_no_tools() -> None:
     assert parse_tools([WEATHER], "none", None) is None
     with pytest.raises(InvalidRequest, match="tools: must be a list"):
         parse_tools({"a": 1}, None, None)
+
+
+# --------------------------------------------------------------------------- a template's own tools
+
+HERMES = Path(__file__).parents[1] / "benchmarks" / "hermes_tools.jinja"
+
+
+@pytest.fixture(scope="module")
+def hermes() -> Iterator[RunningServer]:
+    """The embedded model with a chat template that writes tools itself (the Hermes way)."""
+    config = server_config(engine="llamacpp", parallel=2, n_ctx=4096, chat_template=str(HERMES))
+    server = RunningServer(config, None).start()
+    yield server
+    server.stop()
+
+
+def test_a_template_that_writes_tools_is_given_them() -> None:
+    """Rendered with the template's own tools section and its own way of writing calls and
+    results; ChatML (no tools) gets the generic format instead."""
+    template = ChatTemplate(HERMES.read_text(), bos_token="", eos_token="")
+    assert template.tools and not ChatTemplate(None, bos_token="", eos_token="").tools
+    tools = parse_tools([WEATHER, TIME], "auto", True)
+    assert tools is not None
+    call = ToolCallTurn("call_1", "get_weather", '{"city":"Paris","unit":"celsius"}')
+    history = [
+        ChatMessage("user", "Weather in Paris?"),
+        ChatMessage("assistant", "", tool_calls=(call,)),
+        ChatMessage("tool", '{"temp": 18}', tool_call_id="call_1"),
+    ]
+    text = template.render(history, add_generation_prompt=True, tools=tools)
+    assert "# Tools" in text and '"name": "get_time"' in text
+    assert "You can call functions" not in text  # not the generic description
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"' in text
+    assert '<tool_response>\n{"temp": 18}\n</tool_response>' in text
+    # A call written the template's way (newlines inside the tags) reads as a call.
+    reply = '<tool_call>\n{"name":"get_time","arguments":{"city":"Oslo"}}\n</tool_call>'
+    (parsed,) = parse_calls(reply, tools) or ()
+    assert (parsed.name, json.loads(parsed.arguments)) == ("get_time", {"city": "Oslo"})
+    reader = CallReader(tools)
+    events = [event for ch in reply for event in reader.feed(ch)]
+    assert [e.name for e in events if e.name] == ["get_time"]
+    assert json.loads("".join(e.arguments for e in events)) == {"city": "Oslo"}
+    assert any(e.done for e in events)
+
+
+@pytest.mark.model
+async def test_a_template_of_its_own_calls_tools_in_its_own_format(hermes: RunningServer) -> None:
+    api = client(hermes)
+    reply = await api.chat.completions.create(
+        **ASK, tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=80
+    )
+    assert reply.choices[0].finish_reason == "tool_calls"
+    (call,) = reply.choices[0].message.tool_calls or ()
+    jsonschema.validate(json.loads(call.function.arguments), schema_of(call.function.name))
+    # The prompt is the template's own rendering of the tools (counted exactly).
+    tools = parse_tools([WEATHER, TIME], "required", False)
+    template = ChatTemplate(HERMES.read_text(), bos_token="", eos_token="")
+    text = template.render(
+        [ChatMessage("user", QUESTION[0]["content"])], add_generation_prompt=True, tools=tools
+    )
+    async with httpx.AsyncClient() as http:
+        counted = await http.post(f"{hermes.http_url}/tokenize", json={"prompt": text})
+    assert reply.usage is not None and reply.usage.prompt_tokens == counted.json()["count"]
+    # The loop: the call and its result rendered the template's way; the answer in text.
+    answer = await api.chat.completions.create(
+        model="smollm2-135m",
+        messages=[
+            *QUESTION,
+            {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 18}'},
+        ],  # type: ignore[list-item]
+        tools=[WEATHER, TIME],  # type: ignore[list-item]
+        tool_choice="none",
+        temperature=0,
+        max_tokens=30,
+    )
+    assert answer.choices[0].message.content

@@ -156,6 +156,8 @@ class Summary:
     delivered_tokens_per_s: float
     chunks: int
     first_chunk_alone: int  # completed requests whose first frame carried exactly one token
+    #: Completed requests by how their reply ended (``stop``, ``length``, ``tool_calls``...).
+    finish_reasons: dict[str, int]
     ttft: Distribution
     itl: Distribution
     tpot: Distribution
@@ -177,6 +179,7 @@ class Summary:
             "delivered_tokens_per_s": round(self.delivered_tokens_per_s, 1),
             "chunks": self.chunks,
             "first_chunk_alone": self.first_chunk_alone,
+            "finish_reasons": self.finish_reasons,
             "ttft": self.ttft.to_json(),
             "itl": self.itl.to_json(),
             "tpot": self.tpot.to_json(),
@@ -215,6 +218,7 @@ def summarize(samples: Iterable[Sample]) -> Summary:
         delivered_tokens_per_s=delivered,
         chunks=sum(len(s.chunk_at) for s in done),
         first_chunk_alone=sum(1 for s in done if s.chunk_tokens and s.chunk_tokens[0] == 1),
+        finish_reasons=dict(Counter(s.finish_reason or "none" for s in done)),
         ttft=Distribution.of_seconds([t for s in done if (t := s.ttft) is not None]),
         itl=Distribution.of_seconds(itls),
         tpot=Distribution.of_seconds([t for s in done if (t := s.tpot) is not None]),

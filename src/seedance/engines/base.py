@@ -26,7 +26,7 @@ from seedance.protocol.messages import (
     TokenLogprob,
 )
 from seedance.protocol.schemas import OutputSchema, output_schema
-from seedance.protocol.tools import grammar, parse_tools, plain
+from seedance.protocol.tools import Tools, grammar, parse_tools, plain
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +57,9 @@ class SamplingParams:
     schema: OutputSchema | None = None
     #: Log probabilities of the reply's tokens, with this many alternatives each (None: none).
     logprobs: int | None = None
+    #: The tools the reply may call (``schema`` is then their grammar, for an engine that binds
+    #: the reply itself); an engine that passes tools on (gateway mode) sends these.
+    tools: Tools | None = None
 
     @classmethod
     def of(cls, message: Generate, unset: frozenset[str] = frozenset()) -> SamplingParams:
@@ -70,6 +73,7 @@ class SamplingParams:
             unset=unset,
             schema=bound_to(message),
             logprobs=message.logprobs,
+            tools=parse_tools(message.tools, message.tool_choice, message.parallel_tool_calls),
         )
 
 
@@ -190,12 +194,25 @@ class Engine(abc.ABC):
         """Tokens of the whole prompt built from ``messages``."""
         return self.reply_overhead_tokens + sum(self.count_message_tokens(m) for m in messages)
 
+    @property
+    def native_tools(self) -> bool:
+        """Whether the engine's chat template writes a request's tools into the prompt itself
+        (:mod:`seedance.engines.template`): they are then passed to :meth:`prompt_tokens`
+        and in :attr:`SamplingParams.tools`, not described in a system message."""
+        return False
+
     def prompt_tokens(
-        self, messages: Sequence[ChatMessage], estimate: int | None = None, *, raw: bool = False
+        self,
+        messages: Sequence[ChatMessage],
+        estimate: int | None = None,
+        *,
+        raw: bool = False,
+        tools: Tools | None = None,
     ) -> int:
         """The exact token count of the prompt built from ``messages`` (``raw``: the content of
-        the one message, without the template), where the engine can tell; otherwise
-        ``estimate``, or the per-message sum when the caller has none.
+        the one message, without the template; ``tools``: where the template writes them),
+        where the engine can tell; otherwise ``estimate``, or the per-message sum when the
+        caller has none.
 
         May raise :class:`~seedance.protocol.errors.ContextOverflow`.
         """

@@ -440,7 +440,9 @@ class BatchedEngine(PromptedEngine):
         check_schema(schema, field)
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
-        prompt = self.prompts.tokens(request.messages, request.raw, request.continuation)
+        prompt = self.prompts.tokens(
+            request.messages, request.raw, request.continuation, request.params.tools
+        )
         params = request.params
         seed = params.seed if params.seed is not None else secrets.randbits(32)
         events = LightQueue()  # filled a decode step at a time

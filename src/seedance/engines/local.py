@@ -36,6 +36,22 @@ N_CTX: Final = Option(
     non_negative,
     "0 or more",
 )
+CHAT_TEMPLATE: Final = Option(
+    "chat_template",
+    "--chat-template",
+    str,
+    "a Jinja chat template file used instead of the model's own (one that writes tools in the "
+    "Hermes way, with <tool_call>, is given a request's tools: docs/engines.md)",
+    lambda v: Path(v).is_file(),
+    "a file",
+)
+
+
+def chat_template_source(path: str | None) -> str | None:
+    """The text of ``--chat-template`` (None: the model's own template)."""
+    return None if path is None else Path(path).read_text(encoding="utf-8")
+
+
 THREADS: Final = Option(
     "threads",
     "--threads",

@@ -15,6 +15,10 @@ OpenAI's chat completions API (vLLM, TGI, llama.cpp's server, Ollama, another Se
 - **Schemas**: a reply bound to a JSON Schema is asked of the upstream as OpenAI's
   ``response_format`` (``json_schema``), on both of its endpoints; **log probabilities** as
   ``logprobs``/``top_logprobs`` (chat) or ``logprobs`` (completions), read back per chunk.
+- **Tools** are passed on (``tools``, ``tool_choice``, ``parallel_tool_calls``; the history's
+  calls and results as OpenAI's messages), and the upstream's streamed ``delta.tool_calls``
+  are written as a reply in the generic format (:class:`~seedance.protocol.tools.CallWriter`),
+  which every API reads and checks as it reads the embedded engine's.
 
 Upstream 4xx answers other than 429 are the request's fault: they are passed on (400 as
 ``invalid_request``, with the upstream's message) and do not count against the upstream.
@@ -40,10 +44,10 @@ from seedance.engines.base import Engine, EngineHealth, GenerationRequest, Model
 from seedance.engines.registry import EngineSpec
 from seedance.engines.routing import Upstream, choose
 from seedance.protocol.errors import EngineError, InvalidRequest
-from seedance.protocol.messages import FinishReason
-from seedance.protocol.openai import decode_stream_chunk, sse_data
+from seedance.protocol.messages import ChatMessage, FinishReason
+from seedance.protocol.openai import ChunkChoice, decode_stream_chunk, sse_data
 from seedance.protocol.schemas import OutputSchema
-from seedance.protocol.tools import plain
+from seedance.protocol.tools import CallWriter
 from seedance.settings import Option, non_negative, positive, urls
 
 if TYPE_CHECKING:
@@ -275,8 +279,14 @@ class OpenAIUpstreamEngine(Engine):
             )
         else:
             path = "/chat/completions"
-            messages = plain(request.messages)  # tool turns written out (tools: not passed on)
-            body["messages"] = [{"role": m.role, "content": m.content} for m in messages]
+            body["messages"] = [_message(m) for m in request.messages]
+            if params.tools is not None:
+                if params.logprobs is not None:
+                    raise InvalidRequest(
+                        "logprobs: not with tools in gateway mode (a call's parts carry none)",
+                        param="logprobs",
+                    )
+                body.update(params.tools.openai())
         if params.stop:
             body["stop"] = list(params.stop)
         if params.seed is not None:
@@ -286,7 +296,7 @@ class OpenAIUpstreamEngine(Engine):
                 body["logprobs"] = params.logprobs
             else:
                 body.update(logprobs=True, top_logprobs=params.logprobs)
-        if params.schema is not None:  # the upstream binds the reply itself
+        if params.schema is not None and params.schema.kind == "json":  # the upstream binds it
             body["response_format"] = {
                 "type": "json_schema",
                 "json_schema": {
@@ -297,10 +307,8 @@ class OpenAIUpstreamEngine(Engine):
         return path, _encode(body)
 
     def check_schema(self, schema: OutputSchema, field: str) -> None:
-        """Any JSON Schema: the upstream decides what it can enforce (its 400 is passed on).
-        Tools are not passed on (yet): refused."""
-        if schema.kind != "json":
-            super().check_schema(schema, field)
+        """Any JSON Schema, and tools: the upstream decides what it can enforce (its 400 is
+        passed on)."""
 
     async def _stream(
         self,
@@ -326,14 +334,16 @@ class OpenAIUpstreamEngine(Engine):
                 if response.status != 200:
                     await self._refuse(response)
                 finish: FinishReason | None = None
+                calls = _Calls()
                 async for data in sse_data(response.content):
                     chunk = decode_stream_chunk(data)
                     if chunk.error is not None:
                         raise UpstreamFailure(f"error event: {chunk.error.get('message', '')}")
                     for choice in chunk.choices:
-                        text = choice.content
+                        text = calls.text(choice)
                         if choice.finish_reason is not None:
                             finish = _FINISH.get(choice.finish_reason, "stop")
+                            text += calls.end()
                         if not text:
                             continue
                         if logprobs is None:
@@ -359,6 +369,57 @@ class OpenAIUpstreamEngine(Engine):
         if response.status == 400:
             raise InvalidRequest(f"the upstream refused the request: {message}")
         raise EngineError(f"the upstream answered HTTP {response.status}: {message}")
+
+
+def _message(message: ChatMessage) -> dict[str, Any]:
+    """A turn as Chat Completions takes it: an assistant's calls, a tool's result."""
+    if message.role == "tool":
+        return {"role": "tool", "tool_call_id": message.tool_call_id, "content": message.content}
+    wire: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.tool_calls:
+        wire["content"] = message.content or None
+        wire["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in message.tool_calls
+        ]
+    return wire
+
+
+class _Calls:
+    """A streamed reply's text, with its calls (``delta.tool_calls``) written in the generic
+    format. Whitespace before the first call is held back (some servers send it, then the
+    call); text and then a call is an error: a reply is one or the other."""
+
+    def __init__(self) -> None:
+        self.writer = CallWriter()
+        self.held = ""
+        self.texted = False  # text has been passed on
+
+    def text(self, choice: ChunkChoice) -> str:
+        content = choice.content or ""
+        parts = choice.delta.tool_calls if choice.delta is not None else None
+        if not parts:
+            if self.writer.index is None and not self.texted and not content.strip():
+                self.held += content
+                return ""
+            if content and self.writer.index is not None:
+                raise EngineError("the upstream wrote text inside its tool calls")
+            text, self.held = self.held + content, ""
+            self.texted = self.texted or bool(text)
+            return text
+        if self.texted:
+            raise EngineError(
+                "the upstream replied with text and then a tool call; a reply is one or the other"
+            )
+        self.held = ""
+        text = ""
+        for part in parts:
+            function = part.function or {}
+            text += self.writer.part(part.index, function.get("name"), function.get("arguments"))
+        return text
+
+    def end(self) -> str:
+        return self.writer.end()
 
 
 @dataclass(frozen=True)

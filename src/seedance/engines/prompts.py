@@ -12,12 +12,15 @@ from collections.abc import Callable, Sequence
 from typing import Final
 
 import jinja2
+import msgspec
 
 from seedance.engines.base import Engine, ModelInfo, SamplingParams
 from seedance.engines.template import ChatTemplate
 from seedance.protocol.errors import ContextOverflow, InvalidRequest
 from seedance.protocol.messages import ChatMessage
-from seedance.protocol.tools import plain
+from seedance.protocol.tools import Tools
+
+_encode = msgspec.json.Encoder().encode
 
 _CACHE_SIZE: Final = 256
 
@@ -50,26 +53,35 @@ class Prompts:
         self._tokenize = tokenize or encode
         self.vocab_size = vocab_size
         self.context_length = context_length
-        self._cache: OrderedDict[tuple[bool, tuple[ChatMessage, ...]], list[int]] = OrderedDict()
+        self._cache: OrderedDict[tuple[bool, tuple[ChatMessage, ...], bytes], list[int]] = (
+            OrderedDict()
+        )
 
     def count(self, text: str) -> int:
         """Tokens of a piece of text (no BOS, no template)."""
         return len(self.encode(text, False))
 
     def tokens(
-        self, messages: Sequence[ChatMessage], raw: bool, continuation: str = ""
+        self,
+        messages: Sequence[ChatMessage],
+        raw: bool,
+        continuation: str = "",
+        tools: Tools | None = None,
     ) -> list[int]:
-        """The prompt's tokens: the chat template around ``messages``, or with ``raw`` the
-        content of the one message as it is; then the ``continuation`` of a reply taken over
-        (not cached). Raises when it is empty or cannot fit."""
-        key = (raw, tuple(messages))
+        """The prompt's tokens: the chat template around ``messages`` (and the ``tools``,
+        where it writes them itself), or with ``raw`` the content of the one message as it is;
+        then the ``continuation`` of a reply taken over (not cached). Raises when it is empty
+        or cannot fit."""
+        if not self.template.tools:
+            tools = None  # described in a system message already (the generic format)
+        key = (raw, tuple(messages), b"" if tools is None else _encode(tools.openai()))
         cache = self._cache
         tokens = None if continuation else cache.get(key)
         if tokens is None:
             if raw:
                 text = "".join(m.content for m in messages)
             else:
-                text = self.render(messages, add_generation_prompt=True)
+                text = self.render(messages, add_generation_prompt=True, tools=tools)
             if continuation:
                 tokens = self.encode(text + continuation, True)
             else:
@@ -93,12 +105,18 @@ class Prompts:
         """:class:`~seedance.engines.base.Tokenizer`'s: ``messages`` as a prompt, however long."""
         return self.encode(self.render(messages, add_generation_prompt=add_generation_prompt), True)
 
-    def render(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool) -> str:
+    def render(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        add_generation_prompt: bool,
+        tools: Tools | None = None,
+    ) -> str:
         """``messages`` in the chat template, as text (an :class:`InvalidRequest` where the
         template refuses them)."""
-        try:  # tool turns in the generic format (a template of the model's own: not yet)
+        try:
             return self.template.render(
-                plain(messages), add_generation_prompt=add_generation_prompt
+                messages, add_generation_prompt=add_generation_prompt, tools=tools
             )
         except jinja2.TemplateError as exc:
             raise InvalidRequest(f"the model's chat template refused the messages: {exc}") from None
@@ -139,10 +157,19 @@ class PromptedEngine(Engine, abc.ABC):
     def tokenizer(self) -> Prompts:
         return self.prompts
 
+    @property
+    def native_tools(self) -> bool:
+        return self.prompts.template.tools
+
     def prompt_tokens(
-        self, messages: Sequence[ChatMessage], estimate: int | None = None, *, raw: bool = False
+        self,
+        messages: Sequence[ChatMessage],
+        estimate: int | None = None,
+        *,
+        raw: bool = False,
+        tools: Tools | None = None,
     ) -> int:
-        return len(self.prompts.tokens(messages, raw))
+        return len(self.prompts.tokens(messages, raw, tools=tools))
 
     def reply_limit(self, prompt: list[int], params: SamplingParams) -> int:
         """Most tokens the reply may have: ``max_tokens``, or what the context has left."""

@@ -262,7 +262,9 @@ class VllmEngine(PromptedEngine):
             super().check_schema(schema, field)
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
-        prompt = self.prompts.tokens(request.messages, request.raw, request.continuation)
+        prompt = self.prompts.tokens(
+            request.messages, request.raw, request.continuation, request.params.tools
+        )
         request_id = request.request_id
         try:
             sampling = self._sampling(request, prompt)

@@ -290,6 +290,7 @@ def _schema(response_format: _ResponseFormat | None) -> dict[str, Any] | None:
 
 class ChunkToolCall(msgspec.Struct):
     index: int = 0
+    id: str | None = None
     function: dict[str, Any] | None = None
 
 

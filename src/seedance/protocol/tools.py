@@ -65,6 +65,25 @@ class Tools:
             return self.tools if self.choice != "none" else ()
         return (self.by_name[self.choice],)
 
+    def openai(self, *, callable_only: bool = False) -> dict[str, Any]:
+        """The tools as Chat Completions asks for them (to pass them on to another server;
+        ``callable_only``: only those the reply may call)."""
+        choice: Any = self.choice
+        if choice not in ("none", "auto", "required"):
+            choice = {"type": "function", "function": {"name": choice}}
+        tools = [
+            {
+                "type": "function",
+                "function": {
+                    "name": t.name,
+                    "description": t.description,
+                    "parameters": t.parameters,
+                },
+            }
+            for t in (self.callable if callable_only else self.tools)
+        ]
+        return {"tools": tools, "tool_choice": choice, "parallel_tool_calls": self.parallel}
+
 
 def parse_tools(tools: Any, tool_choice: Any, parallel: bool | None) -> Tools | None:
     """OpenAI's ``tools``, ``tool_choice`` and ``parallel_tool_calls``, checked (None: no tools,
@@ -186,7 +205,8 @@ def plain(messages: Sequence[ChatMessage]) -> list[ChatMessage]:
 def grammar(tools: Tools) -> str:
     """The Lark grammar (llguidance's dialect) of a reply to ``tools``: calls of the tools it
     may call, each with arguments valid for the tool's parameters (compact JSON, ``name``
-    first); with ``tool_choice: "auto"``, a text reply instead (not beginning with ``<``)."""
+    first; a newline inside the tags allowed, as Hermes templates write calls); with ``tool_choice:
+    "auto"``, a text reply instead (not beginning with ``<``)."""
     variants = [
         {
             "type": "object",
@@ -201,7 +221,8 @@ def grammar(tools: Tools) -> str:
     calls = "call+" if tools.parallel else "call"
     rules = [
         f"calls: {calls}",
-        f'call: "{OPEN}" %json {_encode(schema).decode()} "{CLOSE}"',
+        # A newline inside the tags is the Hermes templates' way (engines.template).
+        f'call: "{OPEN}" "\\n"? %json {_encode(schema).decode()} "\\n"? "{CLOSE}"',
     ]
     if tools.choice == "auto":
         rules.insert(0, "start: calls | TEXT")
@@ -226,26 +247,39 @@ def call_id(request_id: str, index: int) -> str:
 
 def parse_calls(text: str, tools: Tools, request_id: str = "") -> list[ToolCallTurn] | None:
     """The calls ``text`` (a whole reply) makes (None: it is a text reply); a reply that
-    begins a call and does not make it whole raises :class:`BadToolCall`."""
+    begins a call and does not make it whole raises :class:`BadToolCall`, as does a text
+    reply where ``tool_choice`` asked for a call (an engine that does not bind its replies,
+    gateway mode's upstream, may write one)."""
     if not text.startswith("<"):
+        if tools.choice != "auto":
+            raise BadToolCall(
+                f"tool_choice {tools.choice!r} asked for a tool call and the reply is text"
+            )
         return None
     calls: list[ToolCallTurn] = []
     decoder = json.JSONDecoder()
-    at = 0
+    at = _skip_space(text, 0)
     while at < len(text):
         if not text.startswith(OPEN, at):
             if OPEN.startswith(text[at:]):
                 raise BadToolCall("the reply ended inside a tool call (max_tokens?)")
             raise BadToolCall(f"the reply's tool call does not parse at character {at}")
         try:
-            body, end = decoder.raw_decode(text, at + len(OPEN))
+            body, end = decoder.raw_decode(text, _skip_space(text, at + len(OPEN)))
         except json.JSONDecodeError:
             raise BadToolCall("the reply ended inside a tool call (max_tokens?)") from None
+        end = _skip_space(text, end)
         if not text.startswith(CLOSE, end):
             raise BadToolCall("the reply ended inside a tool call (max_tokens?)")
         calls.append(_call(body, tools, call_id(request_id, len(calls))))
-        at = end + len(CLOSE)
+        at = _skip_space(text, end + len(CLOSE))
     return calls
+
+
+def _skip_space(text: str, at: int) -> int:
+    while at < len(text) and text[at] in " \t\r\n":
+        at += 1
+    return at
 
 
 def _call(body: Any, tools: Tools, id: str) -> ToolCallTurn:
@@ -276,8 +310,10 @@ class CallEvent:
     end: int = 0
 
 
-_HEAD: Final = re.compile(re.escape(OPEN) + r'\{"name":("(?:[^"\\]|\\.)*"),"arguments":')
-_TAIL: Final = "}" + CLOSE
+_HEAD: Final = re.compile(
+    r"\s*" + re.escape(OPEN) + r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*'
+)
+_TAIL: Final = re.compile(r"\s*\}\s*" + re.escape(CLOSE))
 
 
 class CallReader:
@@ -331,9 +367,10 @@ class CallReader:
                 if self._next == "arguments":
                     return
             else:
-                if not text.startswith(_TAIL, self._at):
+                tail = _TAIL.match(text, self._at)
+                if tail is None:
                     return
-                self._at, self._next = self._at + len(_TAIL), "head"
+                self._at, self._next = tail.end(), "head"
                 yield CallEvent(self._index, done=True, end=self._at)
 
     def _scan(self, text: str) -> int:
@@ -364,3 +401,42 @@ class CallReader:
         """Read the part of the reply a reader already has (a resumed stream), for nothing."""
         for _ in self.feed(text):
             pass
+
+
+class CallWriter:
+    """The inverse of :class:`CallReader`: calls that arrive as parts (another server's
+    streamed ``delta.tool_calls``: a call's index, its name, its arguments' fragments) written
+    as a reply in the generic format, so that the one reader of replies reads them."""
+
+    def __init__(self) -> None:
+        self.index: int | None = None  # the call being written
+        self._arguments = False  # whether it has arguments yet
+        self._space = ""  # whitespace held back: it may end the arguments (dropped then)
+
+    def part(self, index: int, name: str | None, arguments: str | None) -> str:
+        """The text of a part of call ``index`` (a new index: the call before it ends)."""
+        text = ""
+        if index != self.index:
+            text = self.end()
+            if not name:
+                raise BadToolCall(f"tool call {index} has no name")
+            self.index = index
+            text += f'{OPEN}{{"name":{_encode(name).decode()},"arguments":'
+        if arguments and arguments.strip():
+            if not self._arguments:
+                arguments = arguments.lstrip()
+            self._arguments = True
+            kept = arguments.rstrip()
+            text += self._space + kept
+            self._space = arguments[len(kept) :]
+        elif arguments and self._arguments:
+            self._space += arguments
+        return text
+
+    def end(self) -> str:
+        """The text that ends the call being written (none: none is)."""
+        if self.index is None:
+            return ""
+        text = ("" if self._arguments else "{}") + "}" + CLOSE
+        self.index, self._arguments, self._space = None, False, ""
+        return text

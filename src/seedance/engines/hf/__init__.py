@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from seedance.engines.local import N_CTX, PARALLEL, THREADS
+from seedance.engines.local import CHAT_TEMPLATE, N_CTX, PARALLEL, THREADS
 from seedance.engines.registry import EngineSpec
 from seedance.settings import Option
 
@@ -27,6 +27,7 @@ class TransformersOptions:
     parallel: int = 8
     n_ctx: int = 0
     threads: int = 0
+    chat_template: str | None = None
 
 
 def _device(value: str) -> bool:
@@ -45,6 +46,7 @@ OPTIONS = (
     PARALLEL,
     N_CTX,
     THREADS,
+    CHAT_TEMPLATE,
 )
 
 
@@ -54,7 +56,7 @@ def create_engine(config: ServerConfig, options: TransformersOptions) -> Transfo
 
     require_torch()
     from seedance.engines.hf.engine import TransformersEngine
-    from seedance.engines.local import model_source
+    from seedance.engines.local import chat_template_source, model_source
 
     path, name = model_source(config.model_path, config.model)
     return TransformersEngine(
@@ -64,6 +66,7 @@ def create_engine(config: ServerConfig, options: TransformersOptions) -> Transfo
         parallel=options.parallel,
         n_ctx=options.n_ctx,
         threads=options.threads,
+        chat_template=chat_template_source(options.chat_template),
     )
 
 

@@ -235,6 +235,7 @@ class TransformersEngine(BatchedEngine):
         parallel: int = 8,
         n_ctx: int = 0,
         threads: int = 0,
+        chat_template: str | None = None,
     ) -> None:
         self.loaded = loaded = load(model_path, device, threads or machine_cores())
         config = loaded.model.config.get_text_config()
@@ -248,7 +249,7 @@ class TransformersEngine(BatchedEngine):
             max_output_tokens=context,
             version=Path(model_path).name,
         )
-        self._use_prompts(tokenizer_prompts(loaded.tokenizer, context))
+        self._use_prompts(tokenizer_prompts(loaded.tokenizer, context, chat_template))
         vocab = int(config.vocab_size)  # the logits' width (the tokenizer's may be less)
         self._use_grammars(lambda: llguidance_tokenizer(loaded.tokenizer, n_vocab=vocab))
         self.loop = TorchLoop(loaded, parallel)

@@ -152,11 +152,13 @@ def stop_tokens(loaded: Loaded) -> frozenset[int]:
     return frozenset(ids)
 
 
-def tokenizer_prompts(tokenizer: Any, context_length: int) -> Prompts:
-    """Prompts rendered with the tokenizer's chat template (ChatML when it has none) and
-    tokenized by it."""
+def tokenizer_prompts(
+    tokenizer: Any, context_length: int, chat_template: str | None = None
+) -> Prompts:
+    """Prompts rendered with the tokenizer's chat template (``chat_template``, one given
+    instead; ChatML when it has none) and tokenized by it."""
     template = ChatTemplate(
-        getattr(tokenizer, "chat_template", None),
+        chat_template or getattr(tokenizer, "chat_template", None),
         bos_token=tokenizer.bos_token or "",
         eos_token=tokenizer.eos_token or "",
     )

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from seedance.engines.local import N_CTX, PARALLEL, THREADS
+from seedance.engines.local import CHAT_TEMPLATE, N_CTX, PARALLEL, THREADS
 from seedance.engines.registry import EngineSpec
 from seedance.settings import Option, boolean
 
@@ -31,12 +31,14 @@ class LlamaCppOptions:
     kv_reuse: bool = True
     repack: str = "auto"
     flash_attn: str = "auto"
+    chat_template: str | None = None
 
 
 OPTIONS = (
     PARALLEL,
     N_CTX,
     THREADS,
+    CHAT_TEMPLATE,
     Option(
         "kv_reuse",
         "--kv-reuse",
@@ -68,7 +70,7 @@ OPTIONS = (
 def create_engine(config: ServerConfig, options: LlamaCppOptions) -> LlamaCppEngine:
     """``--model-path`` (a GGUF file) or the embedded SmolLM2."""
     from seedance.engines.llamacpp.engine import LlamaCppEngine
-    from seedance.engines.local import model_source
+    from seedance.engines.local import chat_template_source, model_source
 
     path, name = model_source(config.model_path, config.model)
     return LlamaCppEngine(
@@ -80,6 +82,7 @@ def create_engine(config: ServerConfig, options: LlamaCppOptions) -> LlamaCppEng
         kv_reuse=options.kv_reuse,
         repack=options.repack,
         flash_attn=options.flash_attn,
+        chat_template=chat_template_source(options.chat_template),
     )
 
 

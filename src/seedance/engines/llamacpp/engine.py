@@ -41,6 +41,7 @@ class LlamaCppEngine(BatchedEngine):
         kv_reuse: bool = True,
         repack: str = "auto",
         flash_attn: str = "auto",
+        chat_template: str | None = None,
     ) -> None:
         threads = threads or machine_cores()
         self.repack = resolve_repack(repack, model_path, threads)
@@ -66,7 +67,7 @@ class LlamaCppEngine(BatchedEngine):
         )
         self._use_prompts(
             Prompts(
-                model_template(model),
+                model_template(model, chat_template),
                 lambda text, special: model.tokenize(text, special=special),
                 self._info.context_length,
                 decode=model.detokenize,
@@ -109,10 +110,11 @@ def grammar_vocabulary(model: LlamaModel) -> LLTokenizer:
         return lltokenizer_from_vocab(model.vocab)
 
 
-def model_template(model: LlamaModel) -> ChatTemplate:
-    """The chat template in ``model``'s metadata, with its BOS and EOS texts."""
+def model_template(model: LlamaModel, source: str | None = None) -> ChatTemplate:
+    """The chat template in ``model``'s metadata (or ``source``, one given instead), with its
+    BOS and EOS texts."""
     return ChatTemplate(
-        model.chat_template(),
+        source or model.chat_template(),
         bos_token=model.token_text(model.bos_token()),
         eos_token=model.token_text(model.eos_token()),
     )

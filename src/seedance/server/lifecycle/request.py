@@ -73,8 +73,24 @@ def explicit_prompt(
 ) -> Prompt:
     """A whole conversation sent with the request (the OpenAI HTTP API), counted; the
     description of the request's tools (``message``'s) opens it."""
-    messages = tuple(messages) if message is None else (*tools.preamble(message), *messages)
-    return Prompt(messages, model.engine.prompt_tokens(messages, raw=raw), raw=raw, unset=unset)
+    described, offered = _tools(model, message)
+    messages = (*described, *messages)
+    tokens = model.engine.prompt_tokens(messages, raw=raw, tools=offered)
+    return Prompt(messages, tokens, raw=raw, unset=unset)
+
+
+def _tools(
+    model: ServedModel, message: Generate | None
+) -> tuple[list[ChatMessage], tools.Tools | None]:
+    """How a request's tools reach the model: described in a system turn (the generic
+    format), or, where the engine's chat template writes tools itself, given to the engine."""
+    if message is None:
+        return [], None
+    if model.engine.native_tools:
+        return [], tools.parse_tools(
+            message.tools, message.tool_choice, message.parallel_tool_calls
+        )
+    return tools.preamble(message), None
 
 
 def check_fits(model: ServedModel, prompt_tokens: int) -> None:
@@ -107,7 +123,8 @@ def session_prompt(
     rendered prompt exactly may find more, and then the history is trimmed further.
     """
     engine, name = model.engine, model.name
-    preamble = [*preamble, *tools.preamble(message)]
+    described, offered = _tools(model, message)
+    preamble = [*preamble, *described]
     new_turns = [Turn(m, engine.count_message_tokens(m), name) for m in message.turns()]
     history = [] if message.reset else _history(model, session)
     max_tokens = message.max_tokens
@@ -131,7 +148,7 @@ def session_prompt(
                     raise refusal from None
             raise
         messages = [*preamble, *(t.message for t in context)]
-        exact = engine.prompt_tokens(messages, estimate + fixed)
+        exact = engine.prompt_tokens(messages, estimate + fixed, tools=offered)
         over = exact + max_tokens - window
         if exact <= estimate + fixed or over <= 0 or len(context) == len(new_turns):
             break
