@@ -6,6 +6,8 @@ HOST   ?= 127.0.0.1
 PORT   ?= 8000
 LITELLM_VENV    ?= .venv-litellm
 LITELLM_VERSION ?= 1.108.7
+GUIDELLM_VENV    ?= .venv-guidellm
+GUIDELLM_VERSION ?= 0.8.1
 
 .PHONY: serve cluster test test-bench test-fast bench bench-compare soak gpu-smoke lint clean
 
@@ -82,8 +84,9 @@ test-fast: $(VENV)/.installed-test
 # rewrites docs/benchmarks.md (~55 min, and about 9 more the first time, to build llama-server).
 # BENCH_ARGS=--quick for a short run,
 # BENCH_ARGS="--suites 5" for one suite.
-bench: $(VENV)/.installed-bench $(LITELLM_VENV)/.installed
-	LITELLM=$(LITELLM_VENV)/bin/litellm $(BIN)/python -m benchmarks.suites $(BENCH_ARGS)
+bench: $(VENV)/.installed-bench $(LITELLM_VENV)/.installed $(GUIDELLM_VENV)/.installed
+	LITELLM=$(LITELLM_VENV)/bin/litellm GUIDELLM=$(GUIDELLM_VENV)/bin/guidellm \
+		$(BIN)/python -m benchmarks.suites $(BENCH_ARGS)
 
 # This tree against another revision (BASELINE=REV: a commit, a tag), side by side on the loads of
 # suites 1 and 2, and a token's cost in instructions and cache misses under cachegrind (valgrind)
@@ -108,6 +111,14 @@ gpu-smoke:
 $(LITELLM_VENV)/.installed:
 	$(PYTHON) -m venv $(LITELLM_VENV)
 	$(LITELLM_VENV)/bin/python -m pip install --quiet 'litellm[proxy]==$(LITELLM_VERSION)'
+	@touch $@
+
+# guidellm, the load generator of suite 18, in a virtual environment of its own for the same
+# reason (it pins click and datasets); PyTorch held to the project's version (these machines
+# keep its CPU wheel).
+$(GUIDELLM_VENV)/.installed:
+	$(PYTHON) -m venv $(GUIDELLM_VENV)
+	$(GUIDELLM_VENV)/bin/python -m pip install --quiet 'guidellm==$(GUIDELLM_VERSION)' 'torch==2.13.0'
 	@touch $@
 
 lint: $(VENV)/.installed-dev

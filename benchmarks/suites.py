@@ -21,6 +21,7 @@ from benchmarks.design_table import design_table
 from benchmarks.embeddings_suite import embeddings_suite
 from benchmarks.fan_out import fan_out
 from benchmarks.gateway_suite import gateway_suite
+from benchmarks.guidellm_suite import guidellm_suite
 from benchmarks.harness import Report, cores
 from benchmarks.http_suite import http_suite
 from benchmarks.idle import idle
@@ -41,8 +42,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks.md"))
     parser.add_argument(
         "--suites",
-        default="1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17",
-        help="which suites to run (default all: 1-17)",
+        default="1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18",
+        help="which suites to run (default all: 1-18)",
     )
     args = parser.parse_args(argv)
     if cores() < 2:
@@ -68,6 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "15": functools.partial(confidential_suite, report),
         "16": functools.partial(embeddings_suite, report),
         "17": functools.partial(structured_suite, report),
+        "18": functools.partial(guidellm_suite, report),
     }
     for key in sorted(chosen, key=int):
         suites[key]()

@@ -479,6 +479,33 @@ async def test_the_openai_package_drives_the_real_model(llama: RunningServer) ->
     )
 
 
+async def test_ignore_eos_goes_on_to_max_tokens(llama: RunningServer) -> None:
+    """``ignore_eos`` (vLLM's and llama-server's field, which benchmark tools such as guidellm
+    send): the end token is never drawn, so the reply runs to ``max_tokens``."""
+    import openai
+
+    api = openai.AsyncOpenAI(base_url=f"{llama.http_url}/v1", api_key="none", max_retries=0)
+    ask: dict[str, Any] = {
+        "model": "smollm2-135m",
+        "messages": [{"role": "user", "content": "What is 2+2? Answer with one number."}],
+        "temperature": 0,
+        "max_completion_tokens": 60,
+    }
+    short = await api.chat.completions.create(**ask)
+    assert short.choices[0].finish_reason == "stop" and short.usage is not None
+    assert short.usage.completion_tokens < 60
+    whole = await api.chat.completions.create(**ask, extra_body={"ignore_eos": True})
+    assert whole.choices[0].finish_reason == "length" and whole.usage is not None
+    assert whole.usage.completion_tokens == 60
+    assert "<|im_end|>" not in (whole.choices[0].message.content or "")
+    with pytest.raises(openai.BadRequestError, match="ignore_eos: not with a schema"):
+        await api.chat.completions.create(
+            **ask,
+            response_format={"type": "json_object"},
+            extra_body={"ignore_eos": True},
+        )
+
+
 async def test_metrics_report_the_kv_cache_in_use(llama: RunningServer) -> None:
     from tests.test_metrics import scrape, value
 

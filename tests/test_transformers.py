@@ -340,3 +340,18 @@ def test_cuda_without_a_gpu_is_refused() -> None:
         pytest.skip("this machine has a CUDA GPU")
     with pytest.raises(ConfigError, match="no CUDA GPU"):
         create_engine(server_config(engine="transformers", device="cuda"))
+
+
+async def test_ignore_eos_goes_on_to_max_tokens(hf: RunningServer) -> None:
+    import openai
+
+    api = openai.AsyncOpenAI(base_url=f"{hf.http_url}/v1", api_key="none", max_retries=0)
+    whole = await api.chat.completions.create(
+        model="smollm2-135m",
+        messages=[{"role": "user", "content": "What is 2+2? Answer with one number."}],
+        temperature=0,
+        max_tokens=40,
+        extra_body={"ignore_eos": True},
+    )
+    assert whole.choices[0].finish_reason == "length" and whole.usage is not None
+    assert whole.usage.completion_tokens == 40

@@ -60,6 +60,8 @@ class SamplingParams:
     #: The tools the reply may call (``schema`` is then their grammar, for an engine that binds
     #: the reply itself); an engine that passes tools on (gateway mode) sends these.
     tools: Tools | None = None
+    #: Never end at the model's end-of-text tokens: only ``max_tokens`` (or a stop) ends it.
+    ignore_eos: bool = False
 
     @classmethod
     def of(cls, message: Generate, unset: frozenset[str] = frozenset()) -> SamplingParams:
@@ -74,6 +76,7 @@ class SamplingParams:
             schema=bound_to(message),
             logprobs=message.logprobs,
             tools=parse_tools(message.tools, message.tool_choice, message.parallel_tool_calls),
+            ignore_eos=message.ignore_eos,
         )
 
 

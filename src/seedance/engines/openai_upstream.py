@@ -291,6 +291,8 @@ class OpenAIUpstreamEngine(Engine):
             body["stop"] = list(params.stop)
         if params.seed is not None:
             body["seed"] = params.seed
+        if params.ignore_eos:  # vLLM's, llama-server's and Seedance's extension
+            body["ignore_eos"] = True
         if params.logprobs is not None:  # Chat Completions' fields, or the legacy one
             if request.raw:
                 body["logprobs"] = params.logprobs

@@ -253,6 +253,8 @@ class VllmEngine(PromptedEngine):
             sampling.update(structured_output(params.schema))
         if params.logprobs is not None:
             sampling["logprobs"] = params.logprobs
+        if params.ignore_eos:
+            sampling["ignore_eos"] = True
         return SamplingParams(**sampling)
 
     def check_schema(self, schema: OutputSchema, field: str) -> None:

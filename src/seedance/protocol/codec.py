@@ -225,6 +225,10 @@ def validate_generate(msg: Generate, limits: FrameLimits, request_id: str | None
             tools = parse_tools(msg.tools, msg.tool_choice, msg.parallel_tool_calls)
             if tools is not None and msg.schema is not None:
                 raise InvalidRequest("schema: a reply to tools cannot be bound to a schema too")
+            if tools is not None and msg.ignore_eos:
+                raise InvalidRequest("ignore_eos: not with tools (a call ends when it is whole)")
+        if msg.schema is not None and msg.ignore_eos:
+            raise InvalidRequest("ignore_eos: not with a schema (a bound reply ends when whole)")
     except InvalidRequest as exc:
         exc.request_id = request_id
         raise

@@ -77,6 +77,9 @@ class Generate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: Log probabilities of the reply's tokens, each with this many likeliest alternatives
     #: (0 to 20; None: none).
     logprobs: int | None = None
+    #: Go on past the model's end-of-text token, to ``max_tokens`` (vLLM's and llama-server's
+    #: field, which benchmark tools send so that every reply has the same length).
+    ignore_eos: bool = False
     #: Functions the reply may call, OpenAI's way (:mod:`seedance.protocol.tools`).
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None

@@ -105,6 +105,7 @@ class _Common(msgspec.Struct, kw_only=True):
     stream_options: _StreamOptions | None = None
     n: int = 1
     response_format: _ResponseFormat | None = None
+    ignore_eos: bool = False  # vLLM's and llama-server's extension
     seedance: _Extension | None = None
 
 
@@ -260,6 +261,7 @@ def _request(
         "stream": body.stream,
         "resumable": bool(body.seedance and body.seedance.resumable),
         "schema": _schema(body.response_format),
+        "ignore_eos": body.ignore_eos,
     }
     generate = Generate(**fields, **text)
     validate_generate(generate, limits)

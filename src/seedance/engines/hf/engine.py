@@ -50,7 +50,7 @@ def output_cache(out: Any) -> Any:
 class TorchJob(BatchJob):
     """One request inside the decode thread, with its own random generator."""
 
-    __slots__ = ("generator", "last", "temperature", "top_p")
+    __slots__ = ("generator", "ignore_eos", "last", "temperature", "top_p")
 
     def __init__(
         self,
@@ -64,6 +64,7 @@ class TorchJob(BatchJob):
         super().__init__(prompt, params, limit, sink)
         self.temperature = params.temperature
         self.top_p = params.top_p
+        self.ignore_eos = params.ignore_eos
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.last = -1  # the last sampled token, decoded in the next step
 
@@ -188,6 +189,11 @@ class TorchLoop(DecodeLoop):
             for row, mask in zip(bound, masks, strict=True):
                 forbid = torch.from_numpy(forbidden(mask, vocab)).to(logits.device)
                 logits[row].masked_fill_(forbid, float("-inf"))
+        endless = [row for row, job in enumerate(jobs) if job.ignore_eos and not job.done]
+        if endless and self.stops:  # ignore_eos: the end tokens are never drawn
+            stops = torch.tensor(sorted(self.stops), device=logits.device)
+            for row in endless:
+                logits[row].index_fill_(0, stops, float("-inf"))
         greedy = logits.argmax(dim=-1).tolist()
         for row, job in enumerate(jobs):
             if job.done:

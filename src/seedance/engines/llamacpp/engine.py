@@ -99,7 +99,7 @@ class LlamaCppEngine(BatchedEngine):
     def _job(
         self, prompt: list[int], params: SamplingParams, limit: int, seed: int, sink: Any
     ) -> Job:
-        return Job(prompt, params, limit, seed, sink)
+        return Job(prompt, params, limit, seed, sink, self.model)
 
 
 def grammar_vocabulary(model: LlamaModel) -> LLTokenizer:

@@ -19,7 +19,9 @@ aborts.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
+import math
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -245,6 +247,11 @@ class LlamaModel:
     def is_eog(self, token: int) -> bool:
         return bool(_is_eog(self._vocab, token))
 
+    @functools.cached_property
+    def eog_tokens(self) -> tuple[int, ...]:
+        """Every end-of-generation token of the vocabulary (the tokens ``ignore_eos`` bans)."""
+        return tuple(t for t in range(self.vocab_size) if self.is_eog(t))
+
     def _render(self, token: int, *, special: bool) -> bytes:
         buf = self._piece_buf
         n = lc.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
@@ -347,12 +354,27 @@ class LlamaContext:
 
 
 class Sampler:
-    """A llama.cpp sampler chain for one request: temperature, top-p, seeded draw."""
+    """A llama.cpp sampler chain for one request: temperature, top-p, seeded draw (and
+    ``banned`` tokens never drawn: a logit bias of minus infinity first)."""
 
     __slots__ = ("ptr",)
 
-    def __init__(self, *, temperature: float, top_p: float, seed: int) -> None:
+    def __init__(
+        self,
+        *,
+        temperature: float,
+        top_p: float,
+        seed: int,
+        vocab_size: int = 0,
+        banned: Sequence[int] = (),
+    ) -> None:
         chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
+        if banned:
+            biases = (lc.llama_logit_bias * len(banned))(
+                *(lc.llama_logit_bias(token, -math.inf) for token in banned)
+            )
+            bias = lc.llama_sampler_init_logit_bias(vocab_size, len(banned), biases)
+            lc.llama_sampler_chain_add(chain, bias)
         if temperature <= 0.0:
             lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_greedy())
         else:

@@ -42,9 +42,23 @@ class Job(BatchJob):
 
     __slots__ = ("fed", "last", "sampler", "slot")
 
-    def __init__(self, prompt: list[int], params: SamplingParams, limit: int, seed: int, sink: Any):
+    def __init__(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        limit: int,
+        seed: int,
+        sink: Any,
+        model: LlamaModel,
+    ):
         super().__init__(prompt, params, limit, sink)
-        self.sampler = Sampler(temperature=params.temperature, top_p=params.top_p, seed=seed)
+        self.sampler = Sampler(
+            temperature=params.temperature,
+            top_p=params.top_p,
+            seed=seed,
+            vocab_size=model.vocab_size,
+            banned=model.eog_tokens if params.ignore_eos else (),
+        )
         self.slot: Slot | None = None
         self.fed = 0  # prompt tokens in the slot's cells
         self.last = -1  # the last sampled token, decoded in the next step
