@@ -100,7 +100,7 @@ def structured_suite(report: Report) -> None:
     )
     tool_rows, tool_contenders, tool_loads, goal_tools = _tool_calls(report)
     report.goals.append(
-        ("17. Tool calls, 8 streams: at least llama-server's (--jinja) requests/s", "", goal_tools)
+        ("17. Tool calls, 8 streams: at least llama-server's (--jinja) calls/s", "", goal_tools)
     )
     report.sections.append(
         "\n".join(

@@ -84,6 +84,11 @@ async def test_a_required_call_parses_and_the_loop_ends_in_an_answer(smollm: Run
     (call,) = choice.message.tool_calls
     assert call.type == "function" and call.id.startswith("call_")
     jsonschema.validate(json.loads(call.function.arguments), schema_of(call.function.name))
+    async with httpx.AsyncClient() as http:  # counted in the metrics
+        metrics = (await http.get(f"{smollm.http_url}/metrics")).text
+    lines = metrics.splitlines()
+    counted = [line for line in lines if line.startswith("seedance_tool_calls_total")]
+    assert counted and float(counted[0].rsplit(" ", 1)[1]) >= 1
 
     # The loop: the call and its result go back; the model answers in text.
     history: list[Any] = [

@@ -91,6 +91,12 @@ class Metrics:
             [*REQUEST_LABELS, "outcome"],
             registry=r,
         )
+        self.tool_calls = Counter(
+            "seedance_tool_calls",
+            "Tool calls made by replies (each checked against its tool's schema).",
+            REQUEST_LABELS,
+            registry=r,
+        )
         self.prompt_tokens = Counter(
             "seedance_prompt_tokens",
             "Prompt tokens of admitted requests.",
@@ -354,9 +360,11 @@ class RequestMeter:
         if self.record is not None:
             self.record.append((now, count))
 
-    def ended(self, now: float, outcome: str) -> None:
+    def ended(self, now: float, outcome: str, tool_calls: int = 0) -> None:
         self._e2e.observe(now - self.received)
         self._metrics.requests.labels(*self._labels, outcome).inc()
+        if tool_calls:
+            self._metrics.tool_calls.labels(*self._labels).inc(tool_calls)
         if self._slo is not None:
             self._metrics.slo_requests.labels(*self._slo, outcome).inc()
         if self._version is not None:

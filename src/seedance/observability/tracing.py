@@ -266,6 +266,17 @@ def request_attributes(message: Generate) -> dict[str, str | int | float]:
     if message.seed is not None:  # OTLP integers are 64-bit signed; seeds go to 2^64 - 1
         seed = message.seed
         attributes["gen_ai.request.seed"] = seed if seed < 2**63 else str(seed)
+    # Typed output: what the reply is bound to, and what it carries.
+    if message.schema is not None:
+        attributes["gen_ai.output.type"] = "json"
+    if message.tools:
+        attributes["seedance.request.tools"] = len(message.tools)
+        choice = message.tool_choice
+        attributes["seedance.request.tool_choice"] = (
+            choice if isinstance(choice, str) else "function" if choice else "auto"
+        )
+    if message.logprobs is not None:
+        attributes["seedance.request.top_logprobs"] = message.logprobs
     return attributes
 
 

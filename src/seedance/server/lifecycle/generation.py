@@ -284,7 +284,7 @@ class Generation:
                 if session is not None:
                     session.end(self.request_id)
                 outcome = self.outcome or "aborted"
-                self.meter.ended(time.monotonic(), outcome)
+                self.meter.ended(time.monotonic(), outcome, len(self.tool_calls or ()))
                 self._end_trace(outcome)
                 self._log(outcome)
                 audited = services.audit.submit(lambda: self._audit_record(outcome))
@@ -505,6 +505,8 @@ class Generation:
         if requester.connection_id is not None:
             attributes["seedance.connection_id"] = requester.connection_id
         attributes.update(request_attributes(self.message))
+        if self.tool_calls is not None:
+            attributes["seedance.response.tool_calls"] = len(self.tool_calls)
         trace.span.update_name(f"{self.operation} {model.name}")
         trace.end(
             received=self.received,
