@@ -12,7 +12,6 @@ the project's own) with one worker, no database and no callbacks.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -27,6 +26,7 @@ from benchmarks.harness import (
     ratio,
     run_bench,
     servers,
+    venv_version,
 )
 
 if TYPE_CHECKING:
@@ -50,11 +50,7 @@ def litellm_executable() -> Path | None:
 
 def litellm_version(exe: Path) -> str:
     """The version of the LiteLLM next to ``exe`` (in its own virtual environment)."""
-    code = "import importlib.metadata as m; print(m.version('litellm'))"
-    found = subprocess.run(
-        [str(exe.with_name("python")), "-c", code], capture_output=True, text=True, check=False
-    )
-    return found.stdout.strip() or "unknown"
+    return venv_version(exe, "litellm")
 
 
 def _upstream() -> Contender:

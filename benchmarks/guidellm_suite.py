@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from benchmarks.harness import Contender, fmt, ratio, servers, verdict
+from benchmarks.harness import Contender, fmt, ratio, servers, venv_version, verdict
 from benchmarks.llama_suite import llama_server, seedance_llama
 
 if TYPE_CHECKING:
@@ -35,14 +35,6 @@ PROMPT_TOKENS, OUTPUT_TOKENS = 64, 128
 def guidellm_executable() -> Path | None:
     path = Path(os.environ.get("GUIDELLM", GUIDELLM_DEFAULT))
     return path if path.exists() else None
-
-
-def guidellm_version(exe: Path) -> str:
-    code = "import importlib.metadata as m; print(m.version('guidellm'))"
-    found = subprocess.run(
-        [str(exe.with_name("python")), "-c", code], capture_output=True, text=True, check=False
-    )
-    return found.stdout.strip() or "unknown"
 
 
 def export_tokenizer(folder: Path) -> Path:
@@ -118,7 +110,7 @@ def guidellm_suite(report: Report) -> None:
                 if done.returncode != 0 or not out.exists():
                     raise RuntimeError(f"guidellm failed against {contender.label}: {done.stderr}")
                 runs[contender.key].append(figures(json.loads(out.read_text())))
-    _write(report, contenders, runs, guidellm_version(exe), seconds)
+    _write(report, contenders, runs, venv_version(exe, "guidellm"), seconds)
 
 
 def _http(contender: Contender) -> Contender:

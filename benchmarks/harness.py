@@ -279,6 +279,15 @@ def ratio(a: float, b: float) -> str:
     return "-" if not b or a != a or b != b else f"{a / b:.2f}x"
 
 
+def venv_version(exe: Path, distribution: str) -> str:
+    """The version of ``distribution`` in the virtual environment of ``exe`` (a peer's own)."""
+    code = f"import importlib.metadata as m; print(m.version({distribution!r}))"
+    found = subprocess.run(
+        [str(exe.with_name("python")), "-c", code], capture_output=True, text=True, check=False
+    )
+    return found.stdout.strip() or "unknown"
+
+
 def verdict(ok: bool) -> str:
     return "**met**" if ok else "**not met**"
 
