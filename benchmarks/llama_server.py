@@ -52,6 +52,11 @@ def binary_path(version: str, flags: list[str]) -> Path:
     return cache_dir() / f"llama-server-{version}-{key}" / "build" / "bin" / "llama-server"
 
 
+def is_built() -> bool:
+    """Whether the cached ``llama-server`` for these flags is there (no build needed)."""
+    return binary_path(importlib.metadata.version("llama-cpp-python"), engine_cmake_args()).exists()
+
+
 def ensure_built(log: Callable[[str], None] = print) -> Path:
     """The cached ``llama-server`` binary, built first if it is not there."""
     version = importlib.metadata.version("llama-cpp-python")
@@ -101,3 +106,28 @@ def ensure_built(log: Callable[[str], None] = print) -> Path:
 
 if __name__ == "__main__":
     print(ensure_built(lambda line: print(line, file=sys.stderr)))
+
+
+def ensure_gguf(folder: Path, name: str, log: Callable[[str], None] = print) -> Path:
+    """A Hugging Face model ``folder`` as a GGUF file (float32, cached), converted by the
+    ``convert_hf_to_gguf.py`` of the llama.cpp that ``llama-server`` is built from, so that
+    the two agree."""
+    source = ensure_built(log).parent.parent.parent / "src"
+    digest = hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()[:12]
+    target = cache_dir() / f"{name}-{digest}-f32.gguf"
+    if target.exists():
+        return target
+    log(f"converting {folder} to {target} with llama.cpp's convert_hf_to_gguf.py")
+    partial = target.with_suffix(".part")
+    subprocess.run(
+        [
+            *(sys.executable, str(source / "convert_hf_to_gguf.py"), str(folder)),
+            *("--outfile", str(partial), "--outtype", "f32"),
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONPATH": str(source / "gguf-py")},
+    )
+    partial.rename(target)
+    return target
