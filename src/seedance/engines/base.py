@@ -66,6 +66,7 @@ class SamplingParams:
     @classmethod
     def of(cls, message: Generate, unset: frozenset[str] = frozenset()) -> SamplingParams:
         """The sampling fields of a (validated) ``generate`` request."""
+        tools = parse_tools(message.tools, message.tool_choice, message.parallel_tool_calls)
         return cls(
             max_tokens=message.max_tokens,
             temperature=message.temperature,
@@ -73,19 +74,20 @@ class SamplingParams:
             stop=message.stop_strings(),
             seed=message.seed,
             unset=unset,
-            schema=bound_to(message),
+            schema=bound_to(message, tools),
             logprobs=message.logprobs,
-            tools=parse_tools(message.tools, message.tool_choice, message.parallel_tool_calls),
+            tools=tools,
             ignore_eos=message.ignore_eos,
         )
 
 
-def bound_to(message: Generate) -> OutputSchema | None:
+def bound_to(message: Generate, tools: Tools | None = None) -> OutputSchema | None:
     """What a (validated) request binds its reply to: its schema, or the grammar of a reply to
-    its tools (None: free text)."""
+    its tools (``tools``: parsed already; None: parsed here) (None: free text)."""
     if message.schema is not None:
         return output_schema(message.schema, "schema")
-    tools = parse_tools(message.tools, message.tool_choice, message.parallel_tool_calls)
+    if tools is None:
+        tools = parse_tools(message.tools, message.tool_choice, message.parallel_tool_calls)
     return None if tools is None else OutputSchema(grammar(tools), kind="lark")
 
 

@@ -316,7 +316,7 @@ class Rendered:
     @property
     def calls(self) -> bool:
         """Whether the reply calls tools (it began a call), so far as it has come."""
-        return self.text.startswith("<") and self.tools is not None
+        return self.text.startswith("<") and "tools" in self.meta
 
     @property
     def kind_known(self) -> bool:
@@ -511,16 +511,21 @@ def call_number(position: int, step: int) -> int:
     return 2 + 4 * position + step
 
 
-def function_call(call: ToolCallTurn, *, done: bool, arguments: str = "") -> dict[str, Any]:
+def function_call(call: ToolCallTurn, *, done: bool) -> dict[str, Any]:
     """A ``function_call`` output item (not ``done``: as it begins, its arguments to come)."""
     return {
-        "id": "fc_" + call.id.removeprefix("call_"),
+        "id": _item_id(call),
         "type": "function_call",
         "status": "completed" if done else "in_progress",
         "call_id": call.id,
         "name": call.name,
-        "arguments": call.arguments if done else arguments,
+        "arguments": call.arguments if done else "",
     }
+
+
+def _item_id(call: ToolCallTurn) -> str:
+    """The id of a call's output item (derived from the call's: the same on every read)."""
+    return "fc_" + call.id.removeprefix("call_")
 
 
 class CallEvents:
@@ -532,26 +537,20 @@ class CallEvents:
         self.reader = CallReader(tools, response_id)
         self.after = after
         self.held = max(0, (after - 2) // 4)  # the reply's characters the client holds
-        self.calls: list[ToolCallTurn] = []
 
     def feed(self, text: str) -> list[dict[str, Any]]:
         """The events of the reply's next ``text``."""
         events = []
         for event in self.reader.feed(text):
             index = event.index
+            call = self.reader.calls[index]  # its arguments so far
             if event.name:
-                self.calls.append(ToolCallTurn(event.id, event.name, ""))
                 number = call_number(event.end, 0)
-                item = function_call(self.calls[index], done=False)
-                added = {"output_index": index, "item": item}
+                added = {"output_index": index, "item": function_call(call, done=False)}
                 events.append(self._event("response.output_item.added", number, added))
                 continue
-            call = self.calls[index]
-            where = {"item_id": "fc_" + call.id.removeprefix("call_"), "output_index": index}
+            where = {"item_id": _item_id(call), "output_index": index}
             if event.arguments:
-                self.calls[index] = msgspec.structs.replace(
-                    call, arguments=call.arguments + event.arguments
-                )
                 delta = event.arguments[max(0, self.held - (event.end - len(event.arguments))) :]
                 number = call_number(event.end, 1)
                 events.append(

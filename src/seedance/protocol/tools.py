@@ -320,12 +320,15 @@ class CallReader:
     """Reads a reply's calls as its text streams in (the grammar wrote it: compact JSON,
     ``name`` first), so a client gets each call's name as soon as it is whole and its
     arguments piece by piece, as OpenAI streams them. The generation checks the whole reply
-    (:func:`parse_calls`): this reader only cuts it up."""
+    (:func:`parse_calls`): this reader only cuts it up; ``calls`` holds each call begun, with
+    its arguments so far, and ``whole`` how many of them have ended."""
 
     def __init__(self, tools: Tools, request_id: str = "") -> None:
         self.tools = tools
         self.request_id = request_id
         self.text = ""  # the whole reply so far
+        self.calls: list[ToolCallTurn] = []
+        self.whole = 0
         self._mode: Literal["", "text", "calls"] = ""
         # Reading calls: where (``_at``), and what comes there: a call's head (``head``),
         # its arguments (``arguments``), or the end of the call (``tail``).
@@ -358,12 +361,18 @@ class CallReader:
                 self._at, self._next = match.end(), "arguments"
                 name = json.loads(match.group(1))
                 id = call_id(self.request_id, self._index)
+                self.calls.append(ToolCallTurn(id, name, ""))
                 yield CallEvent(self._index, name=name, id=id, end=self._at)
             elif self._next == "arguments":
                 start = self._at
                 self._at = self._scan(text)
                 if self._at > start:
-                    yield CallEvent(self._index, arguments=text[start : self._at], end=self._at)
+                    part = text[start : self._at]
+                    call = self.calls[self._index]
+                    self.calls[self._index] = ToolCallTurn(
+                        call.id, call.name, call.arguments + part
+                    )
+                    yield CallEvent(self._index, arguments=part, end=self._at)
                 if self._next == "arguments":
                     return
             else:
@@ -371,6 +380,7 @@ class CallReader:
                 if tail is None:
                     return
                 self._at, self._next = tail.end(), "head"
+                self.whole += 1
                 yield CallEvent(self._index, done=True, end=self._at)
 
     def _scan(self, text: str) -> int:

@@ -42,7 +42,6 @@ from seedance.protocol.messages import (
     Generate,
     RequestId,
     TenantId,
-    ToolCallTurn,
 )
 from seedance.protocol.qos import qos_from_headers
 from seedance.protocol.realtime import (
@@ -467,11 +466,9 @@ class _Calls:
         self.connection = connection
         self.events = connection.events
         self.response_id = response_id
-        self.reader = CallReader(tools, response_id)
-        self.calls: list[ToolCallTurn] = []
+        self.reader = CallReader(tools, response_id)  # the calls, and how many are whole
         self.item_ids: list[str] = []
         self.previous: list[str | None] = []  # the item before each call's
-        self.done = 0  # calls whole
 
     async def open(self) -> None:
         pass
@@ -480,9 +477,8 @@ class _Calls:
         connection, events = self.connection, self.events
         for event in self.reader.feed(text):
             index = event.index
+            call = self.reader.calls[index]  # its arguments so far
             if event.name:
-                call = ToolCallTurn(event.id, event.name, "")
-                self.calls.append(call)
                 self.item_ids.append(item_id := "item_" + secrets.token_hex(12))
                 item = events.call_item(item_id, call, "in_progress")
                 await connection.send(
@@ -498,7 +494,6 @@ class _Calls:
                     await connection.send(added)
                 connection.last_item = item_id
                 continue
-            call = self.calls[index]
             where = {
                 "response_id": self.response_id,
                 "item_id": self.item_ids[index],
@@ -506,15 +501,11 @@ class _Calls:
                 "call_id": call.id,
             }
             if event.arguments:
-                self.calls[index] = ToolCallTurn(
-                    call.id, call.name, call.arguments + event.arguments
-                )
                 delta = events.event(
                     "response.function_call_arguments.delta", **where, delta=event.arguments
                 )
                 await connection.send(delta)
             elif event.done:
-                self.done += 1
                 named = {} if connection.shape.beta else {"name": call.name}  # GA names it
                 done = events.event(
                     "response.function_call_arguments.done",
@@ -529,8 +520,9 @@ class _Calls:
     async def close(self, status: str) -> list[dict[str, Any]]:
         """A call left unfinished (the reply failed) is done as incomplete; the output items."""
         items = []
-        for index, (item_id, call) in enumerate(zip(self.item_ids, self.calls, strict=True)):
-            whole = index < self.done
+        calls = zip(self.item_ids, self.reader.calls, strict=True)
+        for index, (item_id, call) in enumerate(calls):
+            whole = index < self.reader.whole
             item = self.events.call_item(item_id, call, "completed" if whole else "incomplete")
             if not whole:
                 previous = self.previous[index]
