@@ -7,9 +7,12 @@ import os
 import re
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from seedance.engines.base import Engine
 from seedance.observability.tracing import Tracing
@@ -112,3 +115,23 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         write(f"  {count:3d} test(s): Debian package {package} is not installed")
     write(f"  {skipped} test(s) in all; to run them: sudo apt-get install {names}")
     write("  (or run .ci/run as root: it installs every package the tests need, then make test)")
+
+
+@pytest.fixture
+def identity(tmp_path: Path) -> tuple[str, str]:
+    """An end-to-end encryption identity: (private key PEM path, public key PEM path)."""
+    key = Ed25519PrivateKey.generate()
+    private, public = tmp_path / "identity.pem", tmp_path / "identity.pub.pem"
+    private.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    public.write_bytes(
+        key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+    )
+    return str(private), str(public)

@@ -8,12 +8,14 @@ import re
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 from playwright.async_api import Browser
 
 from seedance.client import connect
 from seedance.config_loader import load_access
 from seedance.engines.synthetic import SyntheticEngine
+from seedance.protocol.tensors import DTYPES, Tensor, encode_tensor
 from seedance.tenants.keys import add_key
 from seedance.testing.faults import FaultProxy
 from tests.support.browser import chromium, tab
@@ -165,6 +167,12 @@ async def test_the_sdk_embeds_and_reads_typed_output(
             """
             const session = await sd.connect("", {sessionId: "js-typed"});
             const vectors = await session.embed(["The sea is calm.", "Otters sleep."]);
+            const tensor = await session.embed(["The sea is calm.", "Otters sleep."],
+                                               {encoding_format: "tensor"});
+            const e = tensor.arrays.embedding;
+            const gap = Math.max(...vectors.data[1].map((x, i) => Math.abs(x - e.data[384 + i])));
+            const ids = await session.embed(new Int32Array([101, 1996, 2712, 102, 101, 7592, 102, 102]),
+                                            {encoding_format: "tensor", shape: [2, 4]});
             let refused = null;
             try { await session.embed(""); } catch (error) { refused = error.code; }
             const schema = {type: "object", properties: {ok: {type: "boolean"}},
@@ -174,6 +182,8 @@ async def test_the_sdk_embeds_and_reads_typed_output(
             for await (const chunk of reply) chunks.push(chunk.logprobs.length === chunk.n);
             return {
                 count: vectors.data.length, size: vectors.data[0].length, refused,
+                tensor: [e.data.constructor.name, e.dtype, e.shape, tensor.data ?? null, gap],
+                ids: [ids.arrays.embedding.shape, ids.usage.prompt_tokens],
                 json: JSON.parse(reply.text), perChunk: chunks.every(Boolean),
                 logprobs: reply.logprobs.length, tokens: reply.done.usage.completion_tokens,
                 tops: reply.logprobs[0].top_logprobs.length,
@@ -182,9 +192,57 @@ async def test_the_sdk_embeds_and_reads_typed_output(
         )
         page.check()
     assert result["count"] == 2 and result["size"] == 384
+    assert result["tensor"] == ["Float32Array", "FP32", [2, 384], None, 0]  # the same floats
+    assert result["ids"] == [[2, 384], 8]
     assert result["refused"] == "invalid_request"
     assert isinstance(result["json"]["ok"], bool) and result["perChunk"]
     assert result["logprobs"] == result["tokens"] and result["tops"] == 2
+
+
+async def test_tensor_frames_read_and_write_as_python_does(
+    browser: Browser, make_server: Callable[..., RunningServer]
+) -> None:
+    """The browser SDK's tensor frames (tensors.js) against the Python reference, both ways,
+    every datatype: a TypedArray over the frame's own buffer, no copy."""
+    frames = {
+        name: encode_tensor(Tensor("r-7", "out", sample(name), seq=3)).hex() for name in DTYPES
+    }
+    async with tab(browser, blank(make_server())) as page:
+        result = await page.sdk(
+            """
+            const hex = (h) => Uint8Array.from(h.match(/../g), (x) => parseInt(x, 16));
+            const hexOf = (b) => Array.from(b, (x) => x.toString(16).padStart(2, "0")).join("");
+            const read = {}, written = {};
+            for (const [name, frame] of Object.entries(arg)) {
+                const bytes = hex(frame);
+                const t = sd.decodeTensor(bytes.buffer);
+                read[name] = [t.requestId, t.name, t.seq, t.dtype, t.shape,
+                              Array.from(t.data, (x) => Number(x)), t.data.buffer === bytes.buffer];
+                written[name] = hexOf(sd.encodeTensor({requestId: t.requestId, name: t.name,
+                                      data: t.data, shape: t.shape, seq: t.seq, dtype: t.dtype}));
+            }
+            let refused = null;
+            try { sd.decodeTensor(hex(arg.FP32).slice(0, -1)); } catch (e) { refused = e.message; }
+            return {read, written, refused};
+            """,
+            frames,
+        )
+        page.check()
+    for name in DTYPES:
+        values = sample(name)
+        assert result["read"][name] == [
+            "r-7", "out", 3, name, list(values.shape), values.astype(float).ravel().tolist(), True
+        ], name  # fmt: skip
+        assert result["written"][name] == frames[name], name
+    assert "cut" in result["refused"]
+
+
+def sample(dtype: str) -> np.ndarray:
+    """A 2 x 3 tensor of ``dtype`` with values that mean something in it."""
+    if dtype == "BOOL":
+        return np.array([[True, False, True], [False, False, True]])
+    values = np.array([[0, 1, 2], [3, 100, 7]])
+    return values.astype(np.dtype(DTYPES[dtype].numpy))
 
 
 async def test_the_sdk_raises_the_protocols_errors_as_their_classes(

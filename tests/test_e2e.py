@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -29,6 +30,7 @@ from seedance.observability.audit.records import GENESIS, seal
 from seedance.observability.audit.verify import verify
 from seedance.protocol import e2e
 from seedance.protocol.errors import EncryptionFailed, Forbidden, InvalidRequest, PayloadTooLarge
+from seedance.protocol.tensors import Tensor, encode_tensor
 from tests.support.certs import Authority
 from tests.support.redis import RedisServer
 from tests.support.servers import SEEDANCE, RunningServer, slow_engine
@@ -67,6 +69,19 @@ def test_frames_open_in_order_both_ways() -> None:
         assert client.open(server.seal_frame(text)) == text
     assert server.open(client.seal_frame('{"type":"cancel"}')) == '{"type":"cancel"}'
     assert server.seal_frame(b"\x01\x00") == b"\x01\x00"  # heartbeats stay as they are
+
+
+def test_tensor_frames_are_sealed_whole_and_open_as_bytes() -> None:
+    server, client = pair()
+    frame = encode_tensor(Tensor("r1", "embedding", np.ones((2, 3), dtype="<f4"), seq=4))
+    sealed = server.seal_frame(frame)
+    assert isinstance(sealed, bytes) and sealed[0] == e2e.SEALED and frame[48:] not in sealed
+    assert sealed[13:21] == (4).to_bytes(8, "big", signed=True)  # the header names its seq
+    assert client.open(sealed) == frame
+    assert server.open(client.seal_frame(frame)) == frame
+    forged = bytearray(server.seal_frame(frame))
+    forged[22] ^= 1  # another request id in the header
+    assert refused(client, bytes(forged)) == "bad_tag"
 
 
 def flip(data: bytes, at: int) -> bytes:
@@ -168,26 +183,6 @@ def test_a_pin_is_a_key_file_by_any_name_or_base64url(
 
 
 # ---------------------------------------------------------------------------- over sockets
-
-
-@pytest.fixture
-def identity(tmp_path: Path) -> tuple[str, str]:
-    """(private key PEM path, public key PEM path)."""
-    key = Ed25519PrivateKey.generate()
-    private, public = tmp_path / "identity.pem", tmp_path / "identity.pub.pem"
-    private.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    public.write_bytes(
-        key.public_key().public_bytes(
-            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-        )
-    )
-    return str(private), str(public)
 
 
 async def scrape(server: RunningServer) -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +18,12 @@ import pytest
 
 from seedance.client import connect
 from seedance.engines.embeddings import model_folder
+from seedance.protocol.e2e import ClientHandshake, load_pinned
 from seedance.protocol.errors import InvalidRequest
+from seedance.protocol.tensors import Tensor, encode_tensor
 from tests.support.servers import RunningServer, server_config
 from tests.support.waits import eventually
+from tests.support.ws import generate, open_session, recv_json, wait_closed
 
 pytestmark = pytest.mark.model
 
@@ -202,3 +205,65 @@ async def test_the_embed_frame_of_v2_infer(served: RunningServer, reference: Any
             await session.embed(["fine", "sea " * 300])
         again = await session.complete("still open?", max_tokens=4)  # a refusal closes nothing
         assert again.usage.completion_tokens == 4
+
+
+async def test_embeddings_as_a_tensor_frame(served: RunningServer, reference: Any) -> None:
+    """``encoding_format: tensor``: one binary frame, read by the SDK as a float32 array with
+    no copy; token ids go up as a tensor frame too."""
+    async with connect(served.url) as session:
+        answer = await session.embed_array(SENTENCES, model=MODEL)
+        assert answer.vectors.dtype == np.float32 and answer.vectors.shape == (4, 384)
+        assert not answer.vectors.flags.writeable  # a view of the frame
+        floats = await session.embed(SENTENCES, model=MODEL)
+        assert np.array_equal(answer.vectors, np.asarray(floats.data, dtype=np.float32))
+        assert answer.usage == floats.usage and answer.model == MODEL
+        ids = np.array(reference.tokenizer(SENTENCES[1])["input_ids"], dtype=np.int32)
+        by_ids = await session.embed_array(ids)
+        assert by_ids.vectors.shape == (1, 384) and by_ids.usage.prompt_tokens == len(ids)
+        assert cosine(by_ids.vectors[0], reference.encode(SENTENCES[1])) >= 0.9999
+        two = await session.embed_array(np.stack([ids, ids]).astype(np.int64))
+        assert two.vectors.shape == (2, 384)
+
+
+async def test_bad_tensor_frames_get_an_error_and_nothing_else_changes(
+    served: RunningServer,
+) -> None:
+    ws, _ = await open_session(served.url)
+    async with ws:
+        ids = encode_tensor(Tensor("e1", "ids", np.array([101, 102], dtype="<i4")))
+        await ws.send(ids)
+        await ws.send(json.dumps({"type": "embed", "request_id": "e1", "input_tensor": "idz"}))
+        error = await recv_json(ws)
+        assert error["request_id"] == "e1" and "no tensor frame 'idz'" in error["error"]["message"]
+        await ws.send(encode_tensor(Tensor("e2", "ids", np.ones(2, dtype="<f4"))))
+        await ws.send(json.dumps({"type": "embed", "request_id": "e2", "input_tensor": "ids"}))
+        error = await recv_json(ws)
+        assert "must hold token ids: integers" in error["error"]["message"]
+        await ws.send(ids.replace(b"e1", b"r3"))  # a tensor the generate does not use
+        frames = await generate(ws, prompt="hi", request_id="r3", max_tokens=2)
+        assert "'ids' sent for this request, which does not use them" in str(frames[-1])
+        await ws.send(ids[:-1])  # cut short
+        error = await recv_json(ws)
+        assert error["error"]["code"] == "invalid_request" and "frame carries 7" in str(error)
+        await ws.send(ids.replace(b"e1", b"e4"))
+        await ws.send(json.dumps({"type": "embed", "request_id": "e4", "input_tensor": "ids"}))
+        answer = await recv_json(ws)
+        assert answer["type"] == "embeddings" and len(answer["data"][0]) == 384
+        frames = await generate(ws, prompt="still here", max_tokens=2)
+        assert frames[-1]["type"] == "done"
+
+
+async def test_tensor_frames_are_sealed_on_an_encrypted_connection(
+    make_server: Callable[..., RunningServer], identity: tuple[str, str]
+) -> None:
+    server = make_server(embedding_model=MODEL, e2e_key=identity[0])
+    async with connect(server.url, e2e=identity[1]) as session:
+        ids = np.array([101, 7592, 102], dtype=np.int32)
+        answer = await session.embed_array(ids)
+        plain = await session.embed([ids.tolist()])
+        assert np.array_equal(answer.vectors, np.asarray(plain.data, dtype=np.float32))
+    ws, _ = await open_session(server.url, "e2e=" + ClientHandshake(load_pinned(identity[1])).param)
+    async with ws:  # a tensor frame in the clear is refused: it would carry data unsealed
+        await ws.send(encode_tensor(Tensor("e1", "input_ids", ids)))
+        code, _ = await wait_closed(ws)
+        assert code == 4400

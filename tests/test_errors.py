@@ -66,10 +66,10 @@ async def test_invalid_request_names_the_field(server: RunningServer) -> None:
 async def test_unsupported_binary_frame(server: RunningServer) -> None:
     ws, _ = await open_session(server.url)
     async with ws:
-        await ws.send(b"\x10\x00tensor")
-        assert "tensor" in error_of(await recv_json(ws), "unsupported_frame")["message"]
+        await ws.send(b"\x10\x00tensor")  # a tensor frame, malformed
+        assert "16-byte header" in error_of(await recv_json(ws), "invalid_request")["message"]
         await ws.send(b"\x07")
-        error_of(await recv_json(ws), "unsupported_frame")
+        assert "or a tensor frame" in error_of(await recv_json(ws), "unsupported_frame")["message"]
         await still_open(ws)
 
 

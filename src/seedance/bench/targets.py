@@ -177,7 +177,7 @@ class _Listener(WSListener):
             self._fail(BenchError("encryption_failed", f"{exc.reason}: {exc.message}"))
             transport.disconnect()
             return
-        self._on_text(text.encode())
+        self._on_text(text.encode() if isinstance(text, str) else text)
 
     def _on_text(self, payload: bytes) -> None:
         sample, clock = self.sample, self.clock

@@ -12,6 +12,7 @@ from seedance.client.qos import (
 )
 from seedance.client.session import (
     ClientSession,
+    Embeddings,
     Reconnect,
     Stream,
     TokenChunk,
@@ -46,6 +47,7 @@ __all__ = [
     "ConnectionClosed",
     "ContextOverflow",
     "Degrade",
+    "Embeddings",
     "EngineError",
     "Forbidden",
     "HealthScore",

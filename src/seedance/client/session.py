@@ -32,6 +32,7 @@ from typing import Any, Literal
 from urllib.parse import urlencode, urlsplit, urlunsplit
 
 import msgspec
+import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
@@ -56,6 +57,7 @@ from seedance.protocol.messages import (
     DoneFrame,
     Embed,
     EmbeddingsFrame,
+    EmbeddingsUsage,
     EndSession,
     ErrorFrame,
     Generate,
@@ -69,6 +71,7 @@ from seedance.protocol.messages import (
     TokenLogprob,
 )
 from seedance.protocol.qos import QoS
+from seedance.protocol.tensors import TENSOR, Tensor, decode_tensor, encode_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -217,6 +220,19 @@ class Opened:
 
 
 Opener = Callable[[str], Awaitable[Opened]]
+
+
+@dataclass(frozen=True, slots=True)
+class Embeddings:
+    """The answer of :meth:`ClientSession.embed_array`: a float32 row per input, read
+    straight from the server's tensor frame (no copy, read-only)."""
+
+    vectors: np.ndarray
+    model: str
+    usage: EmbeddingsUsage
+    request_id: str
+
+
 #: A pinned server identity (see :func:`seedance.protocol.e2e.load_pinned`).
 PinnedKey = str | bytes | Ed25519PublicKey
 
@@ -248,6 +264,8 @@ class ClientSession:
         self._pongs: deque[tuple[asyncio.Future[float], float]] = deque()
         self._json_pongs: dict[str, asyncio.Future[float]] = {}
         self._embeds: dict[str, asyncio.Future[EmbeddingsFrame]] = {}
+        #: The tensor frames received for the embeds waiting, by request id and name.
+        self._tensors: dict[str, dict[str, np.ndarray]] = {}
         self._error: SeedanceError | None = None  # an error frame about the connection
         self._closed: ConnectionClosed | None = None
         self._reader = asyncio.create_task(self._read_forever(), name="seedance-client-reader")
@@ -360,21 +378,50 @@ class ClientSession:
         """Vectors for ``input`` (a string, strings, token ids, or lists of them) from an
         embedding model (None: the server's first), in an ``embeddings`` frame; an error frame
         about it raises. A drop of the connection before the answer raises too (an ``embed``
-        is not resumed: send it again)."""
-        request_id = request_id or "e-" + secrets.token_hex(6)
+        is not resumed: send it again). :meth:`embed_array` has them as one array."""
         items = input if isinstance(input, str) else [
             item if isinstance(item, (str, int)) else list(item) for item in input
         ]  # fmt: skip
-        message = Embed(
-            input=items, model=model, encoding_format=encoding_format, request_id=request_id
-        )
+        message = Embed(input=items, model=model, encoding_format=encoding_format)
+        return await self._embed(message, request_id)
+
+    async def embed_array(
+        self,
+        input: str | Sequence[str] | np.ndarray,
+        *,
+        model: str | None = None,
+        request_id: str | None = None,
+    ) -> Embeddings:
+        """Vectors for ``input`` as one float32 array, a row per input, sent by the server
+        as a tensor frame (``encoding_format: tensor``). ``input``: text, or token ids as an
+        integer array (one row, or a row per input), sent as a tensor frame of its own."""
+        message = Embed(model=model, encoding_format="tensor")
+        ids = None
+        if isinstance(input, np.ndarray):
+            message.input_tensor, ids = "input_ids", input
+        else:
+            message.input = input if isinstance(input, str) else list(input)
+        frame = await self._embed(message, request_id, ids)
+        tensors = self._tensors.pop(frame.request_id, {})
+        if "embedding" not in tensors:
+            raise InvalidRequest(f"the server sent no embedding tensor for {frame.request_id}")
+        return Embeddings(tensors["embedding"], frame.model, frame.usage, frame.request_id)
+
+    async def _embed(
+        self, message: Embed, request_id: str | None, ids: np.ndarray | None = None
+    ) -> EmbeddingsFrame:
+        message.request_id = request_id = request_id or "e-" + secrets.token_hex(6)
         future: asyncio.Future[EmbeddingsFrame] = asyncio.get_running_loop().create_future()
         self._embeds[request_id] = future
         try:
+            if ids is not None:
+                await self._send(encode_tensor(Tensor(request_id, "input_ids", ids)))
             await self._send(encode_client_message(message))
             return await future
         finally:
             self._embeds.pop(request_id, None)
+            if not future.done() or future.exception() is not None:
+                self._tensors.pop(request_id, None)
 
     async def cancel(self, request_id: str | None = None) -> None:
         await self._send(encode_client_message(Cancel(request_id=request_id)))
@@ -440,9 +487,9 @@ class ClientSession:
 
     async def _send_on(self, ws: ClientConnection, data: str | bytes) -> None:
         """Send a frame on ``ws``, sealed (in the order sent) when the connection is encrypted;
-        binary frames (heartbeats) go as they are."""
+        heartbeats go as they are."""
         channel = self.channel
-        if channel is None or isinstance(data, bytes):
+        if channel is None or (isinstance(data, bytes) and data[:1] != bytes((TENSOR,))):
             await ws.send(data)
             return
         async with self._send_lock:
@@ -480,6 +527,9 @@ class ClientSession:
                         await self._on_binary(data)
                         continue
                     data = self.channel.open(data)
+                    if isinstance(data, bytes):  # a tensor frame
+                        await self._on_binary(data)
+                        continue
                 elif self.channel is not None:
                     raise EncryptionFailed(
                         "plaintext", "the server sent a text frame on an encrypted connection"
@@ -546,6 +596,11 @@ class ClientSession:
         return False
 
     async def _on_binary(self, data: bytes) -> None:
+        if data[:1] == bytes((TENSOR,)):
+            tensor = decode_tensor(data)
+            if tensor.request_id in self._embeds:
+                self._tensors.setdefault(tensor.request_id, {})[tensor.name] = tensor.array
+            return
         if data == HEARTBEAT_PING:
             await self._ws.send(HEARTBEAT_PONG)
         elif data == HEARTBEAT_PONG and self._pongs:

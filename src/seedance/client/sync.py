@@ -15,7 +15,7 @@ from collections.abc import Coroutine, Iterator
 from types import TracebackType
 from typing import Any, TypeVar
 
-from seedance.client.session import ClientSession, Stream, TokenChunk, connect
+from seedance.client.session import ClientSession, Embeddings, Stream, TokenChunk, connect
 from seedance.protocol.messages import DoneFrame, EmbeddingsFrame
 
 T = TypeVar("T")
@@ -85,6 +85,9 @@ class SyncSession:
 
     def embed(self, input: Any, **kwargs: Any) -> EmbeddingsFrame:
         return self._call(self._session.embed(input, **kwargs))
+
+    def embed_array(self, input: Any, **kwargs: Any) -> Embeddings:
+        return self._call(self._session.embed_array(input, **kwargs))
 
     def cancel(self, request_id: str | None = None) -> None:
         self._call(self._session.cancel(request_id))

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+import numpy as np
+
 from seedance.config import ConfigError
 from seedance.engines.base import Engine, GenerationRequest, ModelInfo, TokenDelta
 from seedance.engines.hf.loader import load, require_torch
@@ -218,18 +220,18 @@ class EmbeddingEngine(Engine):
             self._queue.put(None)
             await asyncio.to_thread(self._thread.join, 10)
 
-    async def embed(self, inputs: list[list[int]]) -> list[list[float]]:
-        """One vector per input (token ids, checked by :meth:`check_input`), computed in the
-        batches of the engine's thread (a request of more than ``max_batch_inputs`` inputs
-        in several, so that no pass grows past it)."""
+    async def embed(self, inputs: list[list[int]]) -> np.ndarray:
+        """One vector per input (token ids, checked by :meth:`check_input`), a float32 row
+        each, computed in the batches of the engine's thread (a request of more than
+        ``max_batch_inputs`` inputs in several, so that no pass grows past it)."""
         loop = asyncio.get_running_loop()
-        futures: list[asyncio.Future[list[list[float]]]] = []
+        futures: list[asyncio.Future[np.ndarray]] = []
         for start in range(0, len(inputs), self.max_batch_inputs):
-            future: asyncio.Future[list[list[float]]] = loop.create_future()
+            future: asyncio.Future[np.ndarray] = loop.create_future()
             self._queue.put(_Job(inputs[start : start + self.max_batch_inputs], loop, future))
             futures.append(future)
         parts = await asyncio.gather(*futures)
-        return [vector for part in parts for vector in part]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
         """Never reached: admission refuses a generation on an embedding model."""
@@ -270,7 +272,7 @@ class EmbeddingEngine(Engine):
                 start += len(j.inputs)
                 j.loop.call_soon_threadsafe(_settle, j.future, rows)
 
-    def _forward(self, rows: list[list[int]]) -> list[list[float]]:
+    def _forward(self, rows: list[list[int]]) -> np.ndarray:
         import torch
 
         self.passes += 1
@@ -296,10 +298,10 @@ class EmbeddingEngine(Engine):
                 pooled = (out * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)
             if self.pipeline.normalize:
                 pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
-        return pooled.float().cpu().tolist()  # type: ignore[no-any-return]
+        return pooled.float().cpu().numpy()  # type: ignore[no-any-return]
 
 
-def _settle(future: asyncio.Future[Any], rows: list[list[float]]) -> None:
+def _settle(future: asyncio.Future[Any], rows: np.ndarray) -> None:
     if not future.done():
         future.set_result(rows)
 

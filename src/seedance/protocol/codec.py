@@ -37,6 +37,7 @@ from seedance.protocol.messages import (
 )
 from seedance.protocol.qos import parse_qos
 from seedance.protocol.schemas import output_schema
+from seedance.protocol.tensors import TENSOR
 from seedance.protocol.tools import parse_tools
 
 MAX_SEED: Final = 2**64 - 1
@@ -163,18 +164,17 @@ def check_frame_size(data: str | bytes, max_bytes: int) -> None:
         raise PayloadTooLarge(f"frame of {size} bytes exceeds the limit of {max_bytes} bytes")
 
 
-def classify_binary(data: bytes) -> Literal["ping", "pong"]:
-    """Classify a binary frame: the compact heartbeat ping or pong; anything else is an error."""
+def classify_binary(data: bytes) -> Literal["ping", "pong", "tensor"]:
+    """Classify a binary frame: the compact heartbeat ping or pong, or a tensor frame
+    (:mod:`seedance.protocol.tensors`); anything else is an error."""
     if data == HEARTBEAT_PING:
         return "ping"
     if data == HEARTBEAT_PONG:
         return "pong"
-    if data and data[0] >= 0x10:
-        raise UnsupportedFrame(
-            f"binary frame type 0x{data[0]:02x} is reserved for tensor frames and not supported"
-        )
+    if data[:1] == bytes((TENSOR,)):
+        return "tensor"
     raise UnsupportedFrame(
-        "binary frames must be a heartbeat: 01 00 (ping) or 02 00 (pong); "
+        "binary frames must be a heartbeat (01 00 ping, 02 00 pong) or a tensor frame (10 ...); "
         f"got {len(data)} byte(s) starting {data[:4].hex(' ') or '(empty)'}"
     )
 

@@ -50,6 +50,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from seedance.keyfiles import load_public, public_key
 from seedance.protocol.errors import EncryptionFailed
+from seedance.protocol.tensors import TENSOR, tensor_meta
 
 VERSION: Final = 1
 SUITE: Final = "x25519-ed25519-hkdf-sha256-aes-256-gcm"
@@ -338,22 +339,28 @@ class Channel:
         return self._receive.hash
 
     def seal_frame(self, frame: str | bytes) -> str | bytes:
-        """Seal a frame as it goes out: JSON text is sealed (its request id and seq read from
-        it for the header); binary frames (heartbeats) go as they are."""
+        """Seal a frame as it goes out: JSON text and tensor frames are sealed (their request
+        id and seq read from them for the header); heartbeats go as they are."""
         if isinstance(frame, bytes):
-            return frame
+            if frame[:1] != bytes((TENSOR,)):
+                return frame
+            request_id, seq = tensor_meta(frame)
+            return self.seal(frame, request_id, seq)
         request_id, seq = frame_meta(frame)
         return self.seal(frame, request_id, seq)
 
-    def seal(self, text: str, request_id: str | None = None, seq: int | None = None) -> bytes:
-        """The sealed frame of ``text``; rotates the key first when it is due."""
+    def seal(
+        self, text: str | bytes, request_id: str | None = None, seq: int | None = None
+    ) -> bytes:
+        """The sealed frame of ``text`` (JSON text, or a tensor frame's bytes); rotates the
+        key first when it is due."""
         key = self._send
         if key.used >= self.rotate_bytes or self._clock() - key.since >= self.rotate_s:
             key = self._rotate_send()
         rid = request_id.encode() if request_id else b""
         header = _HEADER.pack(SEALED, key.epoch, self._sent, -1 if seq is None else seq, len(rid))
         header += rid
-        plaintext = text.encode()
+        plaintext = text.encode() if isinstance(text, str) else text
         sealed = key.aead.encrypt(
             _NONCE.pack(key.epoch, self._sent), plaintext, self._ad_prefix + header
         )
@@ -368,10 +375,11 @@ class Channel:
             self._on_key(self.sending, new.epoch, old.hash, new.hash)
         return new
 
-    def open(self, data: bytes) -> str:
-        """The JSON text of a sealed frame; :class:`EncryptionFailed` if it is not exactly the
-        next frame of this connection, sealed by the other side. After a refusal every frame is
-        refused: the connection is over."""
+    def open(self, data: bytes) -> str | bytes:
+        """The JSON text of a sealed frame, or the tensor frame it carries (bytes);
+        :class:`EncryptionFailed` if it is not exactly the next frame of this connection,
+        sealed by the other side. After a refusal every frame is refused: the connection is
+        over."""
         if self.failed is not None:
             raise EncryptionFailed(
                 self.failed.reason or "", f"refused earlier: {self.failed.message}"
@@ -382,7 +390,7 @@ class Channel:
             self.failed = exc
             raise
 
-    def _open(self, data: bytes) -> str:
+    def _open(self, data: bytes) -> str | bytes:
         if len(data) < _HEADER.size + TAG_BYTES or data[0] != SEALED:
             raise EncryptionFailed("malformed", "not a sealed frame")
         _, epoch, counter, seq, rid_len = _HEADER.unpack_from(data)
@@ -410,7 +418,8 @@ class Channel:
             raise EncryptionFailed(
                 "bad_tag", f"frame {counter} failed authentication (altered or not ours)"
             ) from None
-        request_id, inner_seq = frame_meta(plaintext)
+        tensor = plaintext[:1] == bytes((TENSOR,))
+        request_id, inner_seq = tensor_meta(plaintext) if tensor else frame_meta(plaintext)
         if (request_id or "").encode() != data[_HEADER.size : body] or (
             -1 if inner_seq is None else inner_seq
         ) != seq:
@@ -423,7 +432,7 @@ class Channel:
             if self._on_key is not None:
                 self._on_key(self.receiving, key.epoch, old.hash, key.hash)
         key.used += len(plaintext)
-        return plaintext.decode()
+        return plaintext if tensor else plaintext.decode()
 
 
 def load_pinned(source: str | bytes | Ed25519PublicKey) -> Ed25519PublicKey:

@@ -12,11 +12,12 @@ accepted and ignored.
 from __future__ import annotations
 
 import base64
-import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final, Literal
 
 import msgspec
+import numpy as np
 
 from seedance.protocol.errors import InvalidRequest
 from seedance.protocol.messages import EmbedFields
@@ -36,7 +37,7 @@ class _EmbeddingsBody(EmbedFields, kw_only=True):
 class EmbeddingsRequest:
     model: str | None
     inputs: tuple[Input, ...]  # text, or token ids
-    encoding_format: Literal["float", "base64"]
+    encoding_format: Literal["float", "base64", "tensor"]  # tensor: the embed frame's only
     dimensions: int | None
 
 
@@ -48,18 +49,27 @@ def decode_embeddings(body: bytes) -> EmbeddingsRequest:
     return embeddings_request(decode_body(_decoder, body))
 
 
-def embeddings_request(fields: EmbedFields) -> EmbeddingsRequest:
+def embeddings_request(
+    fields: EmbedFields, token_rows: Sequence[list[int]] | None = None
+) -> EmbeddingsRequest:
     """An embedding request's fields checked, the same for ``/v1/embeddings`` and the
-    ``embed`` frame."""
+    ``embed`` frame; ``token_rows``: the inputs as token ids, from a tensor (the frame's
+    ``input_tensor``) instead of ``input``."""
     dimensions = fields.dimensions
     if dimensions is not None and dimensions < 1:
         raise InvalidRequest(f"dimensions: {dimensions} is not a positive size")
-    return EmbeddingsRequest(
-        fields.model, _inputs(fields.input), fields.encoding_format, dimensions
-    )
+    if token_rows is not None:
+        if fields.input is not None:
+            raise InvalidRequest("give input or input_tensor, not both")
+        inputs = _inputs(list(token_rows), "input_tensor")
+    elif fields.input is None:
+        raise InvalidRequest("input: required")
+    else:
+        inputs = _inputs(fields.input)
+    return EmbeddingsRequest(fields.model, inputs, fields.encoding_format, dimensions)
 
 
-def _inputs(raw: str | list[str | int | list[int]]) -> tuple[Input, ...]:
+def _inputs(raw: str | list[str | int | list[int]], field: str = "input") -> tuple[Input, ...]:
     """``input`` as the inputs it holds: one kind per list."""
     inputs: tuple[Input, ...]
     if isinstance(raw, str):
@@ -74,25 +84,24 @@ def _inputs(raw: str | list[str | int | list[int]]) -> tuple[Input, ...]:
             "not a mix of strings or lists and token ids"
         )
     if not inputs:
-        raise InvalidRequest("input: give at least one input")
+        raise InvalidRequest(f"{field}: give at least one input")
     for index, item in enumerate(inputs):
         if not item:
-            raise InvalidRequest(f"input[{index}] is empty")
+            raise InvalidRequest(f"{field}[{index}] is empty")
     if len(inputs) > MAX_INPUTS:
-        raise InvalidRequest(f"input: {len(inputs)} inputs, at most {MAX_INPUTS} per request")
+        raise InvalidRequest(f"{field}: {len(inputs)} inputs, at most {MAX_INPUTS} per request")
     return inputs
 
 
-def vector(values: list[float], encoding: str) -> list[float] | str:
-    """One vector as the answer carries it (``base64``: its little-endian float32 bytes)."""
+def vector(values: np.ndarray, encoding: str) -> list[float] | str:
+    """One vector (a float32 row) as the answer carries it (``base64``: its little-endian
+    float32 bytes)."""
     if encoding == "base64":
-        return base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode()
-    return values
+        return base64.b64encode(values.astype("<f4", copy=False).tobytes()).decode()
+    return values.tolist()  # type: ignore[no-any-return]
 
 
-def embeddings_body(
-    vectors: list[list[float]], model: str, prompt_tokens: int, encoding: str
-) -> bytes:
+def embeddings_body(vectors: np.ndarray, model: str, prompt_tokens: int, encoding: str) -> bytes:
     """The answer: each vector in its input's order, and the tokens read."""
     return msgspec.json.encode(
         {

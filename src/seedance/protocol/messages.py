@@ -134,7 +134,8 @@ class EmbedFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """What an embedding request asks, in the ``embed`` frame and the body of
     ``POST /v1/embeddings`` alike (rules in :mod:`seedance.protocol.embeddings`)."""
 
-    input: str | list[str | int | list[int]]
+    #: None is refused (the ``embed`` frame may give ``input_tensor`` instead).
+    input: str | list[str | int | list[int]] | None
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
@@ -142,10 +143,15 @@ class EmbedFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 class Embed(EmbedFields, kw_only=True):
     """``embed``: vectors for ``input`` from an embedding model, answered by an
-    ``embeddings`` frame."""
+    ``embeddings`` frame (``encoding_format: tensor``: by a tensor frame before it)."""
 
     type: Literal["embed"] = "embed"
     request_id: str | None = None
+    input: str | list[str | int | list[int]] | None = None
+    encoding_format: Literal["float", "base64", "tensor"] = "float"  # type: ignore[assignment]
+    #: The name of a tensor frame of this request sent before it, whose rows are the inputs'
+    #: token ids (instead of ``input``).
+    input_tensor: str | None = None
 
 
 ClientMessage = Generate | Cancel | Resume | Ping | EndSession | Embed
@@ -275,12 +281,14 @@ class EmbeddingsUsage(msgspec.Struct):
 
 class EmbeddingsFrame(_ServerFrame, tag="embeddings"):
     """The answer to ``embed``: a vector per input, in order (``base64``: each one's
-    little-endian float32 bytes)."""
+    little-endian float32 bytes); with ``encoding_format: tensor`` no ``data`` but the names
+    of the tensor frames sent before it (``["embedding"]``)."""
 
     request_id: str
     model: str
-    data: list[list[float] | str]
     usage: EmbeddingsUsage
+    data: list[list[float] | str] | None = None
+    tensors: list[str] | None = None
 
 
 ServerFrame = (

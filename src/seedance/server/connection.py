@@ -65,6 +65,14 @@ from seedance.protocol.messages import (
     Resume,
     StartFrame,
 )
+from seedance.protocol.tensors import (
+    TENSOR,
+    HeldTensors,
+    Tensor,
+    decode_tensor,
+    encode_tensor,
+    token_rows,
+)
 from seedance.server.keepalive import Action, Heartbeat, Keepalive
 from seedance.server.lifecycle.admit import Requester, admit, new_request_id, prepare
 from seedance.server.lifecycle.embed import embed
@@ -221,6 +229,7 @@ class Connection:
         self.requests = 0
         self._deferred = 0  # messages left to the receive loop, to keep their order
         self._embeddings: set[asyncio.Task[None]] = set()  # embed frames being answered
+        self._tensors = HeldTensors(max_bytes=self.config.max_frame_bytes)  # requests' inputs
         ws.on_pong(self._on_control_pong)
 
     @property
@@ -284,6 +293,8 @@ class Connection:
             text: str | bytes | None = data if is_text else None
             if self.channel is not None:
                 text = self._open(data, is_text)
+                if isinstance(text, bytes):  # an opened tensor frame
+                    data, text = text, None
             if text is None:
                 self._on_binary(data)
                 return True
@@ -305,6 +316,8 @@ class Connection:
             if self.channel is not None:
                 opened, self._opened = self._opened, None
                 text = opened if opened is not None else self._open(data, text is not None)
+                if isinstance(text, bytes):  # an opened tensor frame
+                    data, text = text, None
             if text is None:
                 self._on_binary(data)  # type: ignore[arg-type]
                 return
@@ -318,13 +331,14 @@ class Connection:
         except Exception as exc:
             self._on_error(exc)
 
-    def _open(self, data: str | bytes, is_text: bool) -> str | None:
-        """An inbound frame of an encrypted connection: a sealed frame's text, None for a
-        heartbeat; anything else fails the connection."""
+    def _open(self, data: str | bytes, is_text: bool) -> str | bytes | None:
+        """An inbound frame of an encrypted connection: a sealed frame's JSON text, or its
+        tensor frame (bytes); None for a heartbeat; anything else fails the connection."""
         assert self.channel is not None
-        if is_text or not isinstance(data, bytes):
+        if is_text or not isinstance(data, bytes) or data[:1] == bytes((TENSOR,)):
+            what = "a text frame" if is_text else "a tensor frame in the clear"
             raise EncryptionFailed(
-                "plaintext", "this connection encrypts every frame: a text frame was refused"
+                "plaintext", f"this connection encrypts every frame: {what} was refused"
             )
         if data[:1] != bytes((SEALED,)):
             return None  # a heartbeat, or a frame the binary path refuses
@@ -483,7 +497,10 @@ class Connection:
 
     def _on_binary(self, data: bytes) -> None:
         check_frame_size(data, self.config.max_frame_bytes)
-        kind = classify_binary(data)  # a frame that is not a heartbeat is refused here
+        kind = classify_binary(data)  # a frame that is neither a heartbeat nor a tensor: refused
+        if kind == "tensor":  # an input of a request still to come: held for it
+            self._tensors.add(decode_tensor(data))
+            return
         self.keepalive.spoke_binary()
         if kind == "ping":
             self.out.put(HEARTBEAT_PONG)
@@ -520,22 +537,27 @@ class Connection:
         """An ``embed`` frame, beside whatever streams (it needs no session turn): its
         ``embeddings`` frame, or its error; reported as every API reports one."""
         request_id = RequestId(message.request_id) if message.request_id else new_request_id()
+        tensors = self._tensors.take(request_id)
         arrival = self._arrival(request_id, operation="embeddings")
         arrival.model = None  # the embedding model, once chosen
         services = self.services
         try:
-            done = await embed(services, arrival, embeddings_request(message))
+            tensor = claim(tensors, message.input_tensor, "input_tensor")
+            rows = None if tensor is None else token_rows(tensor, "input_tensor")
+            done = await embed(services, arrival, embeddings_request(message, rows))
         except asyncio.CancelledError:  # the connection closed first
             services.refusals.answered(arrival, "aborted")
             raise
         except Exception as exc:
             self._refuse(arrival, exc)
             return
-        data = [vector(v, message.encoding_format) for v in done.vectors]
         usage = EmbeddingsUsage(prompt_tokens=done.tokens, total_tokens=done.tokens)
-        frame = EmbeddingsFrame(
-            request_id=request_id, model=done.model.name, data=data, usage=usage
-        )
+        frame = EmbeddingsFrame(request_id=request_id, model=done.model.name, usage=usage)
+        if message.encoding_format == "tensor":
+            self.out.put(encode_tensor(Tensor(request_id, "embedding", done.vectors)))
+            frame.tensors = ["embedding"]
+        else:
+            frame.data = [vector(v, message.encoding_format) for v in done.vectors]
         self.out.put(encode_frame(frame))
         self.requests += 1
         services.refusals.answered(arrival, "embedded", done.tokens)
@@ -558,6 +580,7 @@ class Connection:
         try:
             if bad_parent is not None:
                 raise bad_parent
+            claim(self._tensors.take(request_id), None, "")  # generate takes no tensor yet
             # The version served now (a reload may have swapped one in since the last).
             served, message = prepare(
                 services.models, arrival, self.model.name, self.session.session_id, message
@@ -720,3 +743,17 @@ class Connection:
                 keepalive.spoke_binary()  # no ping frames here: the binary heartbeat then
                 self.out.put(HEARTBEAT_PING)
         self._arm_timer()
+
+
+def claim(tensors: Mapping[str, Tensor], name: str | None, field: str) -> Tensor | None:
+    """The tensor a request's ``field`` names among those sent for it (None: it names none);
+    a tensor sent for the request but not used, or one named but not sent, is refused."""
+    if name is not None and name not in tensors:
+        raise InvalidRequest(f"{field}: no tensor frame {name!r} was sent for this request")
+    unused = sorted(set(tensors) - {name})
+    if unused:
+        raise InvalidRequest(
+            f"tensor frame(s) {', '.join(map(repr, unused))} sent for this request, which "
+            f"does not use them"
+        )
+    return None if name is None else tensors[name]

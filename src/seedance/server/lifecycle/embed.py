@@ -26,6 +26,8 @@ from seedance.protocol.errors import InvalidRequest
 from seedance.server.lifecycle.admit import check_serving, choose_model
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from seedance.engines.embeddings import EmbeddingEngine
     from seedance.protocol.embeddings import EmbeddingsRequest, Input
     from seedance.server.lifecycle.models import ModelTable, ServedModel
@@ -39,7 +41,7 @@ NO_MODEL = "no embedding model is served here (seedance serve --embedding-model)
 @dataclass(frozen=True, slots=True)
 class Embedded:
     model: ServedModel
-    vectors: list[list[float]]
+    vectors: np.ndarray  # float32, a row per input
     tokens: int  # every input's, special tokens included
 
 

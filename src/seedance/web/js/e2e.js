@@ -14,6 +14,7 @@
 // zeroed at once, and a key left behind by a rotation is dropped (nothing refers to it).
 
 import { EncryptionFailed, InvalidRequest } from "./seedance.js"; // a cycle: used at run time only
+import { TENSOR, tensorMeta } from "./tensors.js";
 
 export const E2E_VERSION = 1;
 export const E2E_SUITE = "x25519-ed25519-hkdf-sha256-aes-256-gcm";
@@ -265,15 +266,17 @@ export class Channel {
     return this._receive.hash;
   }
 
-  /** The sealed frame of a frame's JSON text (its request id and seq go in the header). */
+  /** The sealed frame of a frame's JSON text, or of a tensor frame (a Uint8Array): its request
+   * id and seq go in the header. */
   seal(text) {
     const sealed = this._sealing.then(() => this._seal(text));
     this._sealing = sealed.catch(() => {});
     return sealed;
   }
 
-  /** The JSON text of a sealed frame; rejects with EncryptionFailed (its `reason`) unless it is
-   * exactly the next frame of this connection, sealed by the other side. */
+  /** The JSON text of a sealed frame, or the tensor frame it carries (a Uint8Array); rejects
+   * with EncryptionFailed (its `reason`) unless it is exactly the next frame of this
+   * connection, sealed by the other side. */
   open(data) {
     const opened = this._opening.then(() => this._openChecked(new Uint8Array(data)));
     this._opening = opened.catch(() => {});
@@ -287,7 +290,8 @@ export class Channel {
       this._send = key = await old.next(this._clock());
       this._onKey?.(this.sending, key.epoch, old.hash, key.hash);
     }
-    const [requestId, seq] = frameMeta(text);
+    const tensor = text instanceof Uint8Array;
+    const [requestId, seq] = tensor ? tensorMeta(text) : frameMeta(text);
     const rid = encoder.encode(requestId ?? "");
     const header = new Uint8Array(HEADER_BYTES + rid.length);
     const view = new DataView(header.buffer);
@@ -298,7 +302,7 @@ export class Channel {
     view.setBigInt64(13, BigInt(seq ?? -1));
     view.setUint16(21, rid.length);
     header.set(rid, HEADER_BYTES);
-    const plaintext = encoder.encode(text);
+    const plaintext = tensor ? text : encoder.encode(text);
     const sealed = await subtle().encrypt(
       { name: "AES-GCM", iv: nonce(key.epoch, counter), additionalData: concat(this._adPrefix, header) },
       key.aead, plaintext);
@@ -346,13 +350,19 @@ export class Channel {
     } catch {
       throw failed("bad_tag", `frame ${counter} failed authentication (altered or not ours)`);
     }
-    let text;
+    const tensor = plaintext[0] === TENSOR;
+    let text = plaintext;
     try {
-      text = decoder.decode(plaintext);
+      if (!tensor) text = decoder.decode(plaintext);
     } catch {
       throw failed("malformed", `frame ${counter}: its text is not UTF-8`);
     }
-    const [requestId, innerSeq] = frameMeta(text);
+    let requestId, innerSeq;
+    try {
+      [requestId, innerSeq] = tensor ? tensorMeta(plaintext) : frameMeta(text);
+    } catch {
+      throw failed("mismatch", `frame ${counter}: its tensor header cannot be read`);
+    }
     if (!equalBytes(encoder.encode(requestId ?? ""), data.subarray(HEADER_BYTES, body)) ||
         BigInt(innerSeq ?? -1) !== seq) {
       throw failed("mismatch", `frame ${counter}: its header names another request or seq`);

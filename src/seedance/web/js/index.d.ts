@@ -182,19 +182,42 @@ export interface TokenLogprob {
 /** The fields of an embed frame besides its input (docs/protocol.md). */
 export interface EmbedFields {
   model?: string;
-  encoding_format?: "float" | "base64";
+  encoding_format?: "float" | "base64" | "tensor";
   dimensions?: number;
   request_id?: string;
+  /** With token ids given as a TypedArray: their shape ([inputs, tokens]; default one input). */
+  shape?: number[];
 }
 
-/** The answer to an embed: a vector per input, in order (base64: little-endian float32). */
+/** A tensor read from a tensor frame: `data` is a TypedArray over the frame, row-major. */
+export interface TensorData {
+  dtype: "BOOL" | "UINT8" | "UINT16" | "UINT32" | "UINT64" | "INT8" | "INT16" | "INT32" | "INT64" | "FP16" | "FP32" | "FP64";
+  shape: number[];
+  data: Uint8Array | Uint16Array | Uint32Array | BigUint64Array | Int8Array | Int16Array | Int32Array | BigInt64Array | Float32Array | Float64Array;
+}
+
+/** The answer to an embed: a vector per input, in order (base64: little-endian float32; tensor:
+ * no `data`, the vectors in `arrays.embedding`). */
 export interface EmbeddingsFrame {
   type: "embeddings";
   request_id: string;
   model: string;
-  data: (number[] | string)[];
+  data?: (number[] | string)[];
+  tensors?: string[];
+  arrays?: { [name: string]: TensorData };
   usage: { prompt_tokens: number; total_tokens: number };
 }
+
+/** A tensor frame's contents (tensors.js). */
+export interface Tensor extends TensorData {
+  requestId: string | null;
+  name: string;
+  seq: number | null;
+}
+export const TENSOR: 0x10;
+export function decodeTensor(frame: ArrayBuffer | Uint8Array): Tensor;
+export function encodeTensor(tensor: { requestId?: string | null; name: string; data: ArrayBufferView; shape?: number[]; seq?: number; dtype?: TensorData["dtype"] }): Uint8Array;
+export function tensorMeta(frame: Uint8Array): [string | null, number | null];
 
 /** Tokens `seq` .. `seq + n - 1` of a reply. */
 export interface TokenChunk {
@@ -281,7 +304,7 @@ export declare class Session extends EventTarget {
   readonly busy: boolean;
   qos: QoS | string | undefined;
   generate(prompt: string | GenerateFields, fields?: GenerateFields): Generation;
-  embed(input: string | string[] | number[] | number[][], fields?: EmbedFields): Promise<EmbeddingsFrame>;
+  embed(input: string | string[] | number[] | number[][] | Int32Array | BigInt64Array, fields?: EmbedFields): Promise<EmbeddingsFrame>;
   cancel(requestId?: string): void;
   ping(): Promise<number>;
   end(): void;

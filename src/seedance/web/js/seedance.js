@@ -4,6 +4,7 @@
 // encryption of every frame (e2e.js).
 
 import { Handshake, SEALED, toHex } from "./e2e.js";
+import { TENSOR, decodeTensor, encodeTensor } from "./tensors.js";
 
 export const SUBPROTOCOL = "seedance.v2";
 
@@ -162,7 +163,7 @@ export class Session extends EventTarget {
     this.closed = false;
     this._ws = null;
     this._generations = new Map();
-    this._embeds = new Map(); // request id -> {resolve, reject} of an embed() waiting
+    this._embeds = new Map(); // request id -> {resolve, reject, arrays} of an embed() waiting
     this._pings = []; // send times of heartbeats not answered yet
     this._heartbeat = null;
     this._closing = false;
@@ -204,12 +205,23 @@ export class Session extends EventTarget {
   /** Vectors for `input` (a string, strings, token ids, or lists of them) from an embedding
    * model: `embed(["a", "b"], {model, encoding_format})` resolves to the `embeddings` frame
    * (`data`: a vector per input, in order); an error frame about it rejects. Not resumed: a
-   * drop of the connection before the answer rejects, and it may be sent again. */
+   * drop of the connection before the answer rejects, and it may be sent again.
+   *
+   * With `encoding_format: "tensor"` the vectors come as a tensor frame: the answer's
+   * `arrays.embedding` is `{dtype: "FP32", shape: [inputs, size], data}` with `data` a
+   * Float32Array over the frame. Token ids may go up as a tensor too: `input` an Int32Array
+   * (one input; `shape: [inputs, tokens]` in `fields` for several of one length). */
   embed(input, fields = {}) {
-    const frame = { type: "embed", input, ...fields };
+    const { shape, ...rest } = fields;
+    const frame = { type: "embed", input, ...rest };
     frame.request_id ??= `js-e-${randomId()}`;
+    if (ArrayBuffer.isView(input)) {
+      delete frame.input;
+      frame.input_tensor = "input_ids";
+      this._send(encodeTensor({ requestId: frame.request_id, name: "input_ids", data: input, shape }));
+    }
     return new Promise((resolve, reject) => {
-      this._embeds.set(frame.request_id, { resolve, reject });
+      this._embeds.set(frame.request_id, { resolve, reject, arrays: {} });
       this._send(JSON.stringify(frame));
     });
   }
@@ -353,6 +365,7 @@ export class Session extends EventTarget {
     if (typeof data !== "string") {
       const bytes = new Uint8Array(data);
       if (bytes[0] === SEALED && channel) this._openSealed(ws, channel, bytes);
+      else if (bytes[0] === TENSOR && !channel) this._onTensor(bytes);
       else if (bytes[0] === HEARTBEAT_PING) ws.send(new Uint8Array([HEARTBEAT_PONG, 0]));
       else if (bytes[0] === HEARTBEAT_PONG && this._pings.length) this._onPong(this._pings.shift());
       return;
@@ -378,7 +391,8 @@ export class Session extends EventTarget {
         this._encryptionFailed(ws, error);
         return;
       }
-      this._onText(text);
+      if (text instanceof Uint8Array) this._onTensor(text);
+      else this._onText(text);
     }).catch((error) => globalThis.reportError?.(error)); // reported as from onmessage; goes on
   }
 
@@ -395,6 +409,13 @@ export class Session extends EventTarget {
     ws.close(4400, "encryption_failed");
   }
 
+  // A tensor frame: kept for the request waiting for it (the JSON frame that ends it follows).
+  _onTensor(bytes) {
+    const { requestId, name, dtype, shape, data } = decodeTensor(bytes);
+    const embed = this._embeds.get(requestId);
+    if (embed) embed.arrays[name] = { dtype, shape, data };
+  }
+
   _onText(data) {
     const frame = JSON.parse(data);
     if (frame.type === "session") {
@@ -405,7 +426,7 @@ export class Session extends EventTarget {
     const embed = this._embeds.get(frame.request_id);
     if (embed && (frame.type === "embeddings" || frame.type === "error")) {
       this._embeds.delete(frame.request_id);
-      if (frame.type === "embeddings") embed.resolve(frame);
+      if (frame.type === "embeddings") embed.resolve(frame.tensors ? { ...frame, arrays: embed.arrays } : frame);
       else embed.reject(errorFromWire(frame.error, frame.request_id));
       return;
     }
