@@ -31,6 +31,7 @@ from seedance.server.endpoint import InferEndpoint
 from seedance.server.errors import EXCEPTION_HANDLERS
 from seedance.server.http_call import authenticate_call
 from seedance.server.lifecycle.models import ServedModel
+from seedance.server.oip_api import oip_routes
 from seedance.server.openai_api import OpenAIEndpoint, StreamsEndpoint
 from seedance.server.realtime import RealtimeEndpoint
 from seedance.server.responses_api import (
@@ -228,6 +229,7 @@ def create_app(
                 methods=["POST"],
             ),
             *admin_routes(state),
+            *oip_routes(state),  # after /v2/infer: the protocol's 404 for the rest of /v2/
             *([] if config.no_playground else web_routes()),
         ],
         lifespan=lifespan,

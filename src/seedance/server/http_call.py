@@ -59,11 +59,15 @@ class Disconnected(Exception):
 
 class HttpResponse:
     """What an HTTP call writes: a status and headers once (with the call's ``traceparent``),
-    then its body, whole or in pieces."""
+    then its body, whole or in pieces; an error in its API's shape (``errors``: the body of an
+    error; OpenAI's by default)."""
 
-    def __init__(self, send: Send, traceparent: str) -> None:
+    def __init__(
+        self, send: Send, traceparent: str, errors: Callable[[SeedanceError], bytes] = error_body
+    ) -> None:
         self._send = send
         self._trace_header = (b"traceparent", traceparent.encode())
+        self._errors = errors
         self.started = False  # the status line and headers are sent
 
     async def start(self, status: int, headers: Headers) -> None:
@@ -89,9 +93,9 @@ class HttpResponse:
         await self.write(body, more=False)
 
     async def refuse(self, error: SeedanceError) -> None:
-        """An error response, in the OpenAI API's shape, with the status it names."""
+        """An error response, in the API's shape, with the status it names."""
         headers = [*JSON_HEADERS, *error_headers(error)]
-        await self.respond(error.http_status, headers, error_body(error))
+        await self.respond(error.http_status, headers, self._errors(error))
 
 
 class HttpCall:
@@ -110,6 +114,7 @@ class HttpCall:
         request_id: str,
         *,
         path: str | None = None,
+        errors: Callable[[SeedanceError], bytes] = error_body,
     ) -> None:
         self.services = services
         self.scope = scope
@@ -118,7 +123,7 @@ class HttpCall:
         self.arrival: Arrival = services.refusals.arrive(
             "http", scope, operation, request_id=request_id, path=path
         )
-        self.response = HttpResponse(send, self.arrival.trace.traceparent)
+        self.response = HttpResponse(send, self.arrival.trace.traceparent, errors)
         self.principal: Principal = OPEN_PRINCIPAL
         #: The generation it admitted (None: none; its report is then the call's own).
         self.generation: Generation | None = None

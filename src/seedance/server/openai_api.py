@@ -25,7 +25,7 @@ import msgspec
 
 from seedance.observability.tracing import request_attributes
 from seedance.protocol.codec import FrameLimits
-from seedance.protocol.errors import InvalidRequest, Overloaded, SeedanceError, error_from_wire
+from seedance.protocol.errors import InvalidRequest, Overloaded, SeedanceError
 from seedance.protocol.messages import (
     DoneFrame,
     ErrorFrame,
@@ -47,7 +47,7 @@ from seedance.server.http_call import (
 from seedance.server.lifecycle.admit import Requester, admit, explicit_prompt, prepare
 from seedance.server.lifecycle.drain import SHUTTING_DOWN
 from seedance.server.lifecycle.generation import Generation
-from seedance.server.lifecycle.reader import Reading
+from seedance.server.lifecycle.reader import Reading, end_error
 from seedance.server.lifecycle.services import Services
 from seedance.streams.log import StreamLog
 
@@ -159,14 +159,7 @@ async def _finish(
     if end is None:
         return
     if isinstance(end, ErrorFrame):
-        body = end.error
-        error = error_from_wire(
-            body.code,
-            body.message,
-            request_id=end.request_id,
-            retry_after_s=body.retry_after,
-            reason=body.reason,
-        )
+        error = end_error(end)
         call.outcome = error.code
         await call.render_error(error)
         return

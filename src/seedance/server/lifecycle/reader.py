@@ -22,6 +22,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Final
 
+from seedance.protocol.errors import EngineError, SeedanceError, error_from_wire
 from seedance.protocol.messages import DoneFrame, ErrorFrame, StartFrame
 from seedance.streams.log import LogReader, StreamLog
 
@@ -154,3 +155,30 @@ class Reading:
                 yield text, last_seq
             if pull.ended:
                 return
+
+
+def end_error(end: ErrorFrame) -> SeedanceError:
+    """The error a log ended with, as the exception that raises it again."""
+    body = end.error
+    return error_from_wire(
+        body.code,
+        body.message,
+        request_id=end.request_id,
+        retry_after_s=body.retry_after,
+        reason=body.reason,
+    )
+
+
+async def read_to_end(log: StreamLog, generation: Generation | None) -> DoneFrame:
+    """Read ``log`` whole (its text stays in the log) and return its ``done``; a log that ends
+    with an error raises it, one that ends with nothing (the log was dropped) raises an
+    :class:`EngineError`."""
+    with Reading(log, generation) as reading:
+        async for _ in reading:
+            pass
+    end = reading.end
+    if isinstance(end, ErrorFrame):
+        raise end_error(end)
+    if end is None:
+        raise EngineError(f"the reply to {log.request_id} ended without a result")
+    return end
