@@ -98,12 +98,14 @@ class Reconnect:
 @dataclass(frozen=True, slots=True)
 class TokenChunk:
     """Text of one token frame: tokens ``seq`` .. ``seq + n - 1`` of the reply (and their log
-    probabilities, one each, when the request asked for ``logprobs``)."""
+    probabilities, one each, when the request asked for ``logprobs``; the tensor frames sent
+    with it by name, when it asked for ``tensors``: ``token_ids`` an int32 array of ``n``)."""
 
     text: str
     seq: int
     n: int = 1
     logprobs: list[TokenLogprob] | None = None
+    tensors: dict[str, np.ndarray] | None = None
 
 
 def infer_url(url: str, **params: str | None) -> str:
@@ -150,8 +152,10 @@ class Stream:
         self.last_seq = -1
         self._parts: list[str] = []
         self._logprobs: list[TokenLogprob] = []
+        self._tensors: dict[str, list[np.ndarray]] = {}  # by name, the chunks' in order
+        self._pending: list[Tensor] = []  # tensor frames that wait for their token frame
         # Unbounded: the reader never waits on one stream (heartbeats keep flowing).
-        self._queue: asyncio.Queue[ServerFrame | BaseException] = asyncio.Queue()
+        self._queue: asyncio.Queue[ServerFrame | Tensor | BaseException] = asyncio.Queue()
         self._sent = False
         self._on_wire = False  # its generate went out on a connection
         self._failure: BaseException | None = None
@@ -169,6 +173,14 @@ class Stream:
             return self.done.logprobs
         return self._logprobs
 
+    def tensor(self, name: str) -> np.ndarray:
+        """The tensor frames named ``name`` of the reply so far, joined along their first
+        dimension (``token_ids``: one int32 per token)."""
+        parts = self._tensors.get(name)
+        if not parts:
+            raise KeyError(f"no {name!r} tensor came with this reply (ask for tensors=[...])")
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
     def __aiter__(self) -> Stream:
         return self
 
@@ -183,7 +195,11 @@ class Stream:
             if isinstance(item, BaseException):
                 self._failure = item
                 raise item
+            if isinstance(item, Tensor):  # its token frame comes next
+                self._pending.append(item)
+                continue
             if isinstance(item, TokenFrame):
+                pending, self._pending = self._pending, []
                 last = item.seq + item.n - 1
                 if last <= self.last_seq:  # already held (a resume after a drop)
                     continue
@@ -191,7 +207,12 @@ class Stream:
                 self._parts.append(item.token)
                 if item.logprobs is not None:
                     self._logprobs.extend(item.logprobs)
-                return TokenChunk(item.token, item.seq, item.n, item.logprobs)
+                tensors = None
+                if pending:
+                    tensors = {t.name: t.array for t in pending if t.seq == item.seq}
+                    for name, array in tensors.items():
+                        self._tensors.setdefault(name, []).append(array)
+                return TokenChunk(item.token, item.seq, item.n, item.logprobs, tensors)
             if isinstance(item, StartFrame):
                 self.start = self.start or item  # a resume sends it again
             elif isinstance(item, DoneFrame):
@@ -318,6 +339,7 @@ class ClientSession:
         tools: Sequence[Mapping[str, Any]] | None = None,
         tool_choice: str | Mapping[str, Any] | None = None,
         parallel_tool_calls: bool | None = None,
+        tensors: Sequence[str] | None = None,
     ) -> Stream:
         """Ask for a reply; iterate the result for its tokens. ``priority`` (-10 to 10, within
         the tenant's maximum) orders the request in the server's admission queue.
@@ -331,7 +353,9 @@ class ClientSession:
         ``tools``, ``tool_choice``, ``parallel_tool_calls``: functions the reply may call, as
         OpenAI's Chat Completions takes them; the ``done`` frame's ``tool_calls`` holds the
         calls made, and a later request answers them with ``{"role": "tool", "tool_call_id":
-        ..., "content": ...}`` messages."""
+        ..., "content": ...}`` messages. ``tensors``: outputs that come as tensor frames beside
+        the token frames (``token_ids``, ``logprobs``, ``top_logprobs``): each chunk's in
+        :attr:`TokenChunk.tensors`, the whole reply's from :meth:`Stream.tensor`."""
         fields: dict[str, Any] = {
             "prompt": prompt,
             "stream": stream,
@@ -346,6 +370,7 @@ class ClientSession:
             "tools": [dict(tool) for tool in tools] if tools is not None else None,
             "tool_choice": dict(tool_choice) if isinstance(tool_choice, Mapping) else tool_choice,
             "parallel_tool_calls": parallel_tool_calls,
+            "tensors": list(tensors) if tensors is not None else None,
         }
         if messages is not None:
             fields["messages"] = [
@@ -598,7 +623,10 @@ class ClientSession:
     async def _on_binary(self, data: bytes) -> None:
         if data[:1] == bytes((TENSOR,)):
             tensor = decode_tensor(data)
-            if tensor.request_id in self._embeds:
+            stream = self._streams.get(tensor.request_id or "")
+            if stream is not None:
+                stream._queue.put_nowait(tensor)
+            elif tensor.request_id in self._embeds:
                 self._tensors.setdefault(tensor.request_id, {})[tensor.name] = tensor.array
             return
         if data == HEARTBEAT_PING:

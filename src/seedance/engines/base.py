@@ -62,6 +62,8 @@ class SamplingParams:
     tools: Tools | None = None
     #: Never end at the model's end-of-text tokens: only ``max_tokens`` (or a stop) ends it.
     ignore_eos: bool = False
+    #: Hand out the reply's token ids (:attr:`TokenDelta.ids`).
+    token_ids: bool = False
 
     @classmethod
     def of(cls, message: Generate, unset: frozenset[str] = frozenset()) -> SamplingParams:
@@ -78,6 +80,7 @@ class SamplingParams:
             logprobs=message.logprobs,
             tools=tools,
             ignore_eos=message.ignore_eos,
+            token_ids="token_ids" in (message.tensors or ()),
         )
 
 
@@ -133,6 +136,8 @@ class TokenDelta:
     finish_reason: FinishReason | None = None
     #: One per token, when the request asked for log probabilities.
     logprobs: list[TokenLogprob] | None = None
+    #: The tokens' ids, when the request asked for them (an engine with :attr:`Engine.token_ids`).
+    ids: list[int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,6 +230,8 @@ class Engine(abc.ABC):
 
     #: Whether replies can carry their tokens' log probabilities (``logprobs``).
     logprobs: bool = False
+    #: Whether replies can carry their tokens' ids (a ``token_ids`` tensor).
+    token_ids: bool = False
 
     def check_schema(self, schema: OutputSchema, field: str) -> None:
         """Refuse (:class:`InvalidRequest` naming ``field``) a schema this engine cannot bind

@@ -53,8 +53,10 @@ logger = logging.getLogger(__name__)
 #: The longest a thread keeps the GIL while another waits (Python's default: 5 ms).
 GIL_SWITCH_INTERVAL_S = 0.0005
 
-#: What a job receives, in order: ``(text, tokens, finish_reason, error, logprobs)``.
-Event = tuple[str, int, FinishReason | None, str | None, list[TokenLogprob] | None]
+#: What a job receives, in order: ``(text, tokens, finish_reason, error, logprobs, ids)``.
+Event = tuple[
+    str, int, FinishReason | None, str | None, list[TokenLogprob] | None, list[int] | None
+]
 #: Called on the event loop with every event of one decode step.
 Deliver = Callable[[list[tuple[Any, Event]]], None]
 
@@ -93,6 +95,7 @@ class BatchJob:
         "generated",
         "grammar",
         "held",
+        "ids",
         "limit",
         "logprobs",
         "matcher",
@@ -118,6 +121,8 @@ class BatchJob:
         #: the entries of the tokens sampled but not yet emitted.
         self.top = params.logprobs
         self.logprobs: list[TokenLogprob] | None = None if params.logprobs is None else []
+        #: The ids of the tokens sampled but not yet emitted (None: the request asked for none).
+        self.ids: list[int] | None = [] if params.token_ids else None
 
     def close(self) -> None:
         """Free what the job holds outside Python (a native sampler, say)."""
@@ -260,7 +265,7 @@ class DecodeLoop(abc.ABC):
             job.close()
             if not job.done:
                 job.done = True
-                self._outbox.append((job.sink, ("", 0, None, reason, None)))
+                self._outbox.append((job.sink, ("", 0, None, reason, None, None)))
         self._flush()
 
     def _flush(self) -> None:
@@ -295,11 +300,11 @@ class DecodeLoop(abc.ABC):
         grammar = job.grammar
         return grammar is None or grammar.try_consume_tokens([token]) == 1
 
-    def _take(self, job: BatchJob, piece: bytes | None) -> bool:
-        """A sampled token's bytes (None: the end of generation), which :meth:`_fits`, join
-        the reply; true while ``job`` goes on. A reply bound to a schema ends when its
+    def _take(self, job: BatchJob, token: int, piece: bytes | None) -> bool:
+        """A sampled token (its bytes; None: the end of generation), which :meth:`_fits`,
+        joins the reply; true while ``job`` goes on. A reply bound to a schema ends when its
         document is whole."""
-        if not self._accept(job, piece):
+        if not self._accept(job, token, piece):
             return False
         grammar = job.grammar
         if grammar is not None and grammar.is_stopped():
@@ -309,11 +314,14 @@ class DecodeLoop(abc.ABC):
 
     # -- text out ----------------------------------------------------------------------------
 
-    def _accept(self, job: BatchJob, piece: bytes | None) -> bool:
-        """A sampled token's bytes (``None``: end of generation); true while ``job`` goes on."""
+    def _accept(self, job: BatchJob, token: int, piece: bytes | None) -> bool:
+        """A sampled token and its bytes (``None``: end of generation); true while ``job``
+        goes on."""
         if piece is None:
             self._finish(job, "stop")
             return False
+        if job.ids is not None:
+            job.ids.append(token)
         job.generated += 1
         self.stats.tokens_generated += 1
         job.held += 1
@@ -347,16 +355,18 @@ class DecodeLoop(abc.ABC):
         self._emit(job, text, count, reason)
 
     def _emit(self, job: BatchJob, text: str, tokens: int, finish: FinishReason | None) -> None:
-        entries = job.logprobs
+        entries, ids = job.logprobs, job.ids
         if entries is not None:  # those of the tokens emitted (held ones stay)
             entries, job.logprobs = entries[:tokens], entries[tokens:]
-        self._outbox.append((job.sink, (text, tokens, finish, None, entries)))
+        if ids is not None:
+            ids, job.ids = ids[:tokens], ids[tokens:]
+        self._outbox.append((job.sink, (text, tokens, finish, None, entries, ids)))
         if finish is not None:
             self._end(job)
             self.stats.requests_finished += 1
 
     def _fail(self, job: BatchJob, reason: str) -> None:
-        self._outbox.append((job.sink, ("", 0, None, reason, None)))
+        self._outbox.append((job.sink, ("", 0, None, reason, None, None)))
         self._end(job)
         self.stats.requests_failed += 1
 
@@ -380,15 +390,15 @@ async def run_job(
     finished = False
     try:
         while True:
-            text, tokens, finish, error, logprobs = await events.get()
+            text, tokens, finish, error, logprobs, ids = await events.get()
             if error is not None:
                 finished = True
                 raise EngineError(f"request {request_id} failed: {error}; retry")
             if finish is not None:
                 finished = True
-                yield TokenDelta(text, tokens, finish, logprobs)
+                yield TokenDelta(text, tokens, finish, logprobs, ids)
                 return
-            yield TokenDelta(text, tokens, logprobs=logprobs)
+            yield TokenDelta(text, tokens, logprobs=logprobs, ids=ids)
     finally:
         if not finished:
             loop.cancel(job)
@@ -401,6 +411,7 @@ class BatchedEngine(PromptedEngine):
     #: Binds replies to schemas, where the engine set it up (:meth:`_use_grammars`).
     grammars: Grammars | None = None
     logprobs = True  # from the logits of the engine's own forward pass
+    token_ids = True  # the ids it samples
 
     @abc.abstractmethod
     def _job(

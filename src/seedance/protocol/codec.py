@@ -8,6 +8,7 @@ frame becomes a :class:`~seedance.protocol.errors.SeedanceError`, never another 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Final, Literal
 
@@ -155,6 +156,20 @@ def decode_client_text(data: str | bytes, limits: FrameLimits) -> ClientMessage:
     return message
 
 
+def _check_tensors(msg: Generate, bad: Callable[[str], InvalidRequest]) -> None:
+    """A ``generate`` frame's ``tensors``: each once, beside token frames, and the log
+    probabilities only where the request asks for them."""
+    tensors = msg.tensors or []
+    if len(set(tensors)) != len(tensors):
+        raise bad("tensors: each at most once")
+    if not msg.stream:
+        raise bad("tensors: they come beside token frames: not with stream false")
+    if "logprobs" in tensors and msg.logprobs is None:
+        raise bad("tensors: logprobs needs the logprobs field (0 or more alternatives)")
+    if "top_logprobs" in tensors and not msg.logprobs:
+        raise bad("tensors: top_logprobs needs logprobs of 1 or more")
+
+
 def check_frame_size(data: str | bytes, max_bytes: int) -> None:
     """Raise :class:`PayloadTooLarge` when ``data`` is over ``max_bytes`` bytes (UTF-8)."""
     size = len(data)
@@ -218,6 +233,8 @@ def validate_generate(msg: Generate, limits: FrameLimits, request_id: str | None
             raise bad(exc.message) from None
     if msg.logprobs is not None and not 0 <= msg.logprobs <= MAX_TOP_LOGPROBS:
         raise bad(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
+    if msg.tensors:
+        _check_tensors(msg, bad)
     try:
         if msg.schema is not None:
             output_schema(msg.schema, "schema")

@@ -122,6 +122,7 @@ class Follower:
         self.tokens = out.token_stream(log.request_id)
         self.tokens.seq = seq  # the first token this reader lacks
         self.tokens.logprobs = log.logprobs
+        self.tokens.tensors, self.tokens.token_ids = log.tensors, log.token_ids
         self.on_tokens = self.tokens.push
         self.behind = False
         out.watcher = self._watch

@@ -23,8 +23,11 @@ from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
+import numpy as np
+
 from seedance.protocol.codec import TokenFrameEncoder
 from seedance.protocol.messages import TokenLogprob
+from seedance.protocol.tensors import Tensor, encode_tensor
 from seedance.server.transport import AsgiWebSocket, OutFrame
 
 logger = logging.getLogger(__name__)
@@ -45,13 +48,17 @@ class TokenStream:
         "count",
         "last_sent",
         "logprobs",
+        "request_id",
         "seq",
         "size",
+        "tensors",
+        "token_ids",
         "waiting",
     )
 
     def __init__(self, out: Outbound, request_id: str) -> None:
         self._out = out
+        self.request_id = request_id
         self._encoder = TokenFrameEncoder(request_id)
         self._texts: list[str] = []
         self.size = 0  # bytes the frame being built is counted as in the queue
@@ -62,6 +69,10 @@ class TokenStream:
         #: The log's log probabilities by seq (None: the request asked for none): a frame
         #: carries those of its tokens.
         self.logprobs: list[TokenLogprob] | None = None
+        #: The outputs the request asked for as tensor frames, each sent just before the token
+        #: frame whose tokens it covers (:meth:`tensor_frames`), and the log's token ids.
+        self.tensors: tuple[str, ...] = ()
+        self.token_ids: list[int] | None = None
 
     def push(self, text: str, tokens: int) -> None:
         """Send the request's next tokens, merged with their neighbours where that costs no
@@ -73,6 +84,8 @@ class TokenStream:
         merger = out._merger
         if merger is None:  # merging off: one frame per token
             self.add(text, tokens)
+            for tensor in self.tensor_frames():
+                out.put(tensor)
             out.put(self.take(out._loop.time())[0])
             return
         if self.waiting:  # a frame of this stream is waiting: join it
@@ -96,6 +109,29 @@ class TokenStream:
         size = len(text) + (FRAME_OVERHEAD_BYTES if len(self._texts) == 1 else 0)
         self.size += size
         return size
+
+    def tensor_frames(self) -> list[bytes]:
+        """The tensor frames of the tokens of the frame being built (none unless the request
+        asked for some), each with the frame's ``seq``: ``token_ids`` INT32 ``[n]``,
+        ``logprobs`` FP32 ``[n]``, ``top_logprobs`` FP32 ``[n, k]``."""
+        if not self.tensors:
+            return []
+        first, last = self.seq, self.seq + self.count
+        frames = []
+        for name in self.tensors:
+            if name == "token_ids":
+                assert self.token_ids is not None
+                array = np.asarray(self.token_ids[first:last], dtype="<i4")
+            else:
+                assert self.logprobs is not None
+                entries = self.logprobs[first:last]
+                if name == "logprobs":
+                    array = np.asarray([e.logprob for e in entries], dtype="<f4")
+                else:
+                    rows = [[t.logprob for t in e.top_logprobs] for e in entries]
+                    array = np.asarray(rows, dtype="<f4").reshape(len(entries), -1)
+            frames.append(encode_tensor(Tensor(self.request_id, name, array, seq=first)))
+        return frames
 
     def take(self, now: float) -> tuple[str, int]:
         """The frame, and the bytes it was counted as; the stream is then empty."""
@@ -306,6 +342,9 @@ class Outbound:
     def _send_stream(self, stream: TokenStream) -> None:
         """Write the stream's frame now, or queue it (its bytes are not counted yet)."""
         if not self._queue and self._direct is not None and self._direct.writable.is_set():
+            if stream.tensors:
+                for tensor in stream.tensor_frames():
+                    self._write_now(tensor)
             self._write_now(stream.take(self._loop.time())[0])
             return
         stream.waiting = True
@@ -390,6 +429,8 @@ class Outbound:
         while queue:  # None or empty: nothing
             item = queue.popleft()
             if isinstance(item, TokenStream):
+                if item.tensors:
+                    frames += item.tensor_frames()
                 text, counted = item.take(now)
                 frames.append(text)
                 size += counted

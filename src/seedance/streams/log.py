@@ -72,7 +72,9 @@ class StreamLog:
         "size",
         "start",
         "stream",
+        "tensors",
         "texts",
+        "token_ids",
     )
 
     def __init__(self, request_id: str, epoch: str, *, resumable: bool, stream: bool) -> None:
@@ -99,6 +101,10 @@ class StreamLog:
         #: Each token's log probability, by ``seq``, when the request asked for them (else
         #: None); logged before the token is pushed, so a reader finds them there.
         self.logprobs: list[TokenLogprob] | None = None
+        #: The outputs the request asked for as tensor frames, and its tokens' ids by ``seq``
+        #: when ``token_ids`` is one of them (else None), logged as the log probabilities are.
+        self.tensors: tuple[str, ...] = ()
+        self.token_ids: list[int] | None = None
 
     @property
     def running(self) -> bool:

@@ -207,7 +207,7 @@ class TorchLoop(DecodeLoop):
                     self._fail(job, "the reply left its schema")
                     continue
                 piece = None if token in self.stops else self.pieces[token]
-                if self._take(job, piece):
+                if self._take(job, token, piece):
                     job.last = token
             except Exception as exc:  # one request's failure must not stop the others
                 logger.exception("sampling failed")

@@ -376,5 +376,5 @@ class Scheduler(DecodeLoop):
             if job.logprobs is not None:  # a kept token is never one a mask set to -inf
                 logit = float(ctx.logits(index)[token])
                 job.logprobs.append(self.logprobs.entry(summaries[job], token, logit))
-            if self._take(job, None if model.is_eog(token) else model.piece(token)):
+            if self._take(job, token, None if model.is_eog(token) else model.piece(token)):
                 job.last = token

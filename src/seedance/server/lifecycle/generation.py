@@ -417,6 +417,7 @@ class Generation:
         # StreamLog.append, inline: the token path costs no more than before the log.
         texts = log.texts.append
         logprobs = log.logprobs  # None unless the request asked for them
+        token_ids = log.token_ids  # likewise
         produced = already  # self.completion_tokens, kept in a local while the engine runs
         try:
             async for delta in stream:
@@ -429,6 +430,8 @@ class Generation:
                         log.counted(n)
                     if logprobs is not None and delta.logprobs:
                         logprobs.extend(delta.logprobs)
+                    if token_ids is not None and delta.ids:
+                        token_ids.extend(delta.ids)
                     produced += n
                     push = log.push  # readers may join or leave between tokens
                     if push is not None:

@@ -42,6 +42,10 @@ class Generations:
         )
         if message.logprobs is not None:
             log.logprobs = []
+        if message.tensors:
+            log.tensors = tuple(message.tensors)
+            if "token_ids" in log.tensors:
+                log.token_ids = []
         return log
 
     def add(self, generation: Generation) -> None:

@@ -122,6 +122,12 @@ class ServedModel:
                 "probabilities",
                 param="logprobs",
             )
+        if message.tensors and "token_ids" in message.tensors and not self.engine.token_ids:
+            engine = self.engine.info
+            raise InvalidRequest(
+                f"tensors: the {engine.engine} engine of model {engine.name} gives no token ids",
+                param="tensors",
+            )
         signed = self.signed
         if signed is None:
             return message

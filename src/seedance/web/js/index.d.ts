@@ -169,6 +169,8 @@ export interface GenerateFields {
   tools?: { type: "function"; function: { name: string; description?: string; parameters?: Record<string, unknown>; strict?: boolean } }[];
   tool_choice?: "auto" | "none" | "required" | { type: "function"; function: { name: string } };
   parallel_tool_calls?: boolean;
+  /** Outputs sent as tensor frames beside the token frames (docs/protocol.md, section 10). */
+  tensors?: ("token_ids" | "logprobs" | "top_logprobs")[];
 }
 
 /** A token's log probability, and the likeliest tokens at its position (OpenAI's shape). */
@@ -226,6 +228,9 @@ export interface TokenChunk {
   n: number;
   /** One per token, when the request asked for `logprobs`. */
   logprobs?: TokenLogprob[];
+  /** The tensor frames sent with it, when the request asked for `tensors` (`token_ids`: an
+   * Int32Array of `n`). */
+  tensors?: { [name: string]: TensorData };
 }
 
 // ------------------------------------------------------------------------ sessions
@@ -331,6 +336,8 @@ export declare class Generation implements AsyncIterable<TokenChunk> {
   readonly text: string;
   /** Each token's log probability, in order, when the request asked for `logprobs`. */
   readonly logprobs: TokenLogprob[];
+  /** The tensor frames that came with the tokens, by name, each chunk's in order. */
+  readonly tensors: { [name: string]: TensorData[] };
   cancel(): void;
   result(): Promise<DoneFrame>;
   [Symbol.asyncIterator](): AsyncIterator<TokenChunk>;

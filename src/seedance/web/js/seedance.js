@@ -411,9 +411,11 @@ export class Session extends EventTarget {
 
   // A tensor frame: kept for the request waiting for it (the JSON frame that ends it follows).
   _onTensor(bytes) {
-    const { requestId, name, dtype, shape, data } = decodeTensor(bytes);
+    const tensor = decodeTensor(bytes);
+    const { requestId, name, dtype, shape, data } = tensor;
     const embed = this._embeds.get(requestId);
     if (embed) embed.arrays[name] = { dtype, shape, data };
+    else this._generations.get(requestId)?._tensor(tensor);
   }
 
   _onText(data) {
@@ -550,6 +552,10 @@ export class Generation {
     this.resumes = 0;
     /** Each token's log probability, in order, when the request asked for `logprobs`. */
     this.logprobs = [];
+    /** The tensor frames that came with the tokens (the request's `tensors`), by name: each
+     * chunk's `{dtype, shape, data}` in order. */
+    this.tensors = {};
+    this._pending = []; // tensor frames waiting for their token frame
     this._parts = [];
     this._queue = [];
     this._wake = null;
@@ -586,6 +592,10 @@ export class Generation {
     };
   }
 
+  _tensor(tensor) {
+    this._pending.push(tensor); // its token frame comes next
+  }
+
   _frame(frame) {
     if (frame.type === "start") {
       this.start ??= frame;
@@ -596,7 +606,17 @@ export class Generation {
       this.lastSeq = last;
       this._parts.push(frame.token);
       if (frame.logprobs) this.logprobs.push(...frame.logprobs);
-      this._queue.push({ text: frame.token, seq: frame.seq, n, logprobs: frame.logprobs });
+      const chunk = { text: frame.token, seq: frame.seq, n, logprobs: frame.logprobs };
+      const pending = this._pending.filter((t) => t.seq === frame.seq);
+      this._pending = [];
+      if (pending.length) {
+        chunk.tensors = {};
+        for (const { name, dtype, shape, data } of pending) {
+          chunk.tensors[name] = { dtype, shape, data };
+          (this.tensors[name] ??= []).push(chunk.tensors[name]);
+        }
+      }
+      this._queue.push(chunk);
     } else if (frame.type === "done") {
       this.done = frame;
       if (frame.text != null && this._parts.length === 0) this._parts.push(frame.text);

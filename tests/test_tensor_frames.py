@@ -1,0 +1,168 @@
+"""A reply's tokens as tensor frames beside its token frames (``generate``'s ``tensors``, docs/
+protocol.md section 10), on the real SmolLM2: the ids the model sampled (they decode to the
+reply), their log probabilities equal to the JSON ones, a tensor frame right before the token
+frame it covers (merged frames included), a resume that goes on with the right ids, and
+encryption that seals them."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from seedance.client import connect
+from seedance.protocol.errors import InvalidRequest
+from seedance.protocol.tensors import decode_tensor
+from tests.support.servers import RunningServer, server_config
+from tests.support.ws import open_session, recv_json
+
+pytestmark = pytest.mark.model
+
+PROMPT = "Write a short story about a lighthouse keeper."
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[RunningServer]:
+    server = RunningServer(server_config(engine="llamacpp", parallel=2, n_ctx=1024), None).start()
+    yield server
+    server.stop()
+
+
+def detokenize(server: RunningServer, ids: list[int]) -> str:
+    reply = httpx.post(f"{server.http_url}/detokenize", json={"tokens": ids})
+    text: str = reply.json()["prompt"]
+    return text
+
+
+async def test_the_sdk_reads_each_chunks_ids_and_log_probabilities(served: RunningServer) -> None:
+    async with connect(served.url) as session:
+        stream = session.generate(
+            PROMPT,
+            max_tokens=40,
+            temperature=0,
+            logprobs=3,
+            tensors=["token_ids", "logprobs", "top_logprobs"],
+        )
+        async for chunk in stream:
+            assert chunk.tensors is not None and chunk.logprobs is not None
+            ids = chunk.tensors["token_ids"]
+            assert ids.dtype == np.int32 and ids.shape == (chunk.n,)
+            expected = np.array([e.logprob for e in chunk.logprobs], dtype=np.float32)
+            assert np.array_equal(chunk.tensors["logprobs"], expected)
+            tops = [[t.logprob for t in e.top_logprobs] for e in chunk.logprobs]
+            assert np.array_equal(chunk.tensors["top_logprobs"], np.array(tops, np.float32))
+        done = stream.done
+        assert done is not None
+    ids = stream.tensor("token_ids")
+    assert len(ids) == done.usage.completion_tokens == 40
+    assert detokenize(served, ids.tolist()) == stream.text  # the ids the model sampled
+
+
+async def read_frames(ws: Any, until: str = "done") -> list[Any]:
+    """Text frames as JSON, tensor frames decoded, to the request's end."""
+    frames: list[Any] = []
+    while True:
+        data = await ws.recv()
+        if isinstance(data, bytes):
+            if data[:1] == b"\x10":
+                frames.append(decode_tensor(data))
+            elif data == b"\x01\x00":
+                await ws.send(b"\x02\x00")
+            continue
+        frame = json.loads(data)
+        frames.append(frame)
+        if frame["type"] in (until, "error"):
+            return frames
+
+
+def check_pairs(frames: list[Any], first_seq: int = 0) -> list[int]:
+    """Every token frame comes right after its tensor frame (same seq, one id per token), and
+    the frames cover the reply from ``first_seq`` without gap; the ids, in order."""
+    ids: list[int] = []
+    seq = first_seq
+    for before, frame in itertools.pairwise(frames):
+        if isinstance(frame, dict) and frame["type"] == "token":
+            assert not isinstance(before, dict), "a token frame without its tensor frame"
+            assert before.name == "token_ids" and before.seq == frame["seq"] == seq
+            assert before.array.shape == (frame.get("n", 1),)
+            ids += before.array.tolist()
+            seq += frame.get("n", 1)
+    return ids
+
+
+async def test_merged_frames_and_a_resume_carry_exactly_their_tokens_ids(
+    served: RunningServer,
+) -> None:
+    ws, _ = await open_session(served.url, "session_id=tensor-resume")
+    request = {
+        "prompt": PROMPT, "max_tokens": 48, "temperature": 0, "request_id": "t1",
+        "resumable": True, "tensors": ["token_ids"],
+    }  # fmt: skip
+    await ws.send(json.dumps(request))
+    seen: list[Any] = []
+    while sum(f.get("n", 1) for f in seen if isinstance(f, dict) and f["type"] == "token") < 10:
+        data = await ws.recv()
+        seen.append(decode_tensor(data) if data[:1] == b"\x10" else json.loads(data))
+    first_ids = check_pairs(seen)
+    await ws.close()  # dropped mid-reply: it runs on
+    again, hello = await open_session(served.url, "session_id=tensor-resume")
+    async with again:
+        assert hello["active"]["request_id"] == "t1"
+        after = len(first_ids) - 1
+        await again.send(json.dumps({"type": "resume", "request_id": "t1", "after_seq": after}))
+        rest = await read_frames(again)
+    rest_ids = check_pairs(rest, first_seq=after + 1)
+    done = rest[-1]
+    assert done["type"] == "done" and done["usage"]["completion_tokens"] == 48
+    ids = first_ids + rest_ids
+    text = "".join(
+        f["token"] for f in [*seen, *rest] if isinstance(f, dict) and f["type"] == "token"
+    )
+    assert len(ids) == 48 and detokenize(served, ids) == text
+    merged = [f for f in rest if isinstance(f, dict) and f.get("n", 1) > 1]
+    assert merged, "a resume sends what was logged in as few frames as it likes"
+
+
+async def test_tensor_frames_are_sealed_on_an_encrypted_connection(
+    make_server: Callable[..., RunningServer], identity: tuple[str, str]
+) -> None:
+    server = make_server(engine="llamacpp", n_ctx=1024, e2e_key=identity[0])
+    async with connect(server.url, e2e=identity[1]) as session:
+        stream = session.generate(PROMPT, max_tokens=12, temperature=0, tensors=["token_ids"])
+        await stream.collect()
+    assert len(stream.tensor("token_ids")) == 12
+    assert detokenize(server, stream.tensor("token_ids").tolist()) == stream.text
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"tensors": ["token_ids"], "stream": False}, "not with stream false"),
+        ({"tensors": ["logprobs"]}, "logprobs needs the logprobs field"),
+        ({"tensors": ["top_logprobs"], "logprobs": 0}, "top_logprobs needs logprobs of 1"),
+        ({"tensors": ["token_ids", "token_ids"]}, "each at most once"),
+        ({"tensors": ["hidden_state"]}, "tensors"),
+    ],
+)
+async def test_bad_tensor_fields_are_refused_by_name(
+    served: RunningServer, fields: dict[str, Any], message: str
+) -> None:
+    async with connect(served.url) as session:
+        with pytest.raises(InvalidRequest, match=message):
+            await session.generate("hi", max_tokens=2, **fields).collect()
+
+
+async def test_an_engine_without_token_ids_says_so(
+    make_server: Callable[..., RunningServer],
+) -> None:
+    server = make_server()  # the synthetic engine
+    ws, _ = await open_session(server.url)
+    async with ws:
+        await ws.send(json.dumps({"prompt": "hi", "tensors": ["token_ids"]}))
+        error = await recv_json(ws)
+    assert "synthetic engine of model synthetic gives no token ids" in error["error"]["message"]
