@@ -240,6 +240,57 @@ class RegistryConfig:
 
 
 @dataclass(frozen=True)
+class ModulesConfig:
+    """Tenants' WebAssembly modules: seedance.server.modules (the sandbox: seedance.wasm)."""
+
+    path: str | None = setting(
+        None,
+        "--module-registry",
+        str,
+        "run tenants' WebAssembly modules from this registry of signed modules (NAME/VERSION/, "
+        "signed with seedance models sign --engine wasm; docs/modules.md), each its promoted "
+        "version, verified and compiled at start",
+        name="module_registry",
+    )
+    trust: tuple[str, ...] = setting(
+        (),
+        "--module-trust",
+        paths,
+        "public keys (PEM, comma-separated) whose signatures the registry's modules must carry",
+        name="module_trust",
+    )
+    fuel: int = setting(
+        50_000_000,
+        "--module-fuel",
+        int,
+        "most WebAssembly instructions one call into a module may run (a filter: per delta); a "
+        "module's manifest may ask for less",
+        positive,
+        "positive",
+        name="module_fuel",
+    )
+    memory_mb: int = setting(
+        64,
+        "--module-memory-mb",
+        int,
+        "most memory one instance of a module may grow to, MiB; a manifest may ask for less",
+        between(1, 4096),
+        "between 1 and 4096",
+        name="module_memory_mb",
+    )
+    wall_ms: int = setting(
+        2000,
+        "--module-wall-ms",
+        int,
+        "longest one call into a module may take, its calls to served models included, ms; a "
+        "manifest may ask for less (a pipeline's calls run models: give it more)",
+        positive,
+        "positive",
+        name="module_wall_ms",
+    )
+
+
+@dataclass(frozen=True)
 class AuditConfig:
     """The audit log: seedance.observability.audit."""
 
@@ -441,6 +492,7 @@ SECTIONS = {
     "handshake": HandshakeConfig,
     "resume": ResumeConfig,
     "registry": RegistryConfig,
+    "modules": ModulesConfig,
     "embeddings": EmbeddingsConfig,
     "audit": AuditConfig,
     "cluster": ClusterConfig,
@@ -640,6 +692,7 @@ class ServerConfig:
     handshake: HandshakeConfig = field(default_factory=HandshakeConfig)
     resume: ResumeConfig = field(default_factory=ResumeConfig)
     registry: RegistryConfig = field(default_factory=RegistryConfig)
+    modules: ModulesConfig = field(default_factory=ModulesConfig)
     embeddings: EmbeddingsConfig = field(default_factory=EmbeddingsConfig)
     audit: AuditConfig = field(default_factory=AuditConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)

@@ -97,6 +97,14 @@ class Metrics:
             REQUEST_LABELS,
             registry=r,
         )
+        self.module_calls = Counter(
+            "seedance_module_calls",
+            "Tenants' WebAssembly modules run for a request, by module, role (preprocess, "
+            "filter, postprocess, run) and outcome (ok, refused, or the reason it failed: trap, "
+            "fuel, timeout, memory, ...); a filter counts once per reply",
+            ["module", "role", "outcome"],
+            registry=r,
+        )
         self.prompt_tokens = Counter(
             "seedance_prompt_tokens",
             "Prompt tokens of admitted requests.",

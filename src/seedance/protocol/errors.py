@@ -20,6 +20,7 @@ the OpenAI-compatible API::
     ├── InternalError                   internal_error                          HTTP 500
     ├── HistoryLost                     history_lost        (with a reason)     HTTP 410
     ├── EncryptionFailed                encryption_failed   closes 4400 (with a reason)
+    ├── ModuleError                     module_error        (with a reason)     HTTP 500
     ├── NotFound                        not_found           (admin API only)    HTTP 404
     ├── Conflict                        conflict            (admin API only)    HTTP 409
     ├── UpgradeRequired                 upgrade_required    (HTTP only)         HTTP 426
@@ -241,6 +242,20 @@ class ConnectionClosed(SeedanceError):
         self.reason = reason
 
 
+class ModuleError(SeedanceError):
+    """A tenant's WebAssembly module failed the request it ran for (docs/modules.md);
+    ``reason`` says how: ``trap``, ``fuel`` (it ran past its instructions), ``timeout`` (past
+    its wall-clock bound), ``memory``, ``output_too_large``, ``bad_output``, ``bad_abi``,
+    ``forbidden_import``, or ``refused`` (it declined the input, on purpose)."""
+
+    code = "module_error"
+    http_status = 500
+
+    def __init__(self, reason: str, message: str, *, request_id: str | None = None) -> None:
+        super().__init__(message, request_id=request_id)
+        self.reason = reason
+
+
 ERRORS_BY_CODE: dict[str, type[SeedanceError]] = {
     cls.code: cls
     for cls in (
@@ -251,6 +266,7 @@ ERRORS_BY_CODE: dict[str, type[SeedanceError]] = {
         ContextOverflow,
         HistoryLost,
         EncryptionFailed,
+        ModuleError,
         ModelNotFound,
         Unauthorized,
         Forbidden,
@@ -277,6 +293,8 @@ def error_from_wire(
         return HistoryLost(reason or "", message, request_id=request_id)
     if cls is EncryptionFailed:
         return EncryptionFailed(reason or "", message)
+    if cls is ModuleError:
+        return ModuleError(reason or "", message, request_id=request_id)
     err = cls(message, request_id=request_id, retry_after_s=retry_after_s)
     if cls is SeedanceError:
         err.code = code  # type: ignore[misc]  # keep the server's code visible to the caller

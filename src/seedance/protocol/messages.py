@@ -80,6 +80,8 @@ class Generate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: Go on past the model's end-of-text token, to ``max_tokens`` (vLLM's and llama-server's
     #: field, which benchmark tools send so that every reply has the same length).
     ignore_eos: bool = False
+    #: Tenant WebAssembly modules the request runs through, by name (docs/modules.md).
+    modules: list[str] | None = None
     #: Outputs sent as tensor frames beside the token frames (docs/protocol.md, section 10).
     tensors: list[Literal["token_ids", "logprobs", "top_logprobs"]] | None = None
     #: Functions the reply may call, OpenAI's way (:mod:`seedance.protocol.tools`).

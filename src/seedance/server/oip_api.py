@@ -25,9 +25,10 @@ the one request core, as every API does (:mod:`seedance.server.lifecycle`).
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Union
 
 import msgspec
 import numpy as np
@@ -69,11 +70,14 @@ from seedance.server.lifecycle.admit import (
 from seedance.server.lifecycle.drain import SHUTTING_DOWN
 from seedance.server.lifecycle.embed import embed
 from seedance.server.lifecycle.reader import read_to_end
+from seedance.server.modules import ServedModule
+from seedance.server.wasi_nn import EngineBackend
 
 if TYPE_CHECKING:
     from seedance.server.lifecycle.models import ServedModel
     from seedance.server.lifecycle.services import Services
     from seedance.server.state import ServerState
+    from seedance.tenants.auth import Principal
 
 #: Sampling fields a text model takes, as request parameters or one-element input tensors,
 #: and the JSON type each must be.
@@ -120,8 +124,34 @@ TEXT_OUTPUTS: Final = (
 )
 
 
-def signature(model: ServedModel) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+PIPELINE_INPUTS: Final = (TensorSpec("input", BYTES, (1,)),)
+PIPELINE_OUTPUTS: Final = (TensorSpec("output", BYTES, (1,)),)
+
+#: What a path's name names: a served model, or a tenant's pipeline module.
+Target = Union["ServedModel", "ServedModule"]
+
+
+def find(services: Services, principal: Principal, name: str, version: str | None) -> Target:
+    """The served model ``name``, else the caller's pipeline module of that name; held to
+    ``version`` (from the path) when one is given."""
+    try:
+        found: Target = choose_model(services.models, principal, name, task=None)
+    except ModelNotFound:
+        modules = services.modules
+        if modules is None or name not in modules.modules:
+            raise
+        found = modules.get(principal, name, ModelNotFound)
+        if not found.has("run"):
+            raise ModelNotFound(
+                f"module {name} is not a pipeline (it exports no seedance_run)"
+            ) from None
+    return _versioned(found, version)
+
+
+def signature(model: Target) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
     """A served model's inputs and outputs, as its metadata lists them."""
+    if isinstance(model, ServedModule):
+        return PIPELINE_INPUTS, PIPELINE_OUTPUTS
     engine = model.engine
     if engine.task != "embed":
         return TEXT_INPUTS, TEXT_OUTPUTS
@@ -133,12 +163,15 @@ def signature(model: ServedModel) -> tuple[tuple[TensorSpec, ...], tuple[TensorS
     return inputs, (TensorSpec("embedding", "FP32", (-1, size)),)
 
 
-def model_metadata(model: ServedModel) -> dict[str, Any]:
+def model_metadata(model: Target) -> dict[str, Any]:
     inputs, outputs = signature(model)
     metadata: dict[str, Any] = {"name": model.name}
     if model.version:
         metadata["versions"] = [model.version]
-    metadata["platform"] = f"seedance_{model.engine.info.engine}"
+    if isinstance(model, ServedModule):
+        metadata["platform"] = "seedance_wasm"
+    else:
+        metadata["platform"] = f"seedance_{model.engine.info.engine}"
     metadata["inputs"] = [spec.json() for spec in inputs]
     metadata["outputs"] = [spec.json() for spec in outputs]
     return metadata
@@ -157,7 +190,7 @@ def _error_response(error: SeedanceError) -> Response:
     return Response(error_body(error), error.http_status, media_type=_JSON)
 
 
-def _versioned(model: ServedModel, version: str | None) -> ServedModel:
+def _versioned(model: Target, version: str | None) -> Target:
     """``model`` when ``version`` (from the path) is the one it serves."""
     if version is None or version == model.version:
         return model
@@ -172,11 +205,10 @@ def oip_routes(state: ServerState) -> list[BaseRoute]:
     def ready() -> bool:
         return not state.draining and state.healthy()[0]
 
-    def served(request: Request, operation: str) -> ServedModel:
+    def served(request: Request, operation: str) -> Target:
         principal = authenticate_call(services, request.scope, operation)
         params = request.path_params
-        model = choose_model(services.models, principal, params["name"], task=None)
-        return _versioned(model, params.get("version"))
+        return find(services, principal, params["name"], params.get("version"))
 
     async def server_metadata(request: Request) -> Response:
         body = {"name": "seedance", "version": __version__, "extensions": ["binary_tensor_data"]}
@@ -246,11 +278,13 @@ class InferEndpoint:
     async def run(self, call: HttpCall, body: bytes) -> None:
         try:
             request, model = self._read(call, body)
-            if model.engine.task == "embed":
+            if isinstance(model, ServedModule):
+                outputs = await self._pipeline(call, request, model)
+            elif model.engine.task == "embed":
                 outputs = await self._embed(call, request, model)
             else:
                 outputs = await self._generate(call, request, model)
-            wanted = _chosen(request, outputs, model)
+            wanted = _chosen(request, outputs, model.name)
             answer, json_length = encode_infer(
                 model.name,
                 [(output, request.wants_binary(output.name)) for output in wanted],
@@ -268,22 +302,50 @@ class InferEndpoint:
             ]
         await call.response.respond(200, headers, answer)
 
-    def _read(self, call: HttpCall, body: bytes) -> tuple[InferRequest, ServedModel]:
+    def _read(self, call: HttpCall, body: bytes) -> tuple[InferRequest, Target]:
         """The model the path names (which the caller may use), then the request."""
         params = call.scope.get("path_params", {})
-        assert call.principal is not None
-        model = choose_model(self.services.models, call.principal, params["name"], task=None)
-        call.arrival.model = model = _versioned(model, params.get("version"))
+        model = find(self.services, call.principal, params["name"], params.get("version"))
+        if not isinstance(model, ServedModule):
+            call.arrival.model = model
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in call.scope["headers"]}
         limit = self.services.config.max_frame_bytes
         body = decompress_body(body, headers.get("content-encoding"), limit=limit)
         request = decode_infer(body, parse_header_length(headers.get(HEADER_LENGTH.lower())))
         return request, model
 
+    async def _pipeline(
+        self, call: HttpCall, request: InferRequest, module: ServedModule
+    ) -> list[InferOutput]:
+        """A tenant's pipeline module: the bytes of ``input`` through its ``seedance_run``,
+        which may call served models through WASI-NN (each call a request of the tenant)."""
+        inputs = _inputs(request, {"input"}, module.name)
+        given = inputs.get("input")
+        data = [] if given is None else _bytes(given)
+        if len(data) != 1:
+            raise InvalidRequest(f"inputs: module {module.name} takes one input: BYTES, [1]")
+        table = self.services.modules
+        assert table is not None
+        backend = EngineBackend(self.services, call.principal, module, asyncio.get_running_loop())
+
+        def work() -> bytes:
+            instance = module.module.instantiate(
+                backend=backend, allow=module.imports, limits=module.limits
+            )
+            try:
+                return instance.run(data[0])
+            finally:
+                instance.close()
+
+        output = await table.call(module, "run", work)
+        table.ok(module, "run")
+        call.outcome = "completed"
+        return [InferOutput("output", BYTES, (1,), [output])]
+
     async def _embed(
         self, call: HttpCall, request: InferRequest, model: ServedModel
     ) -> list[InferOutput]:
-        inputs = _inputs(request, {"text", "input_ids"}, model)
+        inputs = _inputs(request, {"text", "input_ids"}, model.name)
         if len(inputs) != 1:
             raise InvalidRequest(f"model {model.name} takes one input: text or input_ids")
         (given,) = inputs.values()
@@ -308,7 +370,7 @@ class InferEndpoint:
         self, call: HttpCall, request: InferRequest, model: ServedModel
     ) -> list[InferOutput]:
         services = self.services
-        inputs = _inputs(request, {spec.name for spec in TEXT_INPUTS}, model)
+        inputs = _inputs(request, {spec.name for spec in TEXT_INPUTS}, model.name)
         prompt = inputs.get("text_input")
         if prompt is None:
             raise InvalidRequest(f"inputs: model {model.name} needs text_input (BYTES, [1])")
@@ -347,13 +409,13 @@ class InferEndpoint:
         ]
 
 
-def _inputs(request: InferRequest, known: set[str], model: ServedModel) -> dict[str, InferInput]:
+def _inputs(request: InferRequest, known: set[str], model: str) -> dict[str, InferInput]:
     """The request's inputs by name, each one the model takes."""
     inputs = {given.name: given for given in request.inputs}
     unknown = sorted(set(inputs) - known)
     if unknown:
         raise InvalidRequest(
-            f"inputs: model {model.name} has no input {', '.join(unknown)} "
+            f"inputs: model {model} has no input {', '.join(unknown)} "
             f"(it takes {', '.join(sorted(known))})"
         )
     return inputs
@@ -409,9 +471,7 @@ def _scalar(given: InferInput) -> Any:
     return data.reshape(-1)[0].item()
 
 
-def _chosen(
-    request: InferRequest, outputs: list[InferOutput], model: ServedModel
-) -> list[InferOutput]:
+def _chosen(request: InferRequest, outputs: list[InferOutput], model: str) -> list[InferOutput]:
     """The outputs the request asked for, in its order (all of them when it named none)."""
     if request.outputs is None:
         return outputs
@@ -421,7 +481,7 @@ def _chosen(
         output = by_name.get(requested.name)
         if output is None:
             raise InvalidRequest(
-                f"outputs[{index}].name: model {model.name} has no output {requested.name!r} "
+                f"outputs[{index}].name: model {model} has no output {requested.name!r} "
                 f"(it gives {', '.join(by_name)})"
             )
         chosen.append(output)

@@ -41,6 +41,7 @@ from seedance.tenants.usage import Usage
 if TYPE_CHECKING:
     from seedance.cluster.node import ClusterNode
     from seedance.models.serving import ModelManager
+    from seedance.server.modules import ModuleTable
 
 
 class ServerState:
@@ -103,6 +104,11 @@ class ServerState:
             self.confidential = Confidential(
                 config, identity, self.models.versions, self.audit.submit, self.metrics
             )
+        self.modules: ModuleTable | None = None
+        if config.modules.path is not None:
+            from seedance.server.modules import load_modules
+
+            self.modules = load_modules(config, self.metrics)
         self.services = Services(
             config=config,
             models=self.models,
@@ -120,6 +126,7 @@ class ServerState:
             merger=self.merger,
             cluster=cluster,
             confidential=self.confidential,
+            modules=self.modules,
         )
         self._wire(cluster)
         #: The registry a model is served from (``--model-registry``), and its reloads.
@@ -184,5 +191,7 @@ class ServerState:
             await self.cluster.close()
         for model in self.models.values():
             await model.engine.close()
+        if self.modules is not None:
+            self.modules.close()
         await asyncio.to_thread(self.tracing.shutdown)  # exports what is buffered
         await self.audit.close()

@@ -88,6 +88,10 @@ class Tenant(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=Tr
     quotas: Quotas = Quotas()
     keys: tuple[ApiKey, ...] = ()
     tls_subjects: tuple[str, ...] = ()
+    #: WebAssembly modules every request of the tenant runs through (docs/modules.md).
+    modules: tuple[str, ...] = ()
+    #: Import modules beyond Seedance's own its modules may be given (``wasi_snapshot_preview1``).
+    wasm_imports: tuple[str, ...] = ()
 
 
 class JwtSettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):

@@ -43,6 +43,9 @@ class Request(AuditRecord, kw_only=True):
     schema_sha256: str | UnsetType = UNSET
     #: Calls the reply made, when the request offered tools.
     tool_calls: int | UnsetType = UNSET
+    #: The tenant WebAssembly modules it ran through (``name@version``), and why one failed.
+    modules: list[str] | UnsetType = UNSET
+    module_error: str | UnsetType = UNSET
     queue_ms: float | UnsetType | None = UNSET
     ttft_ms: float | UnsetType | None = UNSET
     total_ms: float | UnsetType | None = UNSET

@@ -35,6 +35,7 @@ from seedance.server.lifecycle.request import (
     new_request_id,
     session_prompt,
 )
+from seedance.server.modules import modules_for
 from seedance.tenants.auth import Principal
 from seedance.tenants.policy import check_model, check_priority
 
@@ -131,6 +132,7 @@ def admit(
         highest = requester.principal.tenant.max_priority
         message = structs.replace(message, priority=qos.priority_within(highest))
     check_priority(requester.principal, message.priority)
+    modules = modules_for(services.modules, requester.principal, message)
     session = requester.session
     if session is not None and session.active_request is not None:
         raise SessionBusy(
@@ -153,7 +155,7 @@ def admit(
         log = services.generations.open_log(requester, request_id, message)
         generation = Generation(
             services, arrival, requester, log, message, prompt, qos=qos,
-            without_readers=without_readers,
+            without_readers=without_readers, modules=modules,
         )  # fmt: skip
     except BaseException:
         usage.end_request(tenant, 0)

@@ -34,7 +34,13 @@ from seedance.observability.metrics import RequestMeter
 from seedance.observability.tracing import request_attributes
 from seedance.protocol import tools
 from seedance.protocol.codec import error_frame
-from seedance.protocol.errors import EngineError, InternalError, Overloaded, SeedanceError
+from seedance.protocol.errors import (
+    EngineError,
+    InternalError,
+    ModuleError,
+    Overloaded,
+    SeedanceError,
+)
 from seedance.protocol.messages import (
     ChatMessage,
     DoneFrame,
@@ -61,6 +67,7 @@ if TYPE_CHECKING:
     from seedance.observability.metrics import Metrics
     from seedance.server.lifecycle.audit import AuditGate
     from seedance.server.lifecycle.refusals import Arrival
+    from seedance.server.modules import RequestModules
     from seedance.sessions.store import SessionStore
     from seedance.tenants.usage import Usage as TenantUsage
 
@@ -111,6 +118,7 @@ class Generation:
         *,
         qos: QoS | None = None,
         without_readers: WithoutReaders | None = None,
+        modules: RequestModules | None = None,
     ) -> None:
         self.services = services
         self.without_readers: WithoutReaders = without_readers or (
@@ -156,6 +164,10 @@ class Generation:
         self.error: SeedanceError | None = None
         #: Its hold on the session and the tenant's quotas in the cluster (cluster mode).
         self.claim: Claim | None = None
+        #: The tenant's WebAssembly modules it runs through (None: none), and the reply as the
+        #: post-processors left it (None: none ran).
+        self.modules = modules
+        self.post_text: str | None = None
 
     def start(self) -> None:
         self.task = asyncio.create_task(self.run(), name=f"generate-{self.request_id}")
@@ -231,6 +243,9 @@ class Generation:
                         await services.sessions.reserve(
                             session, growth, tenant.quotas.session_bytes
                         )
+                if self.modules is not None and self.modules.pre:
+                    self.prompt = await self.modules.preprocess(self.prompt, model)
+                    self.prompt_tokens = self.prompt.tokens
                 await model.admission.acquire(
                     self.message.priority, tenant=tenant.name, weight=tenant.tier
                 )
@@ -248,6 +263,8 @@ class Generation:
                 finish = await self._stream()
                 text = "".join(self.parts)
                 self.tool_calls = self._calls(text)  # an unparsable call fails the request
+                if self.modules is not None and self.modules.post:
+                    text = self.post_text = await self.modules.postprocess(text)
                 if session is not None:
                     reply = ChatMessage("assistant", text)
                     if self.tool_calls:  # kept as calls: a prompt writes them its own way
@@ -413,6 +430,8 @@ class Generation:
             tracestate=self.trace.tracestate,
         )
         stream = self.requester.model.engine.generate(request)
+        if self.modules is not None and self.modules.filters:
+            stream = self.modules.filter(stream)
         tokens_at = self.meter.tokens
         # StreamLog.append, inline: the token path costs no more than before the log.
         texts = log.texts.append
@@ -462,6 +481,7 @@ class Generation:
         reply = "".join(self.parts)
         calls = self.tool_calls
         tool_calls = UNSET if calls is None else len(calls)
+        error = self.error
         return audit.Request(
             api=requester.api,
             tenant=requester.tenant,
@@ -479,6 +499,8 @@ class Generation:
             completion_sha256=text_sha256(reply),
             schema_sha256=schema_sha256,
             tool_calls=tool_calls,
+            modules=UNSET if self.modules is None else self.modules.labels,
+            module_error=error.reason if isinstance(error, ModuleError) and error.reason else UNSET,
             outcome=outcome,
             queue_ms=timing.queue_ms,
             ttft_ms=timing.ttft_ms,
@@ -553,6 +575,8 @@ class Generation:
         text = logprobs = None
         if not self.message.stream:
             text, logprobs = "".join(self.parts), self.log.logprobs
+            if self.post_text is not None:
+                text = self.post_text
         return DoneFrame(
             done=True,
             request_id=self.request_id,

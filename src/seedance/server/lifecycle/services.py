@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from seedance.server.lifecycle.models import ModelTable
     from seedance.server.lifecycle.peers import Peers
     from seedance.server.lifecycle.refusals import Refusals
+    from seedance.server.modules import ModuleTable
     from seedance.server.outbound import FrameMerger
     from seedance.sessions.store import SessionStore
     from seedance.streams.store import StreamStore
@@ -52,3 +53,5 @@ class Services:
     cluster: ClusterNode | None
     #: End-to-end encryption of streams (``--e2e-key``; None: not offered).
     confidential: Confidential | None
+    #: Tenants' WebAssembly modules (``--module-registry``; None: none served).
+    modules: ModuleTable | None = None

@@ -25,6 +25,7 @@ from seedance.protocol.messages import ChatMessage, Generate, RequestId, TenantI
 from seedance.protocol.qos import parse_qos
 from seedance.server.lifecycle.admit import Prompt, Requester, start
 from seedance.server.lifecycle.generation import Generation
+from seedance.server.modules import modules_for
 from seedance.sessions.session import Session, Turn
 from seedance.tenants.auth import OPEN_PRINCIPAL, Principal
 from seedance.tenants.config import Quotas
@@ -90,6 +91,7 @@ async def take_over(services: Services, log: ReplicatedLog, header: dict[str, An
             message,
             prompt,
             qos=parse_qos(header["qos"]) if header.get("qos") else None,
+            modules=modules_for(services.modules, principal, message),
         )
         generation.claim = claim
         generation.completion_tokens = log.next_seq  # the reply so far

@@ -1,0 +1,475 @@
+"""Tenants' WebAssembly modules as the server serves them (docs/modules.md): the registry's
+promoted versions, verified and compiled at start (:class:`ModuleTable`), and the ones a
+request runs through (:class:`RequestModules`). The served models they reach through WASI-NN
+are :mod:`seedance.server.wasi_nn`'s; the sandbox itself is :mod:`seedance.wasm`.
+
+A module version is a directory of the module registry (``--module-registry ROOT``:
+``NAME/VERSION/`` holding one ``.wasm`` file), signed as a model version is, with ``seedance
+models sign DIR --engine wasm`` and these options in its signed manifest:
+
+=========================  ======================================================================
+``tenant``                 the one tenant that may use it (absent: every tenant)
+``imports``                import modules it needs beyond Seedance's own, comma-separated (only
+                           ``wasi_snapshot_preview1``); the tenant's ``wasm_imports`` must allow
+                           each
+``models``                 the served models it may load through WASI-NN, comma-separated
+                           (absent: those its tenant may use)
+``fuel``, ``memory_mb``,   lower limits than the server's (``--module-fuel``, ...)
+``wall_ms``
+=========================  ======================================================================
+
+Its roles are the ``seedance_*`` functions it exports. A request runs through its tenant's
+``modules`` (every request of the tenant) and the ones it names (``modules`` in ``generate``):
+pre-processors over each user turn of the request, stream filters over the reply's deltas,
+post-processors over a whole reply (``stream: false`` only: a streamed reply cannot be taken
+back). A pipeline (``seedance_run``) is an Open Inference Protocol model of its own. Every call
+runs in a thread of the module pool, never on the event loop; a module that fails ends its
+request with ``module_error`` (its ``reason``: ``trap``, ``fuel``, ``timeout``, ...), counted in
+``seedance_module_calls_total`` and audited with the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import logging
+from collections.abc import AsyncGenerator, Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final, TypeVar
+
+from msgspec import structs
+
+from seedance.config import ConfigError
+from seedance.engines.base import TokenDelta
+from seedance.protocol.errors import (
+    Forbidden,
+    InvalidRequest,
+    ModuleError,
+    SeedanceError,
+)
+from seedance.protocol.messages import ChatMessage, Generate, TokenLogprob
+from seedance.sessions.session import Turn
+from seedance.wasm import (
+    CompiledModule,
+    Instance,
+    Limits,
+    ModuleFailed,
+    ModuleRefused,
+    WasmError,
+    WasmHost,
+)
+
+if TYPE_CHECKING:
+    from seedance.config import ModulesConfig, ServerConfig
+    from seedance.observability.metrics import Metrics
+    from seedance.server.lifecycle.models import ServedModel
+    from seedance.server.lifecycle.request import Prompt
+    from seedance.tenants.auth import Principal
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Import modules a manifest may ask for (and a tenant allow).
+EXTRA_IMPORTS: Final = frozenset({"wasi_snapshot_preview1"})
+#: Threads that run module calls (each call is bounded by its wall-clock limit).
+POOL_THREADS: Final = 8
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModule:
+    """A module version served: verified, compiled, and what its manifest allows."""
+
+    name: str
+    version: str
+    module: CompiledModule
+    limits: Limits
+    tenant: str | None = None
+    imports: frozenset[str] = frozenset()
+    models: tuple[str, ...] | None = None
+    manifest_sha256: str = ""
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}@{self.version}"
+
+    def has(self, role: str) -> bool:
+        return role in self.module.roles
+
+
+def load_modules(config: ServerConfig, metrics: Metrics) -> ModuleTable:
+    """The module registry ``config`` names, loaded for serving: one wasmtime host for the
+    server (its compiled modules cached on disk beside the server's other caches)."""
+    from seedance.engines.llamacpp.cpu import cache_dir
+
+    host = WasmHost(cache_dir() / "wasm")
+    table = ModuleTable.load(config.modules, host)
+    table.metrics = metrics
+    return table
+
+
+class ModuleTable:
+    """Every module of the registry, by name (its promoted version), and the pool its calls
+    run in."""
+
+    def __init__(
+        self,
+        modules: dict[str, ServedModule],
+        host: WasmHost | None = None,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.modules = modules
+        self.host = host
+        self.metrics = metrics
+        self.pool = concurrent.futures.ThreadPoolExecutor(POOL_THREADS, "wasm")
+
+    @classmethod
+    def load(cls, config: ModulesConfig, host: WasmHost) -> ModuleTable:
+        """The registry's promoted versions, each verified then compiled; any that fails stops
+        the server from starting, saying which and why."""
+        from seedance.models.registry import ModelRefused, Registry, verify
+        from seedance.models.signing import load_trusted
+
+        assert config.path is not None
+        trusted = load_trusted([Path(p) for p in config.trust])
+        if not trusted:
+            raise ConfigError("--module-registry needs the keys it trusts: --module-trust")
+        registry = Registry(Path(config.path))
+        modules = {}
+        for name in registry.names():
+            version = registry.promoted(name)
+            if version is None:
+                continue
+            try:
+                verified = verify(registry.path(name, version), trusted, expected=(name, version))
+            except ModelRefused as exc:
+                raise ConfigError(
+                    f"module {name} {version} refused ({exc.reason}): {exc.message}"
+                ) from None
+            manifest = verified.manifest
+            if manifest.engine != "wasm":
+                raise ConfigError(f"module {name} {version}: signed for engine {manifest.engine}")
+            files = [s.name for s in verified.files if s.name.endswith(".wasm")]
+            if len(files) != 1:
+                raise ConfigError(f"module {name} {version}: one .wasm file, found {len(files)}")
+            try:
+                compiled = host.compile((verified.path / files[0]).read_bytes())
+            except WasmError as exc:
+                raise ConfigError(f"module {name} {version}: {exc}") from None
+            modules[name] = served_module(name, version, compiled, manifest.engine_options, config)
+            modules[name] = replace(modules[name], manifest_sha256=verified.manifest_sha256)
+            logger.info("module %s %s: roles %s", name, version, ", ".join(sorted(compiled.roles)))
+        return cls(modules, host)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        if self.host is not None:
+            self.host.close()
+
+    def get(
+        self,
+        principal: Principal,
+        name: str,
+        missing: type[SeedanceError] = InvalidRequest,
+    ) -> ServedModule:
+        """The module ``name`` as ``principal`` may use it; one of another tenant is as
+        unknown as one that does not exist (no probing), refused with ``missing``."""
+        module = self.modules.get(name)
+        if module is None or module.tenant not in (None, principal.name):
+            known = sorted(n for n, m in self.modules.items() if m.tenant in (None, principal.name))
+            raise missing(
+                f"modules: {name!r} is not served here"
+                + (f"; modules of yours: {', '.join(known)}" if known else "")
+            )
+        refused = sorted(module.imports - set(principal.tenant.wasm_imports))
+        if refused:
+            raise Forbidden(
+                f"module {name} asks for {', '.join(refused)}, which tenant {principal.name}'s "
+                "wasm_imports do not allow"
+            )
+        return module
+
+    def for_request(
+        self, principal: Principal, named: Sequence[str], *, stream: bool
+    ) -> RequestModules | None:
+        """The modules a request runs through: its tenant's, then those it names (None:
+        none); refused before any token when one cannot serve it."""
+        names = list(dict.fromkeys([*principal.tenant.modules, *named]))
+        if not names:
+            return None
+        chosen = [self.get(principal, name) for name in names]
+        for module in chosen:
+            if not module.module.roles & {"preprocess", "filter", "postprocess"}:
+                raise InvalidRequest(
+                    f"modules: {module.name} is a pipeline (seedance_run), not a pre-processor, "
+                    "filter or post-processor: call it at /v2/models/{name}/infer"
+                )
+            if stream and module.has("postprocess") and not module.has("filter"):
+                raise InvalidRequest(
+                    f"modules: {module.name} post-processes whole replies; this one streams "
+                    "(stream: false, or a stream filter)"
+                )
+        return RequestModules(self, principal, chosen, stream=stream)
+
+    async def call(self, module: ServedModule, role: str, work: Callable[[], T]) -> T:
+        """``work`` (a call into ``module``) in the pool; a module's failure becomes the
+        request's :class:`ModuleError`."""
+        loop = asyncio.get_running_loop()
+        try:
+            result = await loop.run_in_executor(self.pool, work)
+        except ModuleFailed as exc:
+            self._count(module, role, exc.reason)
+            raise ModuleError(
+                exc.reason, f"module {module.label} ({role}) failed: {exc.reason}: {exc.message}"
+            ) from None
+        except ModuleRefused as exc:
+            self._count(module, role, "refused")
+            raise ModuleError(
+                "refused",
+                f"module {module.label} ({role}) refused (code {exc.code}): {exc.message}",
+            ) from None
+        return result
+
+    def _count(self, module: ServedModule, role: str, outcome: str) -> None:
+        if self.metrics is not None:
+            self.metrics.module_calls.labels(module.name, role, outcome).inc()
+
+    def ok(self, module: ServedModule, role: str) -> None:
+        self._count(module, role, "ok")
+
+
+def modules_for(
+    table: ModuleTable | None, principal: Principal, message: Generate
+) -> RequestModules | None:
+    """The modules a request runs through (its tenant's and those it names; None: none),
+    the same wherever it starts: admitted here, or taken over from a node that died."""
+    named = message.modules or ()
+    if not named and not principal.tenant.modules:
+        return None
+    if table is None:
+        raise InvalidRequest("modules: this server runs no WebAssembly modules (--module-registry)")
+    return table.for_request(principal, named, stream=message.stream)
+
+
+def _names(options: dict[str, Any], key: str) -> tuple[str, ...] | None:
+    value = options.get(key)
+    if value is None:
+        return None
+    return tuple(part.strip() for part in str(value).split(",") if part.strip())
+
+
+def served_module(
+    name: str,
+    version: str,
+    compiled: CompiledModule,
+    options: dict[str, Any],
+    config: ModulesConfig,
+) -> ServedModule:
+    """A module version as its manifest's options ask, held to the server's limits."""
+    known = {"tenant", "imports", "models", "fuel", "memory_mb", "wall_ms"}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ConfigError(f"module {name} {version}: unknown manifest option(s) {unknown}")
+    imports = frozenset(_names(options, "imports") or ())
+    if imports - EXTRA_IMPORTS:
+        raise ConfigError(
+            f"module {name} {version}: imports {sorted(imports - EXTRA_IMPORTS)} cannot be given "
+            f"(only {', '.join(sorted(EXTRA_IMPORTS))})"
+        )
+    undeclared = sorted(
+        {m for m, _ in compiled.imports} - {"seedance", "wasi_ephemeral_nn"} - imports
+    )
+    if undeclared:
+        raise ConfigError(
+            f"module {name} {version} imports {', '.join(undeclared)} without asking for it in "
+            "its manifest (imports=...)"
+        )
+
+    def limit(key: str, server: int) -> int:
+        asked = options.get(key)
+        return server if asked is None else min(int(asked), server)
+
+    limits = Limits(
+        fuel=limit("fuel", config.fuel),
+        memory_bytes=limit("memory_mb", config.memory_mb) * 1024 * 1024,
+        wall_s=limit("wall_ms", config.wall_ms) / 1000,
+    )
+    tenant = options.get("tenant")
+    return ServedModule(
+        name, version, compiled, limits, str(tenant) if tenant else None, imports,
+        _names(options, "models"),
+    )  # fmt: skip
+
+
+class RequestModules:
+    """The modules one request runs through, in order (see the module)."""
+
+    def __init__(
+        self,
+        table: ModuleTable,
+        principal: Principal,
+        modules: list[ServedModule],
+        *,
+        stream: bool,
+    ) -> None:
+        self.table = table
+        self.principal = principal
+        self.pre = [m for m in modules if m.has("preprocess")]
+        self.filters = [m for m in modules if m.has("filter")]
+        self.post = [] if stream else [m for m in modules if m.has("postprocess")]
+        self.labels = [m.label for m in modules]
+
+    def _instance(self, module: ServedModule) -> Instance:
+        return module.module.instantiate(allow=module.imports, limits=module.limits)
+
+    async def _through(self, modules: list[ServedModule], role: str, text: str) -> str:
+        for module in modules:
+
+            def work(module: ServedModule = module, text: str = text) -> str:
+                instance = self._instance(module)
+                try:
+                    out: str = getattr(instance, role)(text)
+                    return out
+                finally:
+                    instance.close()
+
+            text = await self.table.call(module, role, work)
+            self.table.ok(module, role)
+        return text
+
+    async def preprocess(self, prompt: Prompt, model: ServedModel) -> Prompt:
+        """``prompt`` with each of the request's user turns through the pre-processors (the
+        session keeps them so), counted again; one that no longer fits is refused."""
+        from seedance.server.lifecycle.request import check_fits
+
+        if not self.pre:
+            return prompt
+        engine = model.engine
+        new = {id(t.message) for t in prompt.new_turns} if prompt.new_turns else None
+        changed: dict[int, ChatMessage] = {}
+        delta = 0
+        for message in prompt.messages:
+            if message.role != "user" or (new is not None and id(message) not in new):
+                continue
+            text = await self._through(self.pre, "preprocess", message.content)
+            if text != message.content:
+                after = structs.replace(message, content=text)
+                delta += engine.count_message_tokens(after) - engine.count_message_tokens(message)
+                changed[id(message)] = after
+        if not changed:
+            return prompt
+        messages = tuple(changed.get(id(m), m) for m in prompt.messages)
+        turns = [
+            Turn(changed[id(t.message)], engine.count_message_tokens(changed[id(t.message)]),
+                 t.model) if id(t.message) in changed else t
+            for t in prompt.new_turns
+        ]  # fmt: skip
+        tokens = prompt.tokens + delta
+        check_fits(model, tokens)
+        return replace(prompt, messages=messages, tokens=tokens, new_turns=turns)
+
+    async def postprocess(self, text: str) -> str:
+        return await self._through(self.post, "postprocess", text)
+
+    async def filter(
+        self, stream: AsyncGenerator[TokenDelta, None]
+    ) -> AsyncGenerator[TokenDelta, None]:
+        """The engine's deltas through the stream filters, in order: text a filter holds back
+        waits (its tokens counted with the text that carries it out), and a filter that says
+        stop ends the reply there (``stop``; the engine is closed).
+
+        Every token frame carries at least one token, so what a filter flushes at the reply's
+        end (``seedance_filter_end``) needs one: while such a filter runs, the last token seen
+        is kept back to carry it (the reply shows one token later than it was made)."""
+        table = self.table
+        instances: list[tuple[ServedModule, Instance]] = []
+        held = _Held()
+        reserve = int(any(m.module.has_filter_end for m in self.filters))
+        ready = ""  # filtered text waiting for a token to carry it
+        try:
+            for module in self.filters:
+                instance = await table.call(
+                    module, "filter", functools.partial(self._instance, module)
+                )
+                instances.append((module, instance))
+            async for delta in stream:
+                held.add(delta)
+                text, stop = delta.text, False
+                if text:
+                    text, stop = await self._feed(instances, text)
+                ready += text
+                finish = "stop" if stop else delta.finish_reason
+                if finish is not None:
+                    ready += await self._end(instances)
+                    yield held.take(ready, finish)
+                    return
+                if ready and held.tokens > reserve:
+                    yield held.take(ready, None, keep=reserve)
+                    ready = ""
+            ready += await self._end(instances)
+            if ready or held.tokens:
+                yield held.take(ready, "stop")
+        finally:
+            await stream.aclose()
+            for module, instance in instances:
+                instance.close()
+                table.ok(module, "filter")
+
+    async def _feed(
+        self, instances: list[tuple[ServedModule, Instance]], text: str
+    ) -> tuple[str, bool]:
+        """A delta through every filter: the text out, and whether one said stop."""
+        stop = False
+        for module, instance in instances:
+            if not text:
+                break
+            text, stopped = await self.table.call(
+                module, "filter", functools.partial(instance.filter, text)
+            )
+            stop = stop or stopped
+        return text, stop
+
+    async def _end(self, instances: list[tuple[ServedModule, Instance]]) -> str:
+        """What the filters held at the reply's end, each one's through the ones after it."""
+        text = ""
+        for index, (module, instance) in enumerate(instances):
+            tail = await self.table.call(module, "filter", instance.filter_end)
+            if text:
+                text, _ = await self._feed(instances[index:], text)
+            text += tail
+        return text
+
+
+class _Held:
+    """The tokens whose text a filter holds back: counted, with their log probabilities and
+    ids, into the delta that carries text out."""
+
+    def __init__(self) -> None:
+        self.tokens = 0
+        self.logprobs: list[TokenLogprob] | None = None
+        self.ids: list[int] | None = None
+
+    def add(self, delta: TokenDelta) -> None:
+        self.tokens += delta.tokens
+        if delta.logprobs is not None:
+            self.logprobs = [*(self.logprobs or []), *delta.logprobs]
+        if delta.ids is not None:
+            self.ids = [*(self.ids or []), *delta.ids]
+
+    def take(self, text: str, finish: Any, keep: int = 0) -> TokenDelta:
+        """A delta of ``text`` with the tokens held but the last ``keep``."""
+        count = self.tokens - keep
+        logprobs, ids = self.logprobs, self.ids
+        out = TokenDelta(
+            text,
+            count,
+            finish,
+            None if logprobs is None else logprobs[:count],
+            None if ids is None else ids[:count],
+        )
+        self.tokens = keep
+        self.logprobs = None if logprobs is None else logprobs[count:] or None
+        self.ids = None if ids is None else ids[count:] or None
+        return out
