@@ -36,18 +36,18 @@ BATCHES = (1, 32)
 WORDS = "sea otter tide harbour ledger risk transfer review current wave stone salt".split()
 
 
-def inputs_of(tokenizer: Any, count: int, seed: int) -> list[str]:
-    """``count`` texts of exactly :data:`INPUT_TOKENS` tokens each, specials included."""
+def inputs_of(tokenizer: Any, count: int, seed: int, tokens: int = INPUT_TOKENS) -> list[str]:
+    """``count`` texts of exactly ``tokens`` tokens each, specials included."""
     rng = random.Random(seed)
     texts: list[str] = []
     while len(texts) < count:
         words: list[str] = []
-        while len(tokenizer(" ".join(words))["input_ids"]) < INPUT_TOKENS:
+        while len(tokenizer(" ".join(words))["input_ids"]) < tokens:
             words.append(rng.choice(WORDS) + str(rng.randrange(100)))
-        while len(tokenizer(" ".join(words))["input_ids"]) > INPUT_TOKENS:
+        while len(tokenizer(" ".join(words))["input_ids"]) > tokens:
             words.pop()
         text = " ".join(words)
-        if len(tokenizer(text)["input_ids"]) == INPUT_TOKENS:
+        if len(tokenizer(text)["input_ids"]) == tokens:
             texts.append(text)
     return texts
 

@@ -32,6 +32,7 @@ from benchmarks.qos_suite import qos_suite
 from benchmarks.reload_suite import reload_suite
 from benchmarks.resume_suite import resume_suite
 from benchmarks.structured_suite import structured_suite
+from benchmarks.tensor_suite import tensor_suite
 from benchmarks.token_path import token_path
 
 
@@ -42,8 +43,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks.md"))
     parser.add_argument(
         "--suites",
-        default="1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18",
-        help="which suites to run (default all: 1-18)",
+        default="1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19",
+        help="which suites to run (default all: 1-19)",
     )
     args = parser.parse_args(argv)
     if cores() < 2:
@@ -70,6 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "16": functools.partial(embeddings_suite, report),
         "17": functools.partial(structured_suite, report),
         "18": functools.partial(guidellm_suite, report),
+        "19": functools.partial(tensor_suite, report),
     }
     for key in sorted(chosen, key=int):
         suites[key]()

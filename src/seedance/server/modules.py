@@ -216,21 +216,25 @@ class ModuleTable:
     async def call(self, module: ServedModule, role: str, work: Callable[[], T]) -> T:
         """``work`` (a call into ``module``) in the pool; a module's failure becomes the
         request's :class:`ModuleError`."""
-        loop = asyncio.get_running_loop()
         try:
-            result = await loop.run_in_executor(self.pool, work)
-        except ModuleFailed as exc:
-            self._count(module, role, exc.reason)
-            raise ModuleError(
-                exc.reason, f"module {module.label} ({role}) failed: {exc.reason}: {exc.message}"
-            ) from None
-        except ModuleRefused as exc:
-            self._count(module, role, "refused")
-            raise ModuleError(
-                "refused",
-                f"module {module.label} ({role}) refused (code {exc.code}): {exc.message}",
-            ) from None
-        return result
+            return await self.run(work)
+        except WasmError as exc:
+            raise self.failure(module, role, exc) from None
+
+    async def run(self, work: Callable[[], T]) -> T:
+        """``work`` in the module pool, off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, work)
+
+    def failure(self, module: ServedModule, role: str, exc: WasmError) -> ModuleError:
+        """The request's error for ``module``'s failure (counted)."""
+        if isinstance(exc, ModuleRefused):
+            reason, what = "refused", f"refused (code {exc.code}): {exc.message}"
+        elif isinstance(exc, ModuleFailed):
+            reason, what = exc.reason, f"failed: {exc.reason}: {exc.message}"
+        else:
+            reason, what = "trap", str(exc)
+        self._count(module, role, reason)
+        return ModuleError(reason, f"module {module.label} ({role}) {what}")
 
     def _count(self, module: ServedModule, role: str, outcome: str) -> None:
         if self.metrics is not None:
@@ -321,14 +325,14 @@ class RequestModules:
         self.post = [] if stream else [m for m in modules if m.has("postprocess")]
         self.labels = [m.label for m in modules]
 
-    def _instance(self, module: ServedModule) -> Instance:
+    def new_instance(self, module: ServedModule) -> Instance:
         return module.module.instantiate(allow=module.imports, limits=module.limits)
 
     async def _through(self, modules: list[ServedModule], role: str, text: str) -> str:
         for module in modules:
 
             def work(module: ServedModule = module, text: str = text) -> str:
-                instance = self._instance(module)
+                instance = self.new_instance(module)
                 try:
                     out: str = getattr(instance, role)(text)
                     return out
@@ -382,64 +386,139 @@ class RequestModules:
 
         Every token frame carries at least one token, so what a filter flushes at the reply's
         end (``seedance_filter_end``) needs one: while such a filter runs, the last token seen
-        is kept back to carry it (the reply shows one token later than it was made)."""
+        is kept back to carry it (the reply shows one token later than it was made).
+
+        The engine is read ahead while a filter call runs (:class:`_Ahead`): the next call
+        takes every delta that came meanwhile, so under load a call covers many tokens."""
         table = self.table
-        instances: list[tuple[ServedModule, Instance]] = []
+        chain = _Filters(self)
         held = _Held()
         reserve = int(any(m.module.has_filter_end for m in self.filters))
         ready = ""  # filtered text waiting for a token to carry it
+        ahead = _Ahead(stream)
         try:
-            for module in self.filters:
-                instance = await table.call(
-                    module, "filter", functools.partial(self._instance, module)
-                )
-                instances.append((module, instance))
-            async for delta in stream:
+            while (delta := await ahead.take()) is not None:
                 held.add(delta)
-                text, stop = delta.text, False
-                if text:
-                    text, stop = await self._feed(instances, text)
-                ready += text
+                stop = False
+                if delta.text or delta.finish_reason is not None:
+                    last = delta.finish_reason is not None
+                    text, stop = await table.run(functools.partial(chain.step, delta.text, last))
+                    ready += text
                 finish = "stop" if stop else delta.finish_reason
                 if finish is not None:
-                    ready += await self._end(instances)
                     yield held.take(ready, finish)
                     return
                 if ready and held.tokens > reserve:
                     yield held.take(ready, None, keep=reserve)
                     ready = ""
-            ready += await self._end(instances)
+            text, _ = await table.run(functools.partial(chain.step, "", True))
+            ready += text
             if ready or held.tokens:
                 yield held.take(ready, "stop")
         finally:
-            await stream.aclose()
-            for module, instance in instances:
-                instance.close()
-                table.ok(module, "filter")
+            await ahead.aclose()
+            chain.close()
 
-    async def _feed(
-        self, instances: list[tuple[ServedModule, Instance]], text: str
-    ) -> tuple[str, bool]:
-        """A delta through every filter: the text out, and whether one said stop."""
+
+class _Filters:
+    """A reply's stream filters, each instantiated on first use. :meth:`step` runs in the
+    module pool: one call there takes a piece of the reply through every filter in turn (and,
+    at the reply's end, their flushes), so a reply costs a thread hop per piece, not one per
+    filter and per step."""
+
+    def __init__(self, owner: RequestModules) -> None:
+        self.owner = owner
+        self.instances: list[Instance] = []
+        self.failed = False
+
+    def step(self, text: str, last: bool) -> tuple[str, bool]:
+        """``text`` through every filter (``last``: the reply ends: their flushes too); the
+        text out and whether one said stop (the filters after it then flush)."""
         stop = False
-        for module, instance in instances:
-            if not text:
-                break
-            text, stopped = await self.table.call(
-                module, "filter", functools.partial(instance.filter, text)
-            )
-            stop = stop or stopped
+        for index, module in enumerate(self.owner.filters):
+            try:
+                if index == len(self.instances):
+                    self.instances.append(self.owner.new_instance(module))
+                instance = self.instances[index]
+                if text:
+                    text, stopped = instance.filter(text)
+                    stop = stop or stopped
+                if last or stop:
+                    text += instance.filter_end()
+            except WasmError as exc:
+                self.failed = True
+                raise self.owner.table.failure(module, "filter", exc) from None
         return text, stop
 
-    async def _end(self, instances: list[tuple[ServedModule, Instance]]) -> str:
-        """What the filters held at the reply's end, each one's through the ones after it."""
-        text = ""
-        for index, (module, instance) in enumerate(instances):
-            tail = await self.table.call(module, "filter", instance.filter_end)
-            if text:
-                text, _ = await self._feed(instances[index:], text)
-            text += tail
-        return text
+    def close(self) -> None:
+        for instance in self.instances:
+            instance.close()
+        if not self.failed:
+            for module in self.owner.filters[: len(self.instances)]:
+                self.owner.table.ok(module, "filter")
+
+
+class _Ahead:
+    """Reads a stream of deltas ahead of its reader, at most ``limit`` of them waiting (then
+    the engine waits: backpressure), so that a reader slower than the engine (a filter call in
+    a thread) takes everything that came meanwhile as one delta."""
+
+    def __init__(self, stream: AsyncGenerator[TokenDelta, None], limit: int = 256) -> None:
+        self._stream = stream
+        self._limit = limit
+        self._waiting: list[TokenDelta] = []
+        self._ready = asyncio.Event()
+        self._room = asyncio.Event()
+        self._room.set()
+        self._ended = False
+        self._error: BaseException | None = None
+        self._task = asyncio.ensure_future(self._pump())
+
+    async def _pump(self) -> None:
+        try:
+            async for delta in self._stream:
+                self._waiting.append(delta)
+                self._ready.set()
+                if delta.finish_reason is not None:
+                    return
+                if len(self._waiting) >= self._limit:
+                    self._room.clear()
+                    await self._room.wait()
+        except Exception as exc:  # the engine's failure: the reader raises it
+            self._error = exc
+        finally:
+            self._ended = True
+            self._ready.set()
+
+    async def take(self) -> TokenDelta | None:
+        """Every delta read since the last take, as one (None: the stream is over)."""
+        while not self._waiting:
+            if self._ended:
+                if self._error is not None:
+                    raise self._error
+                return None
+            self._ready.clear()
+            await self._ready.wait()
+        batch, self._waiting = self._waiting, []
+        self._room.set()
+        if len(batch) == 1:
+            return batch[0]
+        logprobs = [e for d in batch for e in d.logprobs or ()]
+        ids = [i for d in batch for i in d.ids or ()]
+        asked = any(d.logprobs is not None for d in batch), any(d.ids is not None for d in batch)
+        return TokenDelta(
+            "".join(d.text for d in batch),
+            sum(d.tokens for d in batch),
+            batch[-1].finish_reason,
+            logprobs if asked[0] else None,
+            ids if asked[1] else None,
+        )
+
+    async def aclose(self) -> None:
+        """Stop reading, and close the stream (which stops the engine)."""
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        await self._stream.aclose()
 
 
 class _Held:

@@ -64,6 +64,8 @@ from types import TracebackType
 from typing import Any, Final
 
 import wasmtime
+from wasmtime import _ffi as ffi  # the i32 fast path (_call_i32): wasmtime is pinned
+from wasmtime._func import enter_wasm
 
 from seedance.wasm import abi
 from seedance.wasm.cache import LRU, DiskCache
@@ -130,6 +132,25 @@ class _EpochTicker:
         self._stop.set()
         if self._thread is not threading.current_thread():
             self._thread.join()
+
+
+def _call_i32(store: wasmtime.Store, func: wasmtime.Func, args: tuple[int, ...]) -> int:
+    """``func(*args)`` for a function of i32s returning one i32 (every export of the ABI, its
+    types checked when the module was compiled), without what ``Func.__call__`` does on every
+    call to be general: it asks the store for the function's type and converts each value
+    through it, which was 70% of a filter call (about 60 us, of which this keeps 20)."""
+    params = (ffi.wasmtime_val_t * max(1, len(args)))()
+    for index, value in enumerate(args):
+        params[index] = ffi.wasmtime_val_t(kind=ffi.WASMTIME_I32)
+        params[index].of.i32 = value
+    results = (ffi.wasmtime_val_t * 1)()
+    with enter_wasm(store) as trap:
+        error = ffi.wasmtime_func_call(
+            store._context(), ctypes.byref(func._func), params, len(args), results, 1, trap
+        )
+        if error:
+            raise wasmtime.WasmtimeError._from_ptr(error)
+    return int(results[0].of.i32)
 
 
 def _engine_fingerprint() -> str:
@@ -637,7 +658,7 @@ class Instance:
         assert store is not None
         try:
             with self._entered():
-                result = func(store, *args)
+                result = _call_i32(store, func, args)
         except Exception as e:
             raise self._failure(e) from None
         if self._abort is not None:  # stopped by a host function, returned before a fuel check
