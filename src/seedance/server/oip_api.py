@@ -37,7 +37,6 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from seedance import __version__
-from seedance.protocol.codec import FrameLimits, validate_generate
 from seedance.protocol.embeddings import embeddings_request
 from seedance.protocol.errors import (
     InvalidRequest,
@@ -46,7 +45,7 @@ from seedance.protocol.errors import (
     Overloaded,
     SeedanceError,
 )
-from seedance.protocol.messages import EmbedFields, Generate
+from seedance.protocol.messages import EmbedFields
 from seedance.protocol.oip import (
     BYTES,
     HEADER_LENGTH,
@@ -60,13 +59,7 @@ from seedance.protocol.oip import (
     parse_header_length,
 )
 from seedance.server.http_call import HttpCall, Receive, Scope, Send, authenticate_call
-from seedance.server.lifecycle.admit import (
-    Requester,
-    admit,
-    choose_model,
-    explicit_prompt,
-    prepare,
-)
+from seedance.server.lifecycle.admit import admit_raw, choose_model
 from seedance.server.lifecycle.drain import SHUTTING_DOWN
 from seedance.server.lifecycle.embed import embed
 from seedance.server.lifecycle.reader import read_to_end
@@ -377,34 +370,18 @@ class InferEndpoint:
         texts = _bytes(prompt)
         if len(texts) != 1:
             raise InvalidRequest("text_input: one prompt per request (shape [1])")
-        fields = _sampling(request, inputs)
-        limits = FrameLimits(services.config.max_frame_bytes, model.limits.max_tokens)
-        limits = limits.capped(call.principal.tenant.quotas.max_tokens)
-        unset = frozenset(name for name in ("temperature", "top_p") if name not in fields)
-        given_max = "max_tokens" in fields
-        fields.setdefault("max_tokens", limits.default_max_tokens())
-        message = Generate(prompt=_text(texts[0], "text_input"), stream=False, **fields)
-        validate_generate(message, limits)
-        served, message = prepare(
-            services.models,
-            call.arrival,
-            model.name,
-            call.request_id,
-            message,
-            unset=unset if given_max else unset | {"max_tokens"},
-        )
-        written = explicit_prompt(served, tuple(message.turns()), raw=True, unset=unset)
-        requester = Requester(call.principal, served, "http")
-        call.generation = generation = admit(
-            services, call.arrival, requester, message, prompt=written
-        )
+        text = _text(texts[0], "text_input")
+        call.generation = generation = admit_raw(
+            services, call.arrival, call.principal, model, text, _sampling(request, inputs),
+            stream=False,
+        )  # fmt: skip
         done = await read_to_end(generation.log, generation)
         if done.finish_reason == "cancelled":  # over HTTP only the server cancels: shutdown
             raise Overloaded(SHUTTING_DOWN)
         call.outcome = done.finish_reason
-        text = "".join(generation.log.texts).encode()
+        reply = "".join(generation.log.texts).encode()
         return [
-            InferOutput("text_output", BYTES, (1,), [text]),
+            InferOutput("text_output", BYTES, (1,), [reply]),
             InferOutput("finish_reason", BYTES, (1,), [done.finish_reason.encode()]),
         ]
 

@@ -20,14 +20,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from seedance.protocol.errors import InvalidRequest, ModelNotFound, SeedanceError
-from seedance.protocol.messages import ErrorFrame, Generate
-from seedance.server.lifecycle.admit import (
-    Requester,
-    admit,
-    choose_model,
-    explicit_prompt,
-    prepare,
-)
+from seedance.protocol.messages import ErrorFrame
+from seedance.server.lifecycle.admit import admit_raw, choose_model
 from seedance.server.lifecycle.embed import embed
 from seedance.server.lifecycle.reader import Reading, end_error
 from seedance.wasm import Errno, NNError
@@ -178,22 +172,14 @@ async def _generate(
 ) -> None:
     """A generation of ``text`` (continued raw) for a module, through the request core; its
     tokens into ``tokens``, then None (or the error that ended it)."""
-    from seedance.protocol.codec import FrameLimits, validate_generate
-
     services = backend.services
     arrival = _arrival(backend, "text_completion")
+    sampling = ("max_tokens", "temperature", "top_p", "seed")
+    fields: dict[str, Any] = {k: config[k] for k in sampling if k in config}
     try:
-        fields = {
-            k: config[k] for k in ("max_tokens", "temperature", "top_p", "seed") if k in config
-        }
-        limits = FrameLimits(services.config.max_frame_bytes, model.limits.max_tokens)
-        fields.setdefault("max_tokens", limits.default_max_tokens())
-        message = Generate(prompt=text, **fields)
-        validate_generate(message, limits)
-        served, message = prepare(services.models, arrival, model.name, None, message)
-        prompt = explicit_prompt(served, tuple(message.turns()), raw=True, unset=frozenset())
-        requester = Requester(backend.principal, served, "http")
-        generation = admit(services, arrival, requester, message, prompt=prompt)
+        generation = admit_raw(
+            services, arrival, backend.principal, model, text, fields, stream=True
+        )
     except Exception as exc:
         error = exc if isinstance(exc, SeedanceError) else InvalidRequest(str(exc))
         services.refusals.refuse(arrival, error)

@@ -19,10 +19,12 @@ why, and the API hands it to the one reporter
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import msgspec
 from msgspec import structs
 
+from seedance.protocol.codec import FrameLimits, validate_generate
 from seedance.protocol.errors import InvalidRequest, SessionBusy
 from seedance.protocol.messages import Generate, RequestId
 from seedance.protocol.qos import parse_qos
@@ -48,6 +50,7 @@ __all__ = [
     "Prompt",
     "Requester",
     "admit",
+    "admit_raw",
     "check_serving",
     "choose_model",
     "explicit_prompt",
@@ -161,6 +164,41 @@ def admit(
         usage.end_request(tenant, 0)
         raise
     return start(services, generation)
+
+
+def admit_raw(
+    services: Services,
+    arrival: Arrival,
+    principal: Principal,
+    model: ServedModel,
+    text: str,
+    fields: dict[str, Any],
+    *,
+    stream: bool,
+) -> Generation:
+    """A generation of ``text`` continued as it is (the completions API's raw prompt), for the
+    APIs that hand over one text and sampling ``fields`` (``max_tokens``, ``temperature``,
+    ``top_p``, ``seed``, ...): the Open Inference Protocol, and modules through WASI-NN. Fields
+    of the wrong type or out of range are refused naming them; left out, the server's defaults
+    (and the model's, for the temperature and top_p) apply."""
+    limits = FrameLimits(services.config.max_frame_bytes, model.limits.max_tokens)
+    limits = limits.capped(principal.tenant.quotas.max_tokens)
+    unset = frozenset(name for name in ("temperature", "top_p") if name not in fields)
+    defaults = unset  # what prepare may move inside the model's limits
+    if "max_tokens" not in fields:
+        fields = {**fields, "max_tokens": limits.default_max_tokens()}
+        defaults |= {"max_tokens"}
+    try:
+        message = msgspec.convert({**fields, "prompt": text, "stream": stream}, Generate)
+    except msgspec.ValidationError as exc:
+        raise InvalidRequest(str(exc)) from None
+    validate_generate(message, limits)
+    served, message = prepare(
+        services.models, arrival, model.name, arrival.request_id, message, unset=defaults
+    )
+    prompt = explicit_prompt(served, tuple(message.turns()), raw=True, unset=unset)
+    requester = Requester(principal, served, "http")
+    return admit(services, arrival, requester, message, prompt=prompt)
 
 
 def start(services: Services, generation: Generation) -> Generation:
