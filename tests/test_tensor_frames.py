@@ -166,3 +166,48 @@ async def test_an_engine_without_token_ids_says_so(
         await ws.send(json.dumps({"prompt": "hi", "tensors": ["token_ids"]}))
         error = await recv_json(ws)
     assert "synthetic engine of model synthetic gives no token ids" in error["error"]["message"]
+
+
+async def test_a_prompt_of_token_ids_as_a_tensor_or_a_list(served: RunningServer) -> None:
+    """``prompt_ids`` (a JSON list, or a tensor frame named by ``prompt_tensor``) and the
+    completions API's token-array prompt continue the same tokens: the same greedy reply, and
+    the session's context is left as it was."""
+    text = "The capital of France is"
+    async with httpx.AsyncClient(base_url=served.http_url, timeout=60) as http:
+        ids = (await http.post("/tokenize", json={"prompt": text})).json()["tokens"]
+    async with connect(served.url, session_id="token-prompts") as session:
+        as_tensor = await session.generate(
+            prompt_ids=np.array(ids, dtype=np.int32), max_tokens=12, temperature=0, stream=False
+        ).collect()
+        as_list = await session.complete(prompt_ids=ids, max_tokens=12, temperature=0)
+        assert as_tensor.text == as_list.text and as_tensor.usage.prompt_tokens == len(ids)
+        assert session.info.context_turns == 0
+    async with httpx.AsyncClient(base_url=served.http_url, timeout=60) as http:
+        body = {"prompt": ids, "max_tokens": 12, "temperature": 0}
+        completion = (await http.post("/v1/completions", json=body)).json()
+    assert completion["choices"][0]["text"] == as_list.text
+    assert completion["usage"]["prompt_tokens"] == len(ids)
+    async with connect(served.url, session_id="token-prompts") as again:
+        assert again.info.context_turns == 0  # nothing of either kept
+    async with connect(served.url) as session:
+        with pytest.raises(InvalidRequest, match=r"prompt_ids\[1\]: 99999999 is not a token"):
+            await session.complete(prompt_ids=[1, 99999999], max_tokens=2)
+        with pytest.raises(InvalidRequest, match="exactly one of prompt, messages and prompt_ids"):
+            await session.complete("hi", prompt_ids=[1], max_tokens=2)
+        tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+        with pytest.raises(InvalidRequest, match="cannot offer tools"):
+            await session.complete(prompt_ids=[1], tools=[tool], max_tokens=2)
+
+
+async def test_an_engine_without_token_ids_refuses_a_prompt_of_them(
+    make_server: Callable[..., RunningServer],
+) -> None:
+    server = make_server()
+    async with connect(server.url) as session:
+        with pytest.raises(InvalidRequest, match="synthetic engine of model synthetic takes no"):
+            await session.complete(prompt_ids=[1, 2], max_tokens=2)
+    ws, _ = await open_session(server.url)
+    async with ws:
+        await ws.send(json.dumps({"prompt_tensor": "ids", "request_id": "p1"}))
+        error = await recv_json(ws)
+    assert "prompt_tensor: no tensor frame 'ids' was sent" in error["error"]["message"]

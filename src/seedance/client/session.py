@@ -142,6 +142,7 @@ class Stream:
     """
 
     def __init__(self, session: ClientSession, message: Generate) -> None:
+        self._tensor: bytes | None = None  # a tensor frame the request sends first
         self._session = session
         self._message = message
         self.request_id: str = message.request_id or ""
@@ -340,6 +341,7 @@ class ClientSession:
         tool_choice: str | Mapping[str, Any] | None = None,
         parallel_tool_calls: bool | None = None,
         tensors: Sequence[str] | None = None,
+        prompt_ids: Sequence[int] | np.ndarray | None = None,
     ) -> Stream:
         """Ask for a reply; iterate the result for its tokens. ``priority`` (-10 to 10, within
         the tenant's maximum) orders the request in the server's admission queue.
@@ -355,7 +357,10 @@ class ClientSession:
         calls made, and a later request answers them with ``{"role": "tool", "tool_call_id":
         ..., "content": ...}`` messages. ``tensors``: outputs that come as tensor frames beside
         the token frames (``token_ids``, ``logprobs``, ``top_logprobs``): each chunk's in
-        :attr:`TokenChunk.tensors`, the whole reply's from :meth:`Stream.tensor`."""
+        :attr:`TokenChunk.tensors`, the whole reply's from :meth:`Stream.tensor`.
+        ``prompt_ids``: the prompt as the model's token ids instead of ``prompt``, continued as
+        they are (no chat template, no session history; an integer array goes up as a tensor
+        frame)."""
         fields: dict[str, Any] = {
             "prompt": prompt,
             "stream": stream,
@@ -372,6 +377,12 @@ class ClientSession:
             "parallel_tool_calls": parallel_tool_calls,
             "tensors": list(tensors) if tensors is not None else None,
         }
+        tensor = None
+        if isinstance(prompt_ids, np.ndarray):
+            fields["prompt_tensor"] = "prompt_ids"
+            tensor = encode_tensor(Tensor(fields["request_id"], "prompt_ids", prompt_ids))
+        elif prompt_ids is not None:
+            fields["prompt_ids"] = [int(token) for token in prompt_ids]
         if messages is not None:
             fields["messages"] = [
                 m if isinstance(m, ChatMessage) else msgspec.convert(m, ChatMessage)
@@ -386,7 +397,9 @@ class ClientSession:
                 fields[name] = value
         if stop is not None:
             fields["stop"] = stop if isinstance(stop, str) else list(stop)
-        return Stream(self, Generate(**fields))
+        reply = Stream(self, Generate(**fields))
+        reply._tensor = tensor
+        return reply
 
     async def complete(self, prompt: str | None = None, **kwargs: Any) -> DoneFrame:
         """Ask for a whole reply (``stream: false``); the ``done`` frame carries ``text``."""
@@ -491,6 +504,8 @@ class ClientSession:
     async def _send_generate(self, stream: Stream) -> None:
         self._streams[stream.request_id] = stream
         try:
+            if stream._tensor is not None:
+                await self._send(stream._tensor)
             await self._send(encode_client_message(stream._message))
         except BaseException:
             self._streams.pop(stream.request_id, None)

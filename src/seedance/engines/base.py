@@ -116,6 +116,9 @@ class GenerationRequest:
     #: tokens, already counted against ``max_tokens`` by the caller).
     continuation: str = ""
     continuation_tokens: int = 0
+    #: The prompt as token ids, continued as they are (``messages`` then only describes it):
+    #: an engine with :attr:`Engine.token_ids` takes them.
+    prompt_ids: tuple[int, ...] | None = None
     #: The W3C trace context of the request's span (and the client's ``tracestate``): an
     #: engine that calls another service (gateway mode) sends them, so the trace goes on.
     traceparent: str | None = None
@@ -230,7 +233,8 @@ class Engine(abc.ABC):
 
     #: Whether replies can carry their tokens' log probabilities (``logprobs``).
     logprobs: bool = False
-    #: Whether replies can carry their tokens' ids (a ``token_ids`` tensor).
+    #: Whether the engine speaks token ids: replies carry their tokens' ids (a ``token_ids``
+    #: tensor) and prompts may be token ids (``prompt_ids``).
     token_ids: bool = False
 
     def check_schema(self, schema: OutputSchema, field: str) -> None:

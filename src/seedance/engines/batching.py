@@ -451,9 +451,14 @@ class BatchedEngine(PromptedEngine):
         check_schema(schema, field)
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
-        prompt = self.prompts.tokens(
-            request.messages, request.raw, request.continuation, request.params.tools
-        )
+        if request.prompt_ids is not None:
+            prompt = list(request.prompt_ids)
+            if request.continuation:
+                prompt += self.prompts.encode(request.continuation, False)
+        else:
+            prompt = self.prompts.tokens(
+                request.messages, request.raw, request.continuation, request.params.tools
+            )
         params = request.params
         seed = params.seed if params.seed is not None else secrets.randbits(32)
         events = LightQueue()  # filled a decode step at a time

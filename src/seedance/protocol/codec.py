@@ -206,8 +206,15 @@ def validate_generate(msg: Generate, limits: FrameLimits, request_id: str | None
     def bad(text: str) -> InvalidRequest:
         return InvalidRequest(text, request_id=request_id)
 
-    if (msg.prompt is None) == (msg.messages is None):
-        raise bad("exactly one of prompt and messages is required")
+    tokens = msg.prompt_ids is not None or msg.prompt_tensor is not None
+    if msg.prompt_ids is not None and msg.prompt_tensor is not None:
+        raise bad("give prompt_ids or prompt_tensor, not both")
+    if sum([msg.prompt is not None, msg.messages is not None, tokens]) != 1:
+        raise bad("exactly one of prompt, messages and prompt_ids (or prompt_tensor) is required")
+    if msg.prompt_ids is not None and (not msg.prompt_ids or min(msg.prompt_ids) < 0):
+        raise bad("prompt_ids: one token id or more, each 0 or more")
+    if tokens and msg.tools:
+        raise bad("prompt_ids: a prompt of token ids cannot offer tools (they need a template)")
     if msg.messages is not None and not msg.messages:
         raise bad("messages must hold at least one message")
     if not 1 <= msg.max_tokens <= limits.max_tokens:

@@ -54,6 +54,10 @@ class Generate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     type: Literal["generate"] = "generate"
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    #: The prompt as the model's token ids, continued as they are (no chat template, no
+    #: session history); ``prompt_tensor``: the same from a tensor frame of this request.
+    prompt_ids: list[int] | None = None
+    prompt_tensor: str | None = None
     stream: bool = True
     max_tokens: int = 256
     temperature: float = 0.7

@@ -121,7 +121,7 @@ class _ChatBody(_Common, kw_only=True):
 
 
 class _CompletionBody(_Common, kw_only=True):
-    prompt: str | list[str]
+    prompt: str | list[str | int | list[int]]  # text, or token ids
     logprobs: int | None = None  # the alternatives per token (the legacy API's one field)
 
 
@@ -182,15 +182,21 @@ def decode_completion(body: bytes, limits: FrameLimits) -> OpenAIRequest:
     """A ``/v1/completions`` body (one prompt)."""
     parsed = decode_body(_completion_decoder, body)
     prompt = parsed.prompt
+    text: dict[str, Any] = {"prompt": prompt}
     if isinstance(prompt, list):
+        if prompt and all(isinstance(token, int) for token in prompt):
+            prompt = [prompt]  # one prompt of token ids
         if len(prompt) != 1:
             raise InvalidRequest("prompt: one prompt per request is supported")
-        prompt = prompt[0]
+        (one,) = prompt
+        if isinstance(one, int):
+            raise InvalidRequest("prompt: a string, token ids, or a list of one of them")
+        text = {"prompt": one} if isinstance(one, str) else {"prompt_ids": one}
     max_tokens = parsed.max_tokens
     if max_tokens is None:
         max_tokens = limits.default_max_tokens(COMPLETIONS_DEFAULT_MAX_TOKENS)
     logprobs = None if parsed.logprobs is None else _top_logprobs(parsed.logprobs, "logprobs")
-    return _request("completion", parsed, limits, max_tokens, prompt=prompt, logprobs=logprobs)
+    return _request("completion", parsed, limits, max_tokens, logprobs=logprobs, **text)
 
 
 def _top_logprobs(value: int, field: str) -> int:

@@ -25,6 +25,8 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from msgspec import structs
+
 from seedance.observability.audit import kinds as audit
 from seedance.observability.tracing import Attributes, Tracing
 from seedance.protocol.codec import (
@@ -581,7 +583,12 @@ class Connection:
         try:
             if bad_parent is not None:
                 raise bad_parent
-            claim(self._tensors.take(request_id), None, "")  # generate takes no tensor yet
+            tensor = claim(self._tensors.take(request_id), message.prompt_tensor, "prompt_tensor")
+            if tensor is not None:
+                rows = token_rows(tensor, "prompt_tensor")
+                if len(rows) != 1:
+                    raise InvalidRequest("prompt_tensor: one prompt, shape [tokens] or [1, tokens]")
+                message = structs.replace(message, prompt_ids=rows[0], prompt_tensor=None)
             # The version served now (a reload may have swapped one in since the last).
             served, message = prepare(
                 services.models, arrival, self.model.name, self.session.session_id, message

@@ -44,7 +44,13 @@ from seedance.server.http_call import (
     Scope,
     Send,
 )
-from seedance.server.lifecycle.admit import Requester, admit, explicit_prompt, prepare
+from seedance.server.lifecycle.admit import (
+    Requester,
+    admit,
+    explicit_prompt,
+    prepare,
+    token_prompt,
+)
 from seedance.server.lifecycle.drain import SHUTTING_DOWN
 from seedance.server.lifecycle.generation import Generation
 from seedance.server.lifecycle.reader import Reading, end_error
@@ -94,13 +100,16 @@ class OpenAIEndpoint:
             unset=request.unset | ({"max_tokens"} if not request.max_tokens_given else set()),
             schema_field="response_format",
         )
-        prompt = explicit_prompt(
-            model,
-            request.messages,
-            raw=request.kind == "completion",
-            unset=request.unset,
-            message=message,
-        )
+        if message.prompt_ids is not None:
+            prompt = token_prompt(model, message.prompt_ids, request.unset)
+        else:
+            prompt = explicit_prompt(
+                model,
+                request.messages,
+                raw=request.kind == "completion",
+                unset=request.unset,
+                message=message,
+            )
         qos = qos_from_headers(call.scope.get("headers", ()))
         requester = Requester(principal, model, "http", qos=qos)
         call.generation = generation = admit(

@@ -36,6 +36,7 @@ from seedance.server.lifecycle.request import (
     explicit_prompt,
     new_request_id,
     session_prompt,
+    token_prompt,
 )
 from seedance.server.modules import modules_for
 from seedance.tenants.auth import Principal
@@ -58,6 +59,7 @@ __all__ = [
     "prepare",
     "session_prompt",
     "start",
+    "token_prompt",
 ]
 
 
@@ -142,7 +144,9 @@ def admit(
             f"request {session.active_request} is still running on this session; "
             "cancel it or wait for its done frame"
         )
-    if prompt is None:
+    if prompt is None and message.prompt_ids is not None:
+        prompt = token_prompt(model, message.prompt_ids)
+    elif prompt is None:
         assert session is not None
         prompt = session_prompt(model, session, message)
     else:

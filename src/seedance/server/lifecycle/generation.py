@@ -265,7 +265,7 @@ class Generation:
                 self.tool_calls = self._calls(text)  # an unparsable call fails the request
                 if self.modules is not None and self.modules.post:
                     text = self.post_text = await self.modules.postprocess(text)
-                if session is not None:
+                if session is not None and self.message.prompt_ids is None:
                     reply = ChatMessage("assistant", text)
                     if self.tool_calls:  # kept as calls: a prompt writes them its own way
                         reply = ChatMessage("assistant", "", tool_calls=tuple(self.tool_calls))
@@ -426,6 +426,7 @@ class Generation:
             raw=prompt.raw,
             continuation="".join(log.texts) if already else "",
             continuation_tokens=already,
+            prompt_ids=None if message.prompt_ids is None else tuple(message.prompt_ids),
             traceparent=self.trace.traceparent,
             tracestate=self.trace.tracestate,
         )

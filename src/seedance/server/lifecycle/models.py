@@ -100,6 +100,26 @@ class ServedModel:
     def signed_by(self) -> str:
         return f"model {self.name} version {self.version}"
 
+    def check_ids(self, ids: list[int]) -> None:
+        """A prompt of token ids: an engine that takes them, each an id of the model's
+        vocabulary (:class:`InvalidRequest` naming the first that is not)."""
+        engine = self.engine
+        tokenizer = engine.tokenizer()
+        if not engine.token_ids or tokenizer is None:
+            info = engine.info
+            raise InvalidRequest(
+                f"prompt_ids: the {info.engine} engine of model {info.name} takes no token ids",
+                param="prompt_ids",
+            )
+        vocab = tokenizer.vocab_size
+        for index, token in enumerate(ids):
+            if not 0 <= token < vocab:
+                raise InvalidRequest(
+                    f"prompt_ids[{index}]: {token} is not a token of model {self.name} (its "
+                    f"vocabulary has {vocab})",
+                    param="prompt_ids",
+                )
+
     def check(
         self, message: Generate, *, field: str = "max_tokens", schema_field: str = "schema"
     ) -> Generate:
@@ -122,6 +142,8 @@ class ServedModel:
                 "probabilities",
                 param="logprobs",
             )
+        if message.prompt_ids is not None:
+            self.check_ids(message.prompt_ids)
         if message.tensors and "token_ids" in message.tensors and not self.engine.token_ids:
             engine = self.engine.info
             raise InvalidRequest(

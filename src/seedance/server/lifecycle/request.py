@@ -93,6 +93,18 @@ def _tools(
     return tools.preamble(message), None
 
 
+def token_prompt(
+    model: ServedModel, ids: Sequence[int], unset: frozenset[str] = frozenset()
+) -> Prompt:
+    """A prompt of token ids (checked by the model), continued as they are: no chat template,
+    no session history, and nothing of it kept in the session. Its one message is its text,
+    for the audit record and the logs."""
+    tokenizer = model.engine.tokenizer()
+    text = tokenizer.decode(ids) if tokenizer is not None else ""
+    check_fits(model, len(ids))
+    return Prompt((ChatMessage("user", text),), len(ids), raw=True, unset=unset)
+
+
 def check_fits(model: ServedModel, prompt_tokens: int) -> None:
     """A prompt must leave room for at least one token of reply; a reply that would run past
     the window ends with ``length`` when it is full."""
