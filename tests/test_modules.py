@@ -224,6 +224,12 @@ def test_a_tenants_modules_run_on_every_request_and_every_api(
         stream=True,
     )
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == "[redacted] again"
+    upper = client.completions.create(  # its own module too, after the tenant's
+        model="synthetic",
+        prompt="mail ann@corp.example",
+        extra_body={"seedance": {"modules": ["upper"]}},
+    )
+    assert upper.choices[0].text == "MAIL [redacted]"
 
 
 def test_a_module_that_does_not_verify_stops_the_server_from_starting(

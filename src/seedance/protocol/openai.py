@@ -76,6 +76,8 @@ class _Extension(msgspec.Struct, forbid_unknown_fields=True):
     #: The reply survives a dropped connection: ``GET /v1/streams/{id}`` with ``Last-Event-ID``
     #: reads the rest (SSE events then carry ``id: <request id>:<seq>``).
     resumable: bool = False
+    #: Tenant WebAssembly modules the request runs through, after its tenant's own.
+    modules: list[str] | None = None
 
 
 class JsonSchemaFormat(msgspec.Struct, kw_only=True):
@@ -266,6 +268,7 @@ def _request(
         "priority": body.priority,
         "stream": body.stream,
         "resumable": bool(body.seedance and body.seedance.resumable),
+        "modules": body.seedance.modules if body.seedance else None,
         "schema": _schema(body.response_format),
         "ignore_eos": body.ignore_eos,
     }
