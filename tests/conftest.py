@@ -135,3 +135,15 @@ def identity(tmp_path: Path) -> tuple[str, str]:
         )
     )
     return str(private), str(public)
+
+
+@pytest.fixture(scope="session")
+def reference() -> Any:
+    """sentence-transformers on the packaged all-MiniLM-L6-v2: what the embedding model's
+    vectors and tokens are checked against."""
+    from sentence_transformers import SentenceTransformer
+
+    from seedance.engines.embeddings import model_folder
+
+    folder, _ = model_folder("all-minilm-l6-v2")
+    return SentenceTransformer(str(folder), device="cpu")

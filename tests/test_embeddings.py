@@ -17,11 +17,11 @@ import openai
 import pytest
 
 from seedance.client import connect
-from seedance.engines.embeddings import model_folder
 from seedance.protocol.e2e import ClientHandshake, load_pinned
 from seedance.protocol.errors import InvalidRequest
 from seedance.protocol.tensors import Tensor, encode_tensor
 from tests.support.servers import RunningServer, server_config
+from tests.support.vectors import cosine
 from tests.support.waits import eventually
 from tests.support.ws import generate, open_session, recv_json, wait_closed
 
@@ -52,21 +52,8 @@ def served(audit_log: Path) -> Iterator[RunningServer]:
     server.stop()
 
 
-@pytest.fixture(scope="module")
-def reference() -> Any:
-    from sentence_transformers import SentenceTransformer
-
-    folder, _ = model_folder(MODEL)
-    return SentenceTransformer(str(folder), device="cpu")
-
-
 def client(server: RunningServer) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{server.http_url}/v1", api_key="none", max_retries=0)
-
-
-def cosine(a: Any, b: Any) -> Any:
-    a, b = np.asarray(a), np.asarray(b)
-    return (a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)
 
 
 async def test_vectors_equal_sentence_transformers(served: RunningServer, reference: Any) -> None:

@@ -20,9 +20,9 @@ from kserve import InferenceRESTClient, InferInput, InferRequest, RESTConfig
 from tritonclient.utils import InferenceServerException
 
 from seedance.config_loader import load_access
-from seedance.engines.embeddings import model_folder
 from seedance.tenants.keys import add_key
 from tests.support.servers import RunningServer, server_config
+from tests.support.vectors import cosine
 from tests.support.waits import eventually
 
 pytestmark = pytest.mark.model
@@ -45,14 +45,6 @@ def served(audit_log: Path) -> Iterator[RunningServer]:
     server.stop()
 
 
-@pytest.fixture(scope="module")
-def reference() -> Any:
-    from sentence_transformers import SentenceTransformer
-
-    folder, _ = model_folder(EMBEDDER)
-    return SentenceTransformer(str(folder), device="cpu")
-
-
 def triton_client(server: RunningServer) -> triton.InferenceServerClient:
     return triton.InferenceServerClient(server.http_url.removeprefix("http://"))
 
@@ -61,11 +53,6 @@ def texts(name: str, values: list[str], binary: bool = True) -> triton.InferInpu
     tensor = triton.InferInput(name, [len(values)], "BYTES")
     tensor.set_data_from_numpy(np.array([v.encode() for v in values], dtype=object), binary)
     return tensor
-
-
-def cosine(a: Any, b: Any) -> Any:
-    a, b = np.asarray(a), np.asarray(b)
-    return (a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)
 
 
 def test_health_and_metadata_as_tritonclient_reads_them(served: RunningServer) -> None:
@@ -217,19 +204,21 @@ def test_the_rest_of_v2_answers_in_the_protocols_shape(served: RunningServer) ->
 async def test_an_infer_is_audited_like_every_request(
     served: RunningServer, audit_log: Path
 ) -> None:
-    triton_client(served).infer(EMBEDDER, [texts("text", ["audit this"])], request_id="oip-a")
+    trace = "4bf92f3577b34da6a3ce929d0e0e4736"
+    headers = {"traceparent": f"00-{trace}-00f067aa0ba902b7-01"}
+    triton_client(served).infer(EMBEDDER, [texts("text", ["audit this"])], headers=headers)
 
     def records() -> list[dict[str, Any]]:
         lines = audit_log.read_text().splitlines() if audit_log.exists() else []
         return [
             r for r in map(json.loads, lines)
-            if r["kind"] == "request" and r["request_id"].startswith("oip-")
-            and r["outcome"] == "embedded"
+            if r["kind"] == "request" and r.get("trace_id") == trace
         ]  # fmt: skip
 
     await eventually(records, 5, "the infer's audit record")
     record = records()[-1]
     assert record["model"] == EMBEDDER and record["api"] == "http"
+    assert record["request_id"].startswith("oip-") and record["outcome"] == "embedded"
     assert record["prompt_tokens"] == 4  # [CLS] audit this [SEP]
 
 
