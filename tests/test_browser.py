@@ -181,17 +181,25 @@ async def test_the_sdk_embeds_and_reads_typed_output(
             const chunks = [];
             for await (const chunk of reply) chunks.push(chunk.logprobs.length === chunk.n);
             const counted = session.generate("Hi", {max_tokens: 8, tensors: ["token_ids"]});
+            const sampled = [];
             const idChunks = [];
             for await (const chunk of counted) {
                 const t = chunk.tensors.token_ids;
                 idChunks.push([t.data.constructor.name, t.shape[0] === chunk.n]);
+                sampled.push(...t.data);
             }
+            // The ids it sampled, as a prompt of token ids: a tensor frame up, a reply down.
+            const again = session.generate({prompt_ids: Int32Array.from(sampled)},
+                                           {max_tokens: 4, temperature: 0, stream: false});
+            const fromIds = await again.result();
             return {
                 count: vectors.data.length, size: vectors.data[0].length, refused,
                 tensor: [e.data.constructor.name, e.dtype, e.shape, tensor.data ?? null, gap],
                 ids: [ids.arrays.embedding.shape, ids.usage.prompt_tokens],
                 tokenIds: [idChunks.every(([type, n]) => type === "Int32Array" && n),
-                           counted.tensors.token_ids.reduce((a, t) => a + t.shape[0], 0)],
+                           counted.tensors.token_ids.reduce((a, t) => a + t.shape[0], 0),
+                           fromIds.usage.prompt_tokens === sampled.length,
+                           fromIds.usage.completion_tokens],
                 json: JSON.parse(reply.text), perChunk: chunks.every(Boolean),
                 logprobs: reply.logprobs.length, tokens: reply.done.usage.completion_tokens,
                 tops: reply.logprobs[0].top_logprobs.length,
@@ -202,7 +210,7 @@ async def test_the_sdk_embeds_and_reads_typed_output(
     assert result["count"] == 2 and result["size"] == 384
     assert result["tensor"] == ["Float32Array", "FP32", [2, 384], None, 0]  # the same floats
     assert result["ids"] == [[2, 384], 8]
-    assert result["tokenIds"] == [True, 8]
+    assert result["tokenIds"] == [True, 8, True, 4]
     assert result["refused"] == "invalid_request"
     assert isinstance(result["json"]["ok"], bool) and result["perChunk"]
     assert result["logprobs"] == result["tokens"] and result["tops"] == 2

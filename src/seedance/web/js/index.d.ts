@@ -171,6 +171,8 @@ export interface GenerateFields {
   parallel_tool_calls?: boolean;
   /** Outputs sent as tensor frames beside the token frames (docs/protocol.md, section 10). */
   tensors?: ("token_ids" | "logprobs" | "top_logprobs")[];
+  /** The prompt as the model's token ids (an Int32Array goes up as a tensor frame). */
+  prompt_ids?: number[] | Int32Array;
 }
 
 /** A token's log probability, and the likeliest tokens at its position (OpenAI's shape). */

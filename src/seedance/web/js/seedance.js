@@ -189,7 +189,8 @@ export class Session extends EventTarget {
   }
 
   /** Ask for a reply: `generate("hello", {max_tokens: 64, resumable: true})`, or
-   * `generate({messages: [...]})`. Fields are those of the protocol's generate frame. */
+   * `generate({messages: [...]})`. Fields are those of the protocol's generate frame;
+   * `prompt_ids` may be an Int32Array (the prompt as token ids), sent as a tensor frame. */
   generate(prompt, fields = {}) {
     const frame = typeof prompt === "string" ? { prompt, ...fields } : { ...prompt, ...fields };
     frame.request_id ??= `js-${randomId()}`;
@@ -198,6 +199,12 @@ export class Session extends EventTarget {
     else delete frame.qos;
     const generation = new Generation(this, frame);
     this._generations.set(frame.request_id, generation);
+    if (ArrayBuffer.isView(frame.prompt_ids)) {
+      const data = frame.prompt_ids;
+      delete frame.prompt_ids;
+      frame.prompt_tensor = "prompt_ids";
+      this._send(encodeTensor({ requestId: frame.request_id, name: "prompt_ids", data }));
+    }
     this._send(JSON.stringify(frame));
     return generation;
   }
