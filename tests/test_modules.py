@@ -65,6 +65,7 @@ def registry(build: Builder, tmp_path_factory: pytest.TempPathFactory) -> tuple[
     publish(root, key, "stopper", build("stopper"))
     publish(root, key, "wild", build("wild"), fuel=2_000_000, memory_mb=4)
     publish(root, key, "ask", build("ask"), wall_ms=5000)
+    publish(root, key, "ask-embedder", build("ask"), models=EMBEDDER)
     publish(root, key, "hostile", build("hostile"), fuel=2_000_000, memory_mb=4, wall_ms=500)
     publish(root, key, "acme-only", build("upper"), tenant="acme")
     publish(root, key, "printer", build("printf"), imports="wasi_snapshot_preview1")
@@ -182,6 +183,10 @@ def test_a_pipeline_is_a_model_of_the_inference_protocol_that_calls_served_model
     assert vector.shape == (384,) and abs(float(np.linalg.norm(vector)) - 1.0) < 1e-3
     missing = ask("ask", "c nowhere\nhi")
     assert missing.status_code == 500 and "refused (code 203)" in missing.json()["error"]
+    narrowed = ask("ask-embedder", "c synthetic\nhi")  # its manifest names only the embedder
+    assert narrowed.status_code == 500 and "refused (code 203)" in narrowed.json()["error"]
+    vector = ask("ask-embedder", f"c {EMBEDDER}\nhi")  # raw f32 bytes: JSON cannot carry them
+    assert vector.status_code == 400 and "binary_data" in vector.json()["error"]
     not_pipeline = httpx.get(f"{url}/redact")
     assert not_pipeline.status_code == 404 and "not a pipeline" in not_pipeline.json()["error"]
 
