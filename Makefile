@@ -80,7 +80,9 @@ test-fast: $(VENV)/.installed-test
 # loop; WebSocket vs HTTP; LiteLLM's proxy; resuming a dropped stream; a cluster; the client QoS
 # A/B table; rendering in headless Chromium; OpenAI's Realtime and Responses APIs' first token;
 # the model reloaded under load; end-to-end encryption and TLS against plain streams; /v1/embeddings
-# against sentence-transformers in one process);
+# against llama-server and sentence-transformers; schemas, log probabilities and tool calls;
+# guidellm; tensor frames, tritonclient's binary data and a WebAssembly filter: suite 19 builds
+# examples/wasm/redact.c with clang for wasm32-wasi);
 # rewrites docs/benchmarks.md (~55 min, and about 9 more the first time, to build llama-server).
 # BENCH_ARGS=--quick for a short run,
 # BENCH_ARGS="--suites 5" for one suite.
