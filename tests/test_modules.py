@@ -20,7 +20,7 @@ import pytest
 
 from seedance.config import ConfigError, ModulesConfig
 from seedance.config_loader import load_access
-from seedance.models.registry import sign_version
+from seedance.models.registry import Registry, sign_version
 from seedance.models.signing import keygen
 from seedance.server.modules import ModuleTable
 from seedance.tenants.keys import add_key
@@ -252,3 +252,58 @@ def test_a_module_that_does_not_verify_stops_the_server_from_starting(
     (folder / "redact.wasm").write_bytes(build("redact"))
     with WasmHost() as host, pytest.raises(ConfigError, match="without asking for it"):
         ModuleTable.load(config, host)
+
+
+async def test_a_reload_swaps_a_new_promoted_version_in_and_keeps_a_refused_one_out(
+    make_server: Callable[..., RunningServer], build: Builder, tmp_path: Path
+) -> None:
+    """``POST /admin/modules/reload``: a newly promoted version verified and served, one whose
+    file changed after signing refused (the served one goes on), one removed no longer
+    served; each audited."""
+    key = tmp_path / "k"
+    public, _ = keygen(key)
+    root = tmp_path / "registry"
+    publish(root, key, "swap", build("upper"))
+    path = tmp_path / "seedance.toml"
+    admin = add_key(path, "ops", role="admin").key
+    user = add_key(path, "acme").key
+    audit_file = tmp_path / "audit.log"
+    server = make_server(
+        echo=True, module_registry=str(root), module_trust=(str(public),), config_file=str(path),
+        access=load_access(path), audit_file=str(audit_file),
+    )  # fmt: skip
+    headers = {"Authorization": f"Bearer {admin}"}
+
+    async def reply(prompt: str) -> str:
+        ws, _ = await open_session(server.url, f"api_key={user}")
+        async with ws:
+            return text_of(await generate(ws, prompt=prompt, modules=["swap"]))
+
+    assert await reply("mail me@corp.example") == "MAIL ME@CORP.EXAMPLE"
+    publish(root, key, "swap", build("redact"), version="1.1.0")
+    Registry(root).promote("swap", "1.1.0")
+    async with httpx.AsyncClient(base_url=server.http_url, headers=headers) as http:
+        done = (await http.post("/admin/modules/reload")).json()["reloads"]
+        assert done == [
+            {"action": "loaded", "module": "swap", "version": "1.1.0", "key": done[0]["key"],
+             "manifest_sha256": done[0]["manifest_sha256"]}
+        ]  # fmt: skip
+        assert await reply("mail me@corp.example") == "mail [redacted]"
+        bad = publish(root, key, "swap", build("redact"), version="1.2.0")
+        (bad / "swap.wasm").write_bytes(build("upper"))  # changed after it was signed
+        Registry(root).promote("swap", "1.2.0")
+        refused = (await http.post("/admin/modules/reload")).json()["reloads"]
+        assert refused == [
+            {"action": "refused", "module": "swap", "version": "1.2.0", "reason": "changed_file"}
+        ]
+        assert await reply("mail me@corp.example") == "mail [redacted]"  # 1.1.0 goes on
+        as_user = {"Authorization": f"Bearer {user}"}
+        forbidden = await http.post("/admin/modules/reload", headers=as_user)
+        assert forbidden.status_code == 403
+
+    def events() -> list[tuple[str, str]]:
+        records = map(json.loads, audit_file.read_text().splitlines())
+        return [(r["action"], r["version"]) for r in records if r["kind"] == "module"]
+
+    await eventually(lambda: len(events()) == 2, 5, "the reloads' audit records")
+    assert events() == [("loaded", "1.1.0"), ("refused", "1.2.0")]

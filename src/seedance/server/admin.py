@@ -6,6 +6,8 @@
   close the connections that hold it;
 - ``DELETE /admin/sessions/{tenant}/{session_id}``: end a session: its running reply is
   cancelled, its connections closed, its context dropped;
+- ``POST /admin/models/reload`` and ``POST /admin/modules/reload``: serve the model registry's
+  and the module registry's promoted versions now (each change verified first, audited);
 - ``GET /admin/runtime``: what the process holds now (event loop tasks, connections, requests,
   sessions and their history): what a leak shows in first. Counting tasks walks all of them
   (about 4 ms at 20,000), so it is here, asked for, not in every ``/metrics`` scrape.
@@ -50,6 +52,18 @@ def admin_routes(state: ServerState) -> list[Route]:
         if manager is None:
             raise NotFound("this server serves no model registry (--model-registry)")
         return _json({"reloads": [_reload_json(r) for r in await manager.reload()]})
+
+    async def reload_modules(request: Request) -> Response:
+        """Serve the module registry's promoted versions now (seedance.server.modules)."""
+        _admin(state, request)
+        modules = state.modules
+        if modules is None:
+            raise NotFound("this server runs no module registry (--module-registry)")
+        events = await asyncio.to_thread(modules.reload)
+        body = [msgspec.to_builtins(event) for event in events]
+        return _json(
+            {"reloads": [{k: v for k, v in e.items() if k not in ("kind", "time")} for e in body]}
+        )
 
     async def tenants(request: Request) -> Response:
         _admin(state, request)
@@ -144,6 +158,7 @@ def admin_routes(state: ServerState) -> list[Route]:
         Route("/admin/tenants", tenants),
         Route("/admin/runtime", runtime),
         Route("/admin/models/reload", reload_models, methods=["POST"]),
+        Route("/admin/modules/reload", reload_modules, methods=["POST"]),
         Route("/admin/keys/{key_id}/revoke", revoke, methods=["POST"]),
         Route("/admin/sessions/{tenant}/{session_id}", end_session, methods=["DELETE"]),
     ]

@@ -39,10 +39,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
-from msgspec import structs
+from msgspec import UNSET, structs
 
 from seedance.config import ConfigError
 from seedance.engines.base import TokenDelta
+from seedance.observability.audit.kinds import ModuleEvent
 from seedance.protocol.errors import (
     Forbidden,
     InvalidRequest,
@@ -90,6 +91,7 @@ class ServedModule:
     imports: frozenset[str] = frozenset()
     models: tuple[str, ...] | None = None
     manifest_sha256: str = ""
+    key: str = ""  # the id of the key that signed it
 
     @property
     def label(self) -> str:
@@ -110,6 +112,15 @@ def load_modules(config: ServerConfig, metrics: Metrics) -> ModuleTable:
     return table
 
 
+class ModuleLoadRefused(Exception):
+    """A module version that cannot be served; ``reason`` names the rule (the model
+    registry's refusals, ``bad_manifest``, ``bad_module``)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 class ModuleTable:
     """Every module of the registry, by name (its promoted version), and the pool its calls
     run in."""
@@ -119,49 +130,102 @@ class ModuleTable:
         modules: dict[str, ServedModule],
         host: WasmHost | None = None,
         metrics: Metrics | None = None,
+        config: ModulesConfig | None = None,
     ) -> None:
         self.modules = modules
         self.host = host
         self.metrics = metrics
+        self.config = config
+        #: Where a reload's events are audited (the audit gate's submit; None: not audited).
+        self.audit: Callable[[Callable[[], ModuleEvent]], Any] | None = None
         self.pool = concurrent.futures.ThreadPoolExecutor(POOL_THREADS, "wasm")
 
     @classmethod
     def load(cls, config: ModulesConfig, host: WasmHost) -> ModuleTable:
         """The registry's promoted versions, each verified then compiled; any that fails stops
         the server from starting, saying which and why."""
+        table = cls({}, host, config=config)
+        for name, version in table._promoted():
+            try:
+                table.modules[name] = table._verified(name, version)
+            except ModuleLoadRefused as exc:
+                raise ConfigError(
+                    f"module {name} {version} refused ({exc.reason}): {exc}"
+                ) from None
+        return table
+
+    def _promoted(self) -> list[tuple[str, str]]:
+        from seedance.models.registry import Registry
+
+        assert self.config is not None and self.config.path is not None
+        registry = Registry(Path(self.config.path))
+        found = ((name, registry.promoted(name)) for name in registry.names())
+        return [(name, version) for name, version in found if version is not None]
+
+    def _verified(self, name: str, version: str) -> ServedModule:
+        """Version ``version`` of module ``name``, verified then compiled
+        (:class:`ModuleLoadRefused`, with the reason, when it cannot be served)."""
         from seedance.models.registry import ModelRefused, Registry, verify
         from seedance.models.signing import load_trusted
 
-        assert config.path is not None
+        config, host = self.config, self.host
+        assert config is not None and config.path is not None and host is not None
         trusted = load_trusted([Path(p) for p in config.trust])
         if not trusted:
             raise ConfigError("--module-registry needs the keys it trusts: --module-trust")
-        registry = Registry(Path(config.path))
-        modules = {}
-        for name in registry.names():
-            version = registry.promoted(name)
-            if version is None:
+        folder = Registry(Path(config.path)).path(name, version)
+        try:
+            verified = verify(folder, trusted, expected=(name, version))
+        except ModelRefused as exc:
+            raise ModuleLoadRefused(exc.reason, exc.message) from None
+        manifest = verified.manifest
+        if manifest.engine != "wasm":
+            raise ModuleLoadRefused("bad_manifest", f"signed for engine {manifest.engine}")
+        files = [s.name for s in verified.files if s.name.endswith(".wasm")]
+        if len(files) != 1:
+            raise ModuleLoadRefused("bad_manifest", f"one .wasm file, found {len(files)}")
+        try:
+            compiled = host.compile((verified.path / files[0]).read_bytes())
+            module = served_module(name, version, compiled, manifest.engine_options, config)
+        except (WasmError, ConfigError) as exc:
+            raise ModuleLoadRefused("bad_module", str(exc)) from None
+        logger.info("module %s %s: roles %s", name, version, ", ".join(sorted(compiled.roles)))
+        return replace(module, manifest_sha256=verified.manifest_sha256, key=verified.key.id)
+
+    def reload(self) -> list[ModuleEvent]:
+        """Serve the registry's promoted versions now (``POST /admin/modules/reload``): a
+        changed one verified and compiled, then swapped in (requests that began keep the one
+        they run through), one that is refused left as it was served, one gone from the
+        registry no longer served. Blocking (compiling): call it off the event loop."""
+        events = []
+        modules = dict(self.modules)
+        promoted = dict(self._promoted())
+        for name, version in promoted.items():
+            served = modules.get(name)
+            if served is not None and served.version == version:
                 continue
             try:
-                verified = verify(registry.path(name, version), trusted, expected=(name, version))
-            except ModelRefused as exc:
-                raise ConfigError(
-                    f"module {name} {version} refused ({exc.reason}): {exc.message}"
-                ) from None
-            manifest = verified.manifest
-            if manifest.engine != "wasm":
-                raise ConfigError(f"module {name} {version}: signed for engine {manifest.engine}")
-            files = [s.name for s in verified.files if s.name.endswith(".wasm")]
-            if len(files) != 1:
-                raise ConfigError(f"module {name} {version}: one .wasm file, found {len(files)}")
-            try:
-                compiled = host.compile((verified.path / files[0]).read_bytes())
-            except WasmError as exc:
-                raise ConfigError(f"module {name} {version}: {exc}") from None
-            modules[name] = served_module(name, version, compiled, manifest.engine_options, config)
-            modules[name] = replace(modules[name], manifest_sha256=verified.manifest_sha256)
-            logger.info("module %s %s: roles %s", name, version, ", ".join(sorted(compiled.roles)))
-        return cls(modules, host)
+                modules[name] = module = self._verified(name, version)
+            except ModuleLoadRefused as exc:
+                logger.warning("module %s %s refused (%s): %s", name, version, exc.reason, exc)
+                events.append(
+                    ModuleEvent(action="refused", module=name, version=version, reason=exc.reason)
+                )
+                continue
+            events.append(
+                ModuleEvent(
+                    action="loaded", module=name, version=version, key=module.key or UNSET,
+                    manifest_sha256=module.manifest_sha256 or UNSET,
+                )
+            )  # fmt: skip
+        for name in sorted(set(modules) - set(promoted)):
+            gone = modules.pop(name).version
+            events.append(ModuleEvent(action="removed", module=name, version=gone))
+        self.modules = modules
+        if self.audit is not None:
+            for event in events:
+                self.audit(functools.partial(_same, event))
+        return events
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -456,6 +520,10 @@ class _Filters:
         if not self.failed:
             for module in self.owner.filters[: len(self.instances)]:
                 self.owner.table.ok(module, "filter")
+
+
+def _same(event: ModuleEvent) -> ModuleEvent:
+    return event
 
 
 class _Ahead:

@@ -109,6 +109,7 @@ class ServerState:
             from seedance.server.modules import load_modules
 
             self.modules = load_modules(config, self.metrics)
+            self.modules.audit = self.audit.submit
         self.services = Services(
             config=config,
             models=self.models,

@@ -124,6 +124,19 @@ class ModelEvent(AuditRecord, kw_only=True):
     manifest_sha256: str | UnsetType = UNSET
 
 
+class ModuleEvent(AuditRecord, kw_only=True):
+    """A tenant WebAssembly module's version loaded, refused (with the reason) or no longer
+    served, at a reload of the module registry."""
+
+    kind: Literal["module"] = "module"
+    action: Literal["loaded", "refused", "removed"]
+    module: str
+    version: str
+    reason: str | UnsetType = UNSET
+    key: str | UnsetType = UNSET  # the id of the key that signed it
+    manifest_sha256: str | UnsetType = UNSET
+
+
 class StreamKey(AuditRecord, kw_only=True):
     """A key of an end-to-end encrypted connection: agreed at its start (epoch 0, no old key)
     or rotated to (the next epoch, the old key's hash). Keys are named by their SHA-256."""
