@@ -270,7 +270,7 @@ async def test_a_reload_swaps_a_new_promoted_version_in_and_keeps_a_refused_one_
     audit_file = tmp_path / "audit.log"
     server = make_server(
         echo=True, module_registry=str(root), module_trust=(str(public),), config_file=str(path),
-        access=load_access(path), audit_file=str(audit_file),
+        access=load_access(path), audit_file=str(audit_file), module_watch_s=0,
     )  # fmt: skip
     headers = {"Authorization": f"Bearer {admin}"}
 
@@ -307,3 +307,26 @@ async def test_a_reload_swaps_a_new_promoted_version_in_and_keeps_a_refused_one_
 
     await eventually(lambda: len(events()) == 2, 5, "the reloads' audit records")
     assert events() == [("loaded", "1.1.0"), ("refused", "1.2.0")]
+
+
+async def test_the_watcher_serves_a_newly_promoted_version(
+    make_server: Callable[..., RunningServer], build: Builder, tmp_path: Path
+) -> None:
+    key = tmp_path / "k"
+    public, _ = keygen(key)
+    root = tmp_path / "registry"
+    publish(root, key, "swap", build("upper"))
+    server = make_server(
+        echo=True, module_registry=str(root), module_trust=(str(public),), module_watch_s=0.1
+    )
+
+    async def reply() -> str:
+        ws, _ = await open_session(server.url)
+        async with ws:
+            return text_of(await generate(ws, prompt="mail me@corp.example", modules=["swap"]))
+
+    assert await reply() == "MAIL ME@CORP.EXAMPLE"
+    publish(root, key, "swap", build("redact"), version="1.1.0")
+    Registry(root).promote("swap", "1.1.0")
+    await eventually(lambda: server.state.modules.modules["swap"].version == "1.1.0", 10, "1.1.0")
+    assert await reply() == "mail [redacted]"

@@ -278,6 +278,16 @@ class ModulesConfig:
         "between 1 and 4096",
         name="module_memory_mb",
     )
+    watch_s: float = setting(
+        5.0,
+        "--module-watch-s",
+        float,
+        "how often the module registry is checked for a newly promoted version, seconds (0: only "
+        "POST /admin/modules/reload)",
+        non_negative,
+        "0 or more",
+        name="module_watch_s",
+    )
     wall_ms: int = setting(
         2000,
         "--module-wall-ms",

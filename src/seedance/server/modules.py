@@ -34,6 +34,7 @@ import asyncio
 import concurrent.futures
 import functools
 import logging
+import threading
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -138,6 +139,9 @@ class ModuleTable:
         self.config = config
         #: Where a reload's events are audited (the audit gate's submit; None: not audited).
         self.audit: Callable[[Callable[[], ModuleEvent]], Any] | None = None
+        self._refused: dict[str, str] = {}  # the version of each name last refused
+        self._reloading = threading.Lock()  # the watcher's and an admin's, one at a time
+        self._watcher: asyncio.Task[None] | None = None
         self.pool = concurrent.futures.ThreadPoolExecutor(POOL_THREADS, "wasm")
 
     @classmethod
@@ -204,9 +208,12 @@ class ModuleTable:
             served = modules.get(name)
             if served is not None and served.version == version:
                 continue
+            if self._refused.get(name) == version:  # refused once: not again every round
+                continue
             try:
                 modules[name] = module = self._verified(name, version)
             except ModuleLoadRefused as exc:
+                self._refused[name] = version
                 logger.warning("module %s %s refused (%s): %s", name, version, exc.reason, exc)
                 events.append(
                     ModuleEvent(action="refused", module=name, version=version, reason=exc.reason)
@@ -227,7 +234,24 @@ class ModuleTable:
                 self.audit(functools.partial(_same, event))
         return events
 
-    def close(self) -> None:
+    def start(self) -> None:
+        """Watch the registry every ``--module-watch-s`` seconds (0: no watch)."""
+        if self.config is not None and self.config.watch_s > 0 and self._watcher is None:
+            self._watcher = asyncio.create_task(self._watch(), name="module-watch")
+
+    async def _watch(self) -> None:
+        assert self.config is not None
+        while True:
+            await asyncio.sleep(self.config.watch_s)
+            try:
+                await asyncio.to_thread(self.reload)
+            except Exception:  # the next round tries again; never silently
+                logger.exception("the module registry's watch failed; it tries again")
+
+    async def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            await asyncio.gather(self._watcher, return_exceptions=True)
         self.pool.shutdown(wait=False, cancel_futures=True)
         if self.host is not None:
             self.host.close()

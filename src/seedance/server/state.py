@@ -174,6 +174,8 @@ class ServerState:
         await self.access.start()
         if self.merger is not None:
             self.merger.start()
+        if self.modules is not None:
+            self.modules.start()
 
     async def drain(self, timeout_s: float) -> None:
         """See :meth:`~seedance.server.lifecycle.drain.Shutdown.drain`."""
@@ -193,6 +195,6 @@ class ServerState:
         for model in self.models.values():
             await model.engine.close()
         if self.modules is not None:
-            self.modules.close()
+            await self.modules.close()
         await asyncio.to_thread(self.tracing.shutdown)  # exports what is buffered
         await self.audit.close()
