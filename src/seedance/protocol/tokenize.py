@@ -112,14 +112,21 @@ def decode_detokenize(body: bytes) -> Detokenize:
     return Detokenize(model=parsed.model, tokens=tuple(parsed.tokens))
 
 
-def check_tokens(tokens: Sequence[int], vocab_size: int, model: str) -> None:
+def check_tokens(
+    tokens: Sequence[int],
+    vocab_size: int,
+    model: str,
+    field: str = "tokens",
+    param: str | None = None,
+) -> None:
     """Every id within the model's vocabulary, or an :class:`InvalidRequest` naming the first
-    that is not."""
+    that is not (as ``field[index]``; ``param``: the request field the error names)."""
     for index, token in enumerate(tokens):
         if not 0 <= token < vocab_size:
             raise InvalidRequest(
-                f"tokens[{index}]: {token} is not a token of model {model} "
-                f"(its vocabulary holds ids 0 to {vocab_size - 1})"
+                f"{field}[{index}]: {token} is not a token of model {model} "
+                f"(its vocabulary holds ids 0 to {vocab_size - 1})",
+                param=param,
             )
 
 

@@ -61,6 +61,7 @@ from seedance.wasm import (
     ModuleRefused,
     WasmError,
     WasmHost,
+    abi,
 )
 
 if TYPE_CHECKING:
@@ -74,8 +75,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: Import modules a manifest may ask for (and a tenant allow).
-EXTRA_IMPORTS: Final = frozenset({"wasi_snapshot_preview1"})
 #: Threads that run module calls (each call is bounded by its wall-clock limit).
 POOL_THREADS: Final = 8
 
@@ -100,6 +99,10 @@ class ServedModule:
 
     def has(self, role: str) -> bool:
         return role in self.module.roles
+
+    def usable_by(self, tenant: str) -> bool:
+        """Whether ``tenant`` may use it: its own tenant's, or every tenant's."""
+        return self.tenant is None or self.tenant == tenant
 
 
 def load_modules(config: ServerConfig, metrics: Metrics) -> ModuleTable:
@@ -265,8 +268,8 @@ class ModuleTable:
         """The module ``name`` as ``principal`` may use it; one of another tenant is as
         unknown as one that does not exist (no probing), refused with ``missing``."""
         module = self.modules.get(name)
-        if module is None or module.tenant not in (None, principal.name):
-            known = sorted(n for n, m in self.modules.items() if m.tenant in (None, principal.name))
+        if module is None or not module.usable_by(principal.name):
+            known = sorted(n for n, m in self.modules.items() if m.usable_by(principal.name))
             raise missing(
                 f"modules: {name!r} is not served here"
                 + (f"; modules of yours: {', '.join(known)}" if known else "")
@@ -365,14 +368,12 @@ def served_module(
     if unknown:
         raise ConfigError(f"module {name} {version}: unknown manifest option(s) {unknown}")
     imports = frozenset(_names(options, "imports") or ())
-    if imports - EXTRA_IMPORTS:
+    if imports - abi.ALLOWABLE:
         raise ConfigError(
-            f"module {name} {version}: imports {sorted(imports - EXTRA_IMPORTS)} cannot be given "
-            f"(only {', '.join(sorted(EXTRA_IMPORTS))})"
+            f"module {name} {version}: imports {sorted(imports - abi.ALLOWABLE)} cannot be given "
+            f"(only {', '.join(sorted(abi.ALLOWABLE))})"
         )
-    undeclared = sorted(
-        {m for m, _ in compiled.imports} - {"seedance", "wasi_ephemeral_nn"} - imports
-    )
+    undeclared = sorted({m for m, _ in compiled.imports} - abi.HOST_MODULES - imports)
     if undeclared:
         raise ConfigError(
             f"module {name} {version} imports {', '.join(undeclared)} without asking for it in "

@@ -84,8 +84,9 @@ class TokenStream:
         merger = out._merger
         if merger is None:  # merging off: one frame per token
             self.add(text, tokens)
-            for tensor in self.tensor_frames():
-                out.put(tensor)
+            if self.tensors:
+                for tensor in self.tensor_frames():
+                    out.put(tensor)
             out.put(self.take(out._loop.time())[0])
             return
         if self.waiting:  # a frame of this stream is waiting: join it

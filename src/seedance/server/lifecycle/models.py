@@ -26,6 +26,7 @@ from seedance.engines.base import bound_to
 from seedance.protocol.codec import FrameLimits
 from seedance.protocol.errors import InvalidRequest, ModelNotFound
 from seedance.protocol.schemas import output_schema
+from seedance.protocol.tokenize import check_tokens
 from seedance.server.admission import Admission
 
 if TYPE_CHECKING:
@@ -111,14 +112,7 @@ class ServedModel:
                 f"prompt_ids: the {info.engine} engine of model {info.name} takes no token ids",
                 param="prompt_ids",
             )
-        vocab = tokenizer.vocab_size
-        for index, token in enumerate(ids):
-            if not 0 <= token < vocab:
-                raise InvalidRequest(
-                    f"prompt_ids[{index}]: {token} is not a token of model {self.name} (its "
-                    f"vocabulary has {vocab})",
-                    param="prompt_ids",
-                )
+        check_tokens(ids, tokenizer.vocab_size, self.name, "prompt_ids", param="prompt_ids")
 
     def check(
         self, message: Generate, *, field: str = "max_tokens", schema_field: str = "schema"
