@@ -492,3 +492,150 @@ async def test_a_template_of_its_own_calls_tools_in_its_own_format(hermes: Runni
         max_tokens=30,
     )
     assert answer.choices[0].message.content
+
+
+# ---------------------------------------------------------------- other templates' formats
+
+TEMPLATES = Path(__file__).parent / "templates"
+#: Each format, a template that writes calls in it, and a reply of two calls written its way.
+FORMAT_CASES = {
+    "llama3_json": (
+        TEMPLATES / "llama3_json_tools.jinja",
+        '{"name": "get_weather", "parameters": {"city": "P\\"a}ris", "unit": "celsius"}}; '
+        '{"name":"get_time","parameters":{"city":"Oslo"}}',
+    ),
+    "mistral": (
+        TEMPLATES / "mistral_tools.jinja",
+        '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "P\\"a}ris", '
+        '"unit": "celsius"}}, {"name":"get_time","arguments":{"city":"Oslo"}}]',
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FORMAT_CASES))
+def test_a_template_is_probed_for_its_call_format_and_its_replies_read_that_way(name: str) -> None:
+    """The template's way of writing a call is learnt from how it writes one in the history;
+    the history is rendered that way; a reply in that format is read as calls (streamed in
+    pieces and whole), and a reply cut inside them is an error."""
+    path, reply = FORMAT_CASES[name]
+    template = ChatTemplate(path.read_text(), bos_token="", eos_token="")
+    assert template.tools and template.call_format.name == name
+    tools = parse_tools([WEATHER, TIME], "auto", True, name)
+    assert tools is not None
+    call = ToolCallTurn("call_0123456789", "get_time", '{"city":"Oslo"}')
+    history = [
+        ChatMessage("user", "Time in Oslo?"),
+        ChatMessage("assistant", "", tool_calls=(call,)),
+        ChatMessage("tool", "09:30", tool_call_id=call.id),
+    ]
+    text = template.render(history, add_generation_prompt=True, tools=tools)
+    assert '"name": "get_weather"' in text  # the tools, in the template's own words
+    written = '"parameters": {"city": "Oslo"}' if name == "llama3_json" else "[TOOL_CALLS] ["
+    assert written in text and "You can call functions" not in text
+
+    reader = CallReader(tools, "r-2")
+    events = [event for i in range(0, len(reply), 3) for event in reader.feed(reply[i : i + 3])]
+    assert [e.name for e in events if e.name] == ["get_weather", "get_time"]
+    arguments: dict[int, str] = {}
+    for event in events:
+        arguments[event.index] = arguments.get(event.index, "") + event.arguments
+    assert json.loads(arguments[0]) == {"city": 'P"a}ris', "unit": "celsius"}
+    assert json.loads(arguments[1]) == {"city": "Oslo"}
+    assert reader.whole == 2
+    calls = parse_calls(reply, tools, "r-2") or []
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": 'P"a}ris', "unit": "celsius"}),
+        ("get_time", {"city": "Oslo"}),
+    ]
+    for cut in (3, 30, len(reply) - 1):
+        with pytest.raises(BadToolCall, match="ended inside a tool call"):
+            parse_calls(reply[:cut], tools)
+    with pytest.raises(BadToolCall, match="does not parse"):
+        parse_calls(reply.replace("; ", " + ").replace(", {", " {"), tools)
+    assert parse_calls("Plain <b>text</b>.", tools) is None  # "<" is not this format's call
+    if name == "mistral":  # an engine that drops the special token's text leaves it out
+        assert len(parse_calls(reply.removeprefix("[TOOL_CALLS] "), tools) or []) == 2
+
+
+@pytest.fixture(scope="module", params=sorted(FORMAT_CASES))
+def formatted(request: pytest.FixtureRequest) -> Iterator[tuple[str, RunningServer]]:
+    """The embedded model with a template that writes calls in another format."""
+    path = FORMAT_CASES[request.param][0]
+    config = server_config(engine="llamacpp", parallel=2, n_ctx=4096, chat_template=str(path))
+    server = RunningServer(config, None).start()
+    yield request.param, server
+    server.stop()
+
+
+@pytest.mark.model
+async def test_a_template_of_another_format_gets_calls_that_parse_and_the_loop_ends(
+    formatted: tuple[str, RunningServer],
+) -> None:
+    """Decoding writes calls in the template's format; they stream as OpenAI streams them,
+    parse, and are valid for their schemas; the history goes back the template's way and the
+    model answers in text."""
+    name, server = formatted
+    api = client(server)
+    stream = await api.chat.completions.create(
+        **ASK, tool_choice="required", temperature=0, max_tokens=120, stream=True
+    )
+    calls: dict[int, dict[str, str]] = {}
+    finish = None
+    async for chunk in stream:
+        if not chunk.choices:
+            continue
+        assert not chunk.choices[0].delta.content  # calls, not text
+        for part in chunk.choices[0].delta.tool_calls or ():
+            entry = calls.setdefault(part.index, {"id": "", "name": "", "arguments": ""})
+            entry["id"] = part.id or entry["id"]
+            if part.function and part.function.name:
+                entry["name"] = part.function.name
+            if part.function and part.function.arguments:
+                entry["arguments"] += part.function.arguments
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and calls, name
+    for entry in calls.values():
+        jsonschema.validate(json.loads(entry["arguments"]), schema_of(entry["name"]))
+    first = calls[0]
+    answer = await api.chat.completions.create(
+        model="smollm2-135m",
+        messages=[
+            *QUESTION,
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": first["id"],
+                        "type": "function",
+                        "function": {"name": first["name"], "arguments": first["arguments"]},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": first["id"], "content": '{"temperature": 18}'},
+        ],  # type: ignore[list-item]
+        tools=[WEATHER, TIME],  # type: ignore[list-item]
+        temperature=0,
+        max_tokens=40,
+    )
+    choice = answer.choices[0]
+    if choice.finish_reason == "tool_calls":  # "auto": another call, in the format, is valid
+        for call in choice.message.tool_calls or ():
+            jsonschema.validate(json.loads(call.function.arguments), schema_of(call.function.name))
+    else:
+        assert choice.message.content and choice.message.content[0] not in "{["
+    # The Responses API reads the same format: a function_call item, streamed.
+    events = await api.responses.create(
+        model="smollm2-135m",
+        input="What time is it in Oslo?",
+        tools=FLAT,  # type: ignore[arg-type]
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_output_tokens=80,
+        stream=True,
+    )
+    kinds = [event.type async for event in events]
+    assert "response.function_call_arguments.delta" in kinds
+    assert "response.output_text.delta" not in kinds
+    await api.close()

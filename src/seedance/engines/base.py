@@ -26,7 +26,7 @@ from seedance.protocol.messages import (
     TokenLogprob,
 )
 from seedance.protocol.schemas import OutputSchema, output_schema
-from seedance.protocol.tools import Tools, grammar, parse_tools, plain
+from seedance.protocol.tools import HERMES, CallFormat, Tools, grammar, plain
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,9 +66,11 @@ class SamplingParams:
     token_ids: bool = False
 
     @classmethod
-    def of(cls, message: Generate, unset: frozenset[str] = frozenset()) -> SamplingParams:
-        """The sampling fields of a (validated) ``generate`` request."""
-        tools = parse_tools(message.tools, message.tool_choice, message.parallel_tool_calls)
+    def of(
+        cls, message: Generate, unset: frozenset[str] = frozenset(), tools: Tools | None = None
+    ) -> SamplingParams:
+        """The sampling fields of a (validated) ``generate`` request (``tools``: those it
+        offers, for the engine's call format)."""
         return cls(
             max_tokens=message.max_tokens,
             temperature=message.temperature,
@@ -84,13 +86,11 @@ class SamplingParams:
         )
 
 
-def bound_to(message: Generate, tools: Tools | None = None) -> OutputSchema | None:
+def bound_to(message: Generate, tools: Tools | None) -> OutputSchema | None:
     """What a (validated) request binds its reply to: its schema, or the grammar of a reply to
-    its tools (``tools``: parsed already; None: parsed here) (None: free text)."""
+    the ``tools`` it offers (None: free text)."""
     if message.schema is not None:
         return output_schema(message.schema, "schema")
-    if tools is None:
-        tools = parse_tools(message.tools, message.tool_choice, message.parallel_tool_calls)
     return None if tools is None else OutputSchema(grammar(tools), kind="lark")
 
 
@@ -213,6 +213,12 @@ class Engine(abc.ABC):
         (:mod:`seedance.engines.template`): they are then passed to :meth:`prompt_tokens`
         and in :attr:`SamplingParams.tools`, not described in a system message."""
         return False
+
+    @property
+    def call_format(self) -> CallFormat:
+        """How the engine's replies write tool calls: its chat template's way where it writes
+        tools itself, else the generic format."""
+        return HERMES
 
     def prompt_tokens(
         self,

@@ -40,8 +40,8 @@ CHAT_TEMPLATE: Final = Option(
     "chat_template",
     "--chat-template",
     str,
-    "a Jinja chat template file used instead of the model's own (one that writes tools in the "
-    "Hermes way, with <tool_call>, is given a request's tools: docs/engines.md)",
+    "a Jinja chat template file used instead of the model's own (one that writes tools in "
+    "Hermes', Llama 3's or Mistral's way is given a request's tools: docs/engines.md)",
     lambda v: Path(v).is_file(),
     "a file",
 )

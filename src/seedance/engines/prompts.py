@@ -18,7 +18,7 @@ from seedance.engines.base import Engine, ModelInfo, SamplingParams
 from seedance.engines.template import ChatTemplate
 from seedance.protocol.errors import ContextOverflow, InvalidRequest
 from seedance.protocol.messages import ChatMessage
-from seedance.protocol.tools import Tools
+from seedance.protocol.tools import CallFormat, Tools
 
 _encode = msgspec.json.Encoder().encode
 
@@ -160,6 +160,10 @@ class PromptedEngine(Engine, abc.ABC):
     @property
     def native_tools(self) -> bool:
         return self.prompts.template.tools
+
+    @property
+    def call_format(self) -> CallFormat:
+        return self.prompts.template.call_format
 
     def prompt_tokens(
         self,

@@ -316,7 +316,8 @@ class Rendered:
     @property
     def calls(self) -> bool:
         """Whether the reply calls tools (it began a call), so far as it has come."""
-        return self.text.startswith("<") and "tools" in self.meta
+        tools = self.tools
+        return tools is not None and tools.is_call(self.text)
 
     @property
     def kind_known(self) -> bool:
@@ -372,7 +373,7 @@ class Rendered:
             output = [function_call(call, done=True) for call in end.tool_calls]
         elif self.ended and self.text:
             output = [self.item(done=True)]
-        tools, tool_choice, parallel = meta.get("tools") or (None, None, None)
+        tools, tool_choice, parallel = (meta.get("tools") or (None, None, None))[:3]
         return {
             "id": self.id,
             "object": "response",

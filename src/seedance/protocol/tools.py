@@ -1,22 +1,27 @@
-"""Tool calling in the generic format: tools checked, written into the prompt, the reply bound
-to "a text reply or calls of these tools", and the calls read back out of the reply.
+"""Tool calling: tools checked, written into the prompt, the reply bound to "a text reply or
+calls of these tools", and the calls read back out of the reply.
 
 A model whose chat template says nothing of tools (the embedded SmolLM2) is told of them in a
-system message, and calls one by writing ::
+system message, and calls one in the **generic format** ::
 
     <tool_call>{"name":"get_weather","arguments":{"city":"Paris"}}</tool_call>
 
-(the format Hermes-style templates such as Qwen 2.5's use). Decoding is bound to a grammar
+(the format Hermes-style templates such as Qwen 2.5's use). A template that writes tools
+itself (:mod:`seedance.engines.template`) has its own :class:`CallFormat`: Hermes's, Llama
+3.x's JSON (``{"name": ..., "parameters": {...}}``, calls apart by ``;``) or Mistral's
+(``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``). Decoding is bound to a grammar
 (:func:`grammar`, llguidance's Lark dialect with ``%json`` for each tool's parameters), so the
 calls always parse and their arguments are valid for the tool's schema; :func:`parse_calls`
 still checks both, and a reply cut inside a call (``max_tokens``) is an error, never a text
-reply. A text reply may not begin with ``<``: that is how a call is told apart at once.
+reply. A text reply may not begin with the format's first character (``<``, ``{``, ``[``):
+that is how a call is told apart at once.
 
 Pure: no I/O; the OpenAI APIs and ``/v2/infer`` share it.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -31,13 +36,42 @@ from seedance.protocol.errors import InvalidRequest
 from seedance.protocol.messages import ChatMessage, Generate, ToolCallTurn
 from seedance.protocol.schemas import closed, output_schema
 
-OPEN: Final = "<tool_call>"
-CLOSE: Final = "</tool_call>"
 _NAME_RE: Final = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _NO_PARAMETERS: Final = {"type": "object", "properties": {}}
 _encode = msgspec.json.Encoder().encode
 
 Choice = Literal["none", "auto", "required"] | str  # or the one tool's name
+
+
+@dataclass(frozen=True, slots=True)
+class CallFormat:
+    """How a reply writes its calls: ``begin``, then each call (``open``, a JSON object with
+    ``name`` and the arguments under ``key``, ``close``) with ``between`` between two, then
+    ``end``; ``tag`` may come first (a special token: an engine that drops special tokens'
+    text leaves it out)."""
+
+    name: str
+    open: str = ""
+    close: str = ""
+    key: str = "arguments"
+    begin: str = ""
+    between: str = ""
+    end: str = ""
+    tag: str = ""
+
+    @property
+    def lead(self) -> str:
+        """The character a reply that calls begins with, and a text reply may not."""
+        return (self.begin + self.open + "{")[0]
+
+
+#: The generic format, Hermes's: what a template without tools of its own is told to write.
+HERMES: Final = CallFormat("hermes", open="<tool_call>", close="</tool_call>")
+#: Llama 3.1-3.3's JSON calls (their templates' custom tools).
+LLAMA3_JSON: Final = CallFormat("llama3_json", key="parameters", between="; ")
+#: Mistral's: one JSON array of calls after the ``[TOOL_CALLS]`` token.
+MISTRAL: Final = CallFormat("mistral", begin="[", between=", ", end="]", tag="[TOOL_CALLS]")
+FORMATS: Final = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +91,12 @@ class Tools:
     choice: Choice = "auto"
     parallel: bool = True
     by_name: dict[str, Tool] = field(default_factory=dict, compare=False)
+    #: How the reply writes its calls (the engine's: :attr:`Engine.call_format`).
+    format: CallFormat = HERMES
+
+    def is_call(self, text: str) -> bool:
+        """Whether a reply that begins with ``text`` calls tools (and is not text)."""
+        return text.startswith(self.format.lead)
 
     @property
     def callable(self) -> tuple[Tool, ...]:
@@ -85,9 +125,12 @@ class Tools:
         return {"tools": tools, "tool_choice": choice, "parallel_tool_calls": self.parallel}
 
 
-def parse_tools(tools: Any, tool_choice: Any, parallel: bool | None) -> Tools | None:
+def parse_tools(
+    tools: Any, tool_choice: Any, parallel: bool | None, format: str = HERMES.name
+) -> Tools | None:
     """OpenAI's ``tools``, ``tool_choice`` and ``parallel_tool_calls``, checked (None: no tools,
-    or ``tool_choice: "none"``). Each fault is an :class:`InvalidRequest` naming its field."""
+    or ``tool_choice: "none"``), for a reply that writes calls in ``format`` (a
+    :class:`CallFormat`'s name). Each fault is an :class:`InvalidRequest` naming its field."""
     if not tools:
         if tool_choice not in (None, "none", "auto"):
             raise InvalidRequest("tool_choice: there are no tools to call", param="tool_choice")
@@ -103,7 +146,17 @@ def parse_tools(tools: Any, tool_choice: Any, parallel: bool | None) -> Tools | 
     choice = _choice(tool_choice, by_name)
     if choice == "none":
         return None
-    return Tools(tuple(checked), choice, parallel is not False, by_name)
+    return Tools(tuple(checked), choice, parallel is not False, by_name, FORMATS[format])
+
+
+def offered(message: Generate, format: CallFormat = HERMES) -> Tools | None:
+    """The tools a (validated) ``generate`` request offers, for a reply in ``format``."""
+    return parse_tools(message.tools, message.tool_choice, message.parallel_tool_calls, format.name)
+
+
+def kept(message: Generate, format: CallFormat) -> list[Any]:
+    """What a stream log's ``meta`` keeps of a request's tools (``parse_tools(*kept)``: them)."""
+    return [message.tools, message.tool_choice, message.parallel_tool_calls, format.name]
 
 
 def _tool(spec: Any, where: str) -> Tool:
@@ -151,12 +204,14 @@ def _choice(value: Any, by_name: dict[str, Tool]) -> Choice:
 
 # --------------------------------------------------------------------------- the prompt
 
+_OPEN, _CLOSE = HERMES.open, HERMES.close
+
 
 def system_prompt(tools: Tools) -> str:
     """What the model is told of the tools it may call, and how to call them."""
     lines = [
         "You can call functions. To call one, reply with only this, once per call:",
-        f'{OPEN}{{"name": <function name>, "arguments": <arguments as a JSON object>}}{CLOSE}',
+        f'{_OPEN}{{"name": <function name>, "arguments": <arguments as a JSON object>}}{_CLOSE}',
         "The functions:",
     ]
     for tool in tools.callable:
@@ -170,13 +225,14 @@ def system_prompt(tools: Tools) -> str:
 def preamble(message: Generate) -> list[ChatMessage]:
     """The system turn that tells the model of a request's tools (none without tools): it
     opens the prompt, before the conversation, and is not kept in a session."""
-    tools = parse_tools(message.tools, message.tool_choice, message.parallel_tool_calls)
+    tools = offered(message)
     return [] if tools is None else [ChatMessage("system", system_prompt(tools))]
 
 
 def call_text(name: str, arguments: str) -> str:
-    """A call as the reply writes it (for an assistant turn of the history)."""
-    return f'{OPEN}{{"name":{_encode(name).decode()},"arguments":{arguments or "{}"}}}{CLOSE}'
+    """A call as a reply in the generic format writes it (for an assistant turn of the
+    history)."""
+    return f'{_OPEN}{{"name":{_encode(name).decode()},"arguments":{arguments or "{}"}}}{_CLOSE}'
 
 
 def result_text(content: str) -> str:
@@ -204,32 +260,48 @@ def plain(messages: Sequence[ChatMessage]) -> list[ChatMessage]:
 
 def grammar(tools: Tools) -> str:
     """The Lark grammar (llguidance's dialect) of a reply to ``tools``: calls of the tools it
-    may call, each with arguments valid for the tool's parameters (compact JSON, ``name``
-    first; a newline inside the tags allowed, as Hermes templates write calls); with ``tool_choice:
-    "auto"``, a text reply instead (not beginning with ``<``)."""
+    may call in the tools' format, each with arguments valid for the tool's parameters (compact
+    JSON, ``name`` first; a newline inside Hermes's tags allowed, as its templates write
+    calls); with ``tool_choice: "auto"``, a text reply instead (not beginning with the
+    format's first character)."""
+    format = tools.format
     variants = [
         {
             "type": "object",
-            "properties": {"name": {"const": tool.name}, "arguments": tool.parameters},
-            "required": ["name", "arguments"],
+            "properties": {"name": {"const": tool.name}, format.key: tool.parameters},
+            "required": ["name", format.key],
             "additionalProperties": False,
         }
         for tool in tools.callable
     ]
     schema: dict[str, Any] = variants[0] if len(variants) == 1 else {"anyOf": variants}
     schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
-    calls = "call+" if tools.parallel else "call"
-    rules = [
-        f"calls: {calls}",
-        # A newline inside the tags is the Hermes templates' way (engines.template).
-        f'call: "{OPEN}" "\\n"? %json {_encode(schema).decode()} "\\n"? "{CLOSE}"',
-    ]
+    body = f"%json {_encode(schema).decode()}"
+    if format.open:  # a newline inside the tags is the Hermes templates' way
+        body = f'{_quote(format.open)} "\\n"? {body} "\\n"? {_quote(format.close)}'
+    more = f"({_quote(format.between)} call)*" if format.between else "call*"
+    calls = " ".join(
+        part
+        for part in (
+            _quote(format.begin),
+            "call",
+            more if tools.parallel else "",
+            _quote(format.end),
+        )
+        if part
+    )
+    rules = [f"calls: {calls}", f"call: {body}"]
     if tools.choice == "auto":
         rules.insert(0, "start: calls | TEXT")
-        rules.append(r"TEXT: /[^<][\s\S]*/")
+        rules.append(f"TEXT: /[^{re.escape(format.lead)}][\\s\\S]*/")
     else:
         rules.insert(0, "start: calls")
     return "\n".join(rules)
+
+
+def _quote(literal: str) -> str:
+    """A Lark string literal (empty: none)."""
+    return _encode(literal).decode() if literal else ""
 
 
 # --------------------------------------------------------------------------- the reply
@@ -246,34 +318,48 @@ def call_id(request_id: str, index: int) -> str:
 
 
 def parse_calls(text: str, tools: Tools, request_id: str = "") -> list[ToolCallTurn] | None:
-    """The calls ``text`` (a whole reply) makes (None: it is a text reply); a reply that
-    begins a call and does not make it whole raises :class:`BadToolCall`, as does a text
-    reply where ``tool_choice`` asked for a call (an engine that does not bind its replies,
-    gateway mode's upstream, may write one)."""
-    if not text.startswith("<"):
+    """The calls ``text`` (a whole reply) makes in the tools' format (None: it is a text
+    reply); a reply that begins a call and does not make it whole raises :class:`BadToolCall`,
+    as does a text reply where ``tool_choice`` asked for a call (an engine that does not bind
+    its replies, gateway mode's upstream, may write one)."""
+    if not tools.is_call(text):
         if tools.choice != "auto":
             raise BadToolCall(
                 f"tool_choice {tools.choice!r} asked for a tool call and the reply is text"
             )
         return None
+    format = tools.format
     calls: list[ToolCallTurn] = []
     decoder = json.JSONDecoder()
-    at = _skip_space(text, 0)
-    while at < len(text):
-        if not text.startswith(OPEN, at):
-            if OPEN.startswith(text[at:]):
-                raise BadToolCall("the reply ended inside a tool call (max_tokens?)")
-            raise BadToolCall(f"the reply's tool call does not parse at character {at}")
+    at = len(format.tag) if format.tag and text.startswith(format.tag) else 0
+    at = _expect(text, at, format.begin)
+    while True:
+        at = _expect(text, at, format.open)
         try:
-            body, end = decoder.raw_decode(text, _skip_space(text, at + len(OPEN)))
+            body, end = decoder.raw_decode(text, _skip_space(text, at))
         except json.JSONDecodeError:
             raise BadToolCall("the reply ended inside a tool call (max_tokens?)") from None
-        end = _skip_space(text, end)
-        if not text.startswith(CLOSE, end):
-            raise BadToolCall("the reply ended inside a tool call (max_tokens?)")
+        at = _expect(text, end, format.close)
         calls.append(_call(body, tools, call_id(request_id, len(calls))))
-        at = _skip_space(text, end + len(CLOSE))
-    return calls
+        at = _skip_space(text, at)
+        if format.end and text.startswith(format.end, at):
+            at = _skip_space(text, at + len(format.end))
+            if at < len(text):
+                raise BadToolCall(f"the reply goes on after its tool calls at character {at}")
+            return calls
+        if at == len(text) and not format.end:
+            return calls
+        at = _expect(text, at, format.between.strip())
+
+
+def _expect(text: str, at: int, literal: str) -> int:
+    """Past ``literal`` where ``text`` has it at ``at`` (spaces before it skipped)."""
+    at = _skip_space(text, at)
+    if text.startswith(literal, at):
+        return at + len(literal)
+    if literal.startswith(text[at:]):
+        raise BadToolCall("the reply ended inside a tool call (max_tokens?)")
+    raise BadToolCall(f"the reply's tool call does not parse at character {at}")
 
 
 def _skip_space(text: str, at: int) -> int:
@@ -283,16 +369,17 @@ def _skip_space(text: str, at: int) -> int:
 
 
 def _call(body: Any, tools: Tools, id: str) -> ToolCallTurn:
-    if not isinstance(body, dict) or set(body) != {"name", "arguments"}:
-        raise BadToolCall('a tool call must be {"name": ..., "arguments": {...}}')
+    key = tools.format.key
+    if not isinstance(body, dict) or set(body) != {"name", key}:
+        raise BadToolCall(f'a tool call must be {{"name": ..., "{key}": {{...}}}}')
     tool = tools.by_name.get(body["name"])
     if tool is None:
         raise BadToolCall(f"the reply called {body['name']!r}, which is not a tool")
     try:
-        jsonschema.validate(body["arguments"], tool.parameters)
+        jsonschema.validate(body[key], tool.parameters)
     except jsonschema.ValidationError as exc:
         raise BadToolCall(f"the arguments of {tool.name} are not valid: {exc.message}") from None
-    return ToolCallTurn(id, tool.name, _encode(body["arguments"]).decode())
+    return ToolCallTurn(id, tool.name, _encode(body[key]).decode())
 
 
 @dataclass(slots=True)
@@ -310,10 +397,23 @@ class CallEvent:
     end: int = 0
 
 
-_HEAD: Final = re.compile(
-    r"\s*" + re.escape(OPEN) + r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*'
-)
-_TAIL: Final = re.compile(r"\s*\}\s*" + re.escape(CLOSE))
+@functools.cache
+def _patterns(format: CallFormat) -> tuple[re.Pattern[str], re.Pattern[str], re.Pattern[str]]:
+    """What begins a reply's first call, what begins each later one (up to its arguments,
+    its name caught), and what ends a call, in ``format``."""
+    space = r"\s*"
+    head = (
+        re.escape(format.open)
+        + space
+        + r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*'
+        + re.escape(f'"{format.key}"')
+        + r"\s*:\s*"
+    )
+    tag = f"(?:{re.escape(format.tag)})?" if format.tag else ""
+    first = space + tag + space + re.escape(format.begin) + space + head
+    later = space + re.escape(format.between.strip()) + space + head
+    tail = space + r"\}" + space + re.escape(format.close)
+    return re.compile(first), re.compile(later), re.compile(tail)
 
 
 class CallReader:
@@ -343,7 +443,7 @@ class CallReader:
         """What ``text``, the next part of the reply, adds."""
         self.text += text
         if not self._mode and self.text:
-            self._mode = "calls" if self.text.startswith("<") else "text"
+            self._mode = "calls" if self.tools.is_call(self.text) else "text"
         if self._mode == "text":
             if text:
                 yield CallEvent(text=text, end=len(self.text))
@@ -354,7 +454,8 @@ class CallReader:
         text = self.text
         while True:
             if self._next == "head":
-                match = _HEAD.match(text, self._at)
+                first, later, _ = _patterns(self.tools.format)
+                match = (later if self.calls else first).match(text, self._at)
                 if match is None:
                     return  # not all here yet
                 self._index += 1
@@ -376,7 +477,7 @@ class CallReader:
                 if self._next == "arguments":
                     return
             else:
-                tail = _TAIL.match(text, self._at)
+                tail = _patterns(self.tools.format)[2].match(text, self._at)
                 if tail is None:
                     return
                 self._at, self._next = tail.end(), "head"
@@ -416,7 +517,8 @@ class CallReader:
 class CallWriter:
     """The inverse of :class:`CallReader`: calls that arrive as parts (another server's
     streamed ``delta.tool_calls``: a call's index, its name, its arguments' fragments) written
-    as a reply in the generic format, so that the one reader of replies reads them."""
+    as a reply in the generic format (:data:`HERMES`), so that the one reader of replies reads
+    them."""
 
     def __init__(self) -> None:
         self.index: int | None = None  # the call being written
@@ -431,7 +533,7 @@ class CallWriter:
             if not name:
                 raise BadToolCall(f"tool call {index} has no name")
             self.index = index
-            text += f'{OPEN}{{"name":{_encode(name).decode()},"arguments":'
+            text += f'{_OPEN}{{"name":{_encode(name).decode()},"arguments":'
         if arguments and arguments.strip():
             if not self._arguments:
                 arguments = arguments.lstrip()
@@ -447,6 +549,6 @@ class CallWriter:
         """The text that ends the call being written (none: none is)."""
         if self.index is None:
             return ""
-        text = ("" if self._arguments else "{}") + "}" + CLOSE
+        text = ("" if self._arguments else "{}") + "}" + _CLOSE
         self.index, self._arguments, self._space = None, False, ""
         return text

@@ -35,7 +35,7 @@ from seedance.protocol.messages import (
 )
 from seedance.protocol.openai import decode_chat, decode_completion
 from seedance.protocol.qos import qos_from_headers
-from seedance.protocol.tools import CallReader, parse_tools
+from seedance.protocol.tools import CallReader, kept, parse_tools
 from seedance.server.http_call import (
     JSON_HEADERS,
     SSE_HEADERS,
@@ -122,11 +122,7 @@ class OpenAIEndpoint:
             "model": model.name,
         }
         if message.tools:  # the reply is read for calls
-            generation.log.meta["tools"] = [
-                message.tools,
-                message.tool_choice,
-                message.parallel_tool_calls,
-            ]
+            generation.log.meta["tools"] = kept(message, model.engine.call_format)
         return generation
 
 

@@ -56,7 +56,7 @@ from seedance.protocol.realtime import (
     response_params,
     update_session,
 )
-from seedance.protocol.tools import CallReader, Tools, parse_tools
+from seedance.protocol.tools import CallReader, Tools
 from seedance.server.http_call import Receive, Scope, Send
 from seedance.server.lifecycle.admit import Requester, admit, choose_model, prepare, session_prompt
 from seedance.server.lifecycle.generation import Generation
@@ -351,7 +351,7 @@ class Realtime:
         await self.send(
             events.event("response.created", response=events.response(response_id, params))
         )
-        tools = parse_tools(params.tools, params.tool_choice, params.parallel_tool_calls)
+        tools = generation.tools
         output: _Message | _Calls = _Message(self, response_id)
         opened = False
         log = generation.log
@@ -361,7 +361,7 @@ class Realtime:
                     if not opened:
                         if not text:
                             continue
-                        if tools is not None and text.startswith("<"):
+                        if tools is not None and tools.is_call(text):
                             output = _Calls(self, response_id, tools)
                         opened = True
                         await output.open()

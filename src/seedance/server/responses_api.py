@@ -60,7 +60,7 @@ from seedance.protocol.responses import (
     decode_responses,
     deleted,
 )
-from seedance.protocol.tools import Tools
+from seedance.protocol.tools import Tools, kept
 from seedance.server.http_call import (
     JSON_HEADERS,
     SSE_HEADERS,
@@ -319,7 +319,7 @@ class ResponseCall:
                 if calls is None and not message:
                     if not text:
                         continue
-                    message = not text.startswith("<")
+                    message = not tools.is_call(text)
                     if message:
                         for event in view.message_opening(after):
                             await events.event(event)
@@ -411,11 +411,7 @@ class ResponseCall:
             "text_format": request.text_format,
         }
         if message.tools:  # the reply is read for calls
-            generation.log.meta["tools"] = [
-                message.tools,
-                message.tool_choice,
-                message.parallel_tool_calls,
-            ]
+            generation.log.meta["tools"] = kept(message, model.engine.call_format)
         return generation, request
 
     async def _conversation(self, previous: str) -> list[Turn]:

@@ -141,6 +141,8 @@ class Generation:
         self.ending = False  # past the engine: a cancel comes too late
         #: The done or error frame, logged once the audit record is written (None: none).
         self.end: DoneFrame | ErrorFrame | None = None
+        #: The tools the request offers, for the engine's call format (None: none).
+        self.tools = tools.offered(message, requester.model.engine.call_format)
         #: The calls the reply made, when the request offered tools (None: it offered none).
         self.tool_calls: list[ToolCallTurn] | None = None
         self.outcome = ""
@@ -410,7 +412,7 @@ class Generation:
         message = self.message
         prompt = self.prompt
         clock = time.monotonic
-        params = SamplingParams.of(message, prompt.unset)
+        params = SamplingParams.of(message, prompt.unset, self.tools)
         already = self.completion_tokens  # a generation taken over: the reply so far
         if already:
             if already >= params.max_tokens:
@@ -562,12 +564,10 @@ class Generation:
     def _calls(self, text: str) -> list[ToolCallTurn] | None:
         """The calls ``text``, the whole reply, makes, checked against the request's tools
         (None: it offered none); a call it began and did not make whole raises."""
-        message = self.message
-        offered = tools.parse_tools(message.tools, message.tool_choice, message.parallel_tool_calls)
-        if offered is None:
+        if self.tools is None:
             return None
         try:
-            return tools.parse_calls(text, offered, self.request_id) or []
+            return tools.parse_calls(text, self.tools, self.request_id) or []
         except tools.BadToolCall as exc:
             exc.request_id = self.request_id
             raise

@@ -27,6 +27,7 @@ from seedance.protocol.codec import FrameLimits
 from seedance.protocol.errors import InvalidRequest, ModelNotFound
 from seedance.protocol.schemas import output_schema
 from seedance.protocol.tokenize import check_tokens
+from seedance.protocol.tools import offered
 from seedance.server.admission import Admission
 
 if TYPE_CHECKING:
@@ -126,7 +127,7 @@ class ServedModel:
         if message.schema is not None:
             self.engine.check_schema(output_schema(message.schema, schema_field), schema_field)
         elif message.tools:
-            bound = bound_to(message)
+            bound = bound_to(message, offered(message, self.engine.call_format))
             if bound is not None:
                 self.engine.check_schema(bound, "tools")
         if message.logprobs is not None and not self.engine.logprobs:

@@ -87,9 +87,7 @@ def _tools(
     if message is None:
         return [], None
     if model.engine.native_tools:
-        return [], tools.parse_tools(
-            message.tools, message.tool_choice, message.parallel_tool_calls
-        )
+        return [], tools.offered(message, model.engine.call_format)
     return tools.preamble(message), None
 
 
