@@ -453,6 +453,15 @@ class TlsConfig:
         "0 or more",
         name="tls_watch_s",
     )
+    http3: bool = setting(
+        False,
+        "--http3",
+        boolean,
+        "also serve HTTP/3 and WebTransport over QUIC on --port over UDP, with --tls-cert (without "
+        "it: a self-signed ECDSA certificate valid 13 days, its SHA-256 logged for WebTransport's "
+        "serverCertificateHashes); HTTP/1.1 answers advertise it in Alt-Svc",
+        name="http3",
+    )
 
 
 @dataclass(frozen=True)

@@ -18,17 +18,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import importlib.util
 import logging
 import socket
 import ssl
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from starlette.applications import Starlette
 
 from seedance import __version__
-from seedance.config import ServerConfig
+from seedance.config import ConfigError, ServerConfig
 from seedance.server.app import create_app
 from seedance.server.handshake import (
     HandshakeLimits,
@@ -40,6 +41,9 @@ from seedance.server.handshake import (
 from seedance.server.state import ServerState
 from seedance.server.tls import ServerTls
 from seedance.server.uvicorn_ws import websocket_protocol
+
+if TYPE_CHECKING:
+    from seedance.server import http3
 
 logger = logging.getLogger("seedance")
 
@@ -65,13 +69,20 @@ class SeedanceServer(uvicorn.Server):
     serves ``wss://`` and ``https://`` and watches the certificates while it runs."""
 
     def __init__(
-        self, config: uvicorn.Config, state: ServerState, tls: ServerTls | None = None
+        self,
+        config: uvicorn.Config,
+        state: ServerState,
+        tls: ServerTls | None,
+        app: Starlette,
     ) -> None:
         self._wake: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         super().__init__(config)
         self.state = state
         self.tls = tls
+        self.app = app  # what the HTTP/3 listener serves (uvicorn's wraps it)
+        self.http3: http3.Http3Listener | None = None
+        self.http3_certificate: http3.LocalCertificate | None = None  # made without --tls-cert
 
     @property
     def should_exit(self) -> bool:
@@ -95,10 +106,13 @@ class SeedanceServer(uvicorn.Server):
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
+        # uvicorn says it started at the end of its own startup; ours goes on (the HTTP/3
+        # listener on the port it bound), and says so when it is done.
+        started, self.started = self.started, False
         # Everything loaded so far (modules, the engine) lives as long as the process: keep it
         # out of the collector's scans, so a full collection costs in proportion to traffic.
         gc.freeze()
-        if self.started:
+        if started:
             ws, http = ("wss", "https") if self.tls is not None else ("ws", "http")
             for host, port in self.bound_addresses():
                 logger.info(
@@ -117,8 +131,43 @@ class SeedanceServer(uvicorn.Server):
             if self.tls is not None:
                 logger.info("TLS: %s", self.tls.describe())
                 self.tls.start()
+            if self.state.config.tls.http3:
+                await self._start_http3()
             access = self.state.access
             (logger.warning if access.open else logger.info)("access: %s", access.describe())
+        self.started = started
+
+    async def _start_http3(self) -> None:
+        """The QUIC listener on the TCP listener's port number, with its certificate (or a
+        short-lived one of its own), reloaded with it."""
+        from seedance.server import http3  # aioquic: only where it is asked for
+
+        config, app = self.state.config, self.app
+        limit = config.max_frame_bytes
+        if self.tls is not None:
+            files = self.tls.files
+            self.http3 = listener = http3.Http3Listener(app, files.cert, files.key, limit)
+            self.tls.on_reload.append(lambda files: listener.load(files.cert, files.key))
+        else:
+            local = http3.LocalCertificate.make(config.host)
+            self.http3 = http3.Http3Listener(app, local.cert, local.key, limit)
+            self.http3_certificate = local
+            logger.info(
+                "HTTP/3: a self-signed ECDSA certificate valid 13 days, SHA-256 %s (for "
+                "WebTransport's serverCertificateHashes)",
+                local.sha256,
+            )
+        port = self.bound_addresses()[0][1]
+        try:
+            await self.http3.start(config.host, port)
+        except OSError as exc:  # as uvicorn does when its own port is taken
+            logger.error("HTTP/3: cannot listen on UDP port %d: %s", port, exc.strerror or exc)
+            raise SystemExit(1) from None
+        name, value = http3.alt_svc(port)
+        advertised = [(name.encode(), value.encode())]
+        self.config.encoded_headers += advertised  # HTTP/1.1 answers name the listener
+        self.server_state.default_headers += advertised
+        logger.info("HTTP/3 and WebTransport on UDP port %d", port)
 
     def bound_addresses(self) -> list[tuple[str, int]]:
         addresses = []
@@ -143,6 +192,8 @@ class SeedanceServer(uvicorn.Server):
         state = self.state
         for server in self.servers:
             server.close()  # 1. stop accepting
+        if self.http3 is not None:
+            self.http3.stop_accepting()
         logger.info("shutting down: %d connection(s) open", len(state.peers))
         drain = asyncio.create_task(state.drain(state.config.drain_timeout_s))
         while not drain.done():
@@ -154,6 +205,8 @@ class SeedanceServer(uvicorn.Server):
         await self._close_connections(sockets)
         if self.tls is not None:
             await self.tls.close()
+        if self.http3 is not None:
+            self.http3.close()
         logger.info("stopped")
 
     async def _close_connections(self, sockets: list[socket.socket] | None) -> None:
@@ -184,6 +237,10 @@ class SeedanceServer(uvicorn.Server):
 def build_server(config: ServerConfig, app: Starlette | None = None) -> SeedanceServer:
     """The server for ``config``, serving ``app`` (default: ``create_app(config)``);
     :class:`ConfigError` when its TLS files do not load."""
+    if config.tls.http3 and importlib.util.find_spec("aioquic") is None:
+        raise ConfigError(
+            "--http3 needs aioquic, which needs Python 3.11 or later (pip install aioquic)"
+        )
     tls = ServerTls.of(config.tls)
     app = app or create_app(config)
     state: ServerState = app.state.seedance
@@ -222,7 +279,7 @@ def build_server(config: ServerConfig, app: Starlette | None = None) -> Seedance
         server_header=False,
         timeout_graceful_shutdown=5,
     )
-    return SeedanceServer(uv_config, state, tls)
+    return SeedanceServer(uv_config, state, tls, app)
 
 
 def raise_descriptors() -> None:

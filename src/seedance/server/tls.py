@@ -159,6 +159,8 @@ class ServerTls:
         self._watcher: asyncio.Task[None] | None = None
         #: Reloads after a change of the files: ``loaded``, or ``failed`` (the old one stays).
         self.reloads = {"loaded": 0, "failed": 0}
+        #: Called after each reload that loaded (the HTTP/3 listener takes the files too).
+        self.on_reload: list[Callable[[TlsFiles], None]] = []
 
     @classmethod
     def of(cls, config: TlsConfig) -> ServerTls | None:
@@ -198,6 +200,8 @@ class ServerTls:
         self.current, self.certificate = context, certificate
         self.reloads["loaded"] += 1
         logger.info("TLS certificate reloaded: %s", describe(certificate))
+        for listener in self.on_reload:
+            listener(self.files)
         return True
 
     def collect(self) -> Iterator[Metric]:
