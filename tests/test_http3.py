@@ -10,6 +10,7 @@ import asyncio
 import datetime
 import hashlib
 import json
+import signal
 import ssl
 from collections.abc import Callable
 from pathlib import Path
@@ -25,7 +26,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from seedance.client import connect
 from tests.support.certs import Authority, Issued
 from tests.support.h3 import WebTransportClosed, WebTransportSession, h3_connection
-from tests.support.servers import RunningServer
+from tests.support.servers import RunningServer, ServerProcess
 
 CHAT: dict[str, Any] = {
     "model": "synthetic",
@@ -182,3 +183,48 @@ async def test_without_a_certificate_the_server_makes_a_short_lived_one(
         http = httpx.AsyncClient(transport=h3.transport())
         reply = await http.get(f"https://127.0.0.1:{server.port}/healthz")
         assert reply.json() == {"status": "ok"}
+
+
+async def test_a_session_that_only_reads_is_kept_open_by_quic_pings(
+    make_server: Callable[..., RunningServer], issued: tuple[Authority, Issued]
+) -> None:
+    """A reply longer than the idle timeout, then a silence longer than it: the client sends
+    nothing but what its QUIC stack answers (a page's WebTransport does no more), and the
+    session stays open."""
+    server = h3_server(
+        make_server, issued, tokens_per_s=8, idle_timeout_s=1.0, heartbeat_interval_s=0.3
+    )
+    authority, _ = issued
+    async with h3_connection("127.0.0.1", server.port, ca_file=str(authority.pem)) as h3:
+        session = await h3.webtransport("/v2/infer?session_id=reader")
+        await session.recv()
+        generate = {"type": "generate", "request_id": "long", "prompt": "go", "max_tokens": 20}
+        await session.send_text(json.dumps(generate))
+        got = await frames(session)  # 2.5 s: longer than the idle timeout
+        assert got[-1]["type"] == "done" and got[-1]["finish_reason"] == "length"
+        await asyncio.sleep(2.5)  # silence, past the idle timeout twice
+        assert not session.closed.done()
+        await session.send_text(json.dumps({**generate, "request_id": "again", "max_tokens": 2}))
+        assert (await frames(session))[-1]["type"] == "done"
+
+
+async def test_shutdown_ends_a_webtransport_reply_whole_then_closes_1001(
+    server_process: Callable[..., ServerProcess],
+) -> None:
+    server = server_process("--http3", "--synthetic-tokens-per-s", "50")
+    await server.logged("HTTP/3 and WebTransport on UDP port")
+    async with h3_connection("127.0.0.1", server.port, verify=False) as h3:
+        session = await h3.webtransport("/v2/infer")
+        await session.recv()
+        generate = {"type": "generate", "request_id": "r1", "prompt": "finish", "max_tokens": 40}
+        await session.send_text(json.dumps(generate))
+        first = json.loads(await asyncio.wait_for(session.recv(), 10))
+        server.signal(signal.SIGTERM)
+        await server.logged("shutting down")
+        rest = await frames(session)
+        code, _ = await asyncio.wait_for(session.closed, 20)
+    tokens = [f for f in [first, *rest] if f["type"] == "token"]
+    assert rest[-1]["type"] == "done" and rest[-1]["finish_reason"] == "length"
+    assert sum(f.get("n", 1) for f in tokens) == 40
+    assert code == 1001
+    assert server.wait() in (0, -signal.SIGTERM)  # uvicorn raises the signal again at its end

@@ -61,7 +61,9 @@ def test_a_streaming_connection_is_never_idle_and_counts_silence_from_the_stream
     for now in (30.0, 45.0, 90.0):  # a client that only reads a long reply
         assert k.on_timer(now, None) is Action.NOTHING
     k.stream_ended(95.0)
-    assert k.on_timer(120.0, None) is Action.NOTHING
+    # The silence counts from the stream's end, for the ping too: one at 120, answered or not.
+    assert k.due(95.0, None) == 120.0
+    assert k.on_timer(120.0, None) is Action.PING
     assert k.due(120.0, None) == 125.0
     assert k.on_timer(125.0, None) is Action.CLOSE_IDLE
 
@@ -163,3 +165,14 @@ async def test_a_client_that_speaks_the_binary_heartbeat_is_pinged_in_binary(
         assert await asyncio.wait_for(ws.recv(), 5) == b"\x02\x00"
         data = await asyncio.wait_for(ws.recv(), 2)  # the server's own, after the silence
         assert data == b"\x01\x00"
+
+
+def test_the_pong_to_the_ping_after_a_stream_counts_however_late_the_timer() -> None:
+    """The ping after a stream comes a heartbeat interval into the silence, not at its start,
+    so its pong counts even when the timer at the window's end runs late."""
+    k = keepalive()
+    k.stream_started(1.0)
+    k.stream_ended(95.0)
+    assert k.on_timer(120.0, None) is Action.PING
+    k.inbound(120.001)  # the pong, a millisecond later
+    assert k.on_timer(125.2, None) is not Action.CLOSE_IDLE  # the timer, 200 ms late

@@ -9,7 +9,7 @@ Two kinds of keepalive (:class:`Heartbeat`):
 - ``BINARY``: the protocol's ``01 00`` (docs/protocol.md, section 4), for a client that sent a
   binary heartbeat of its own (the SDKs), and wherever the server cannot send ping frames.
 
-A ping goes out after ``heartbeat_interval_s`` without inbound traffic (once per silence). A
+A ping goes out after ``heartbeat_interval_s`` of silence (once per silence). A
 connection is idle after ``idle_timeout_s`` without inbound traffic and without a stream: one
 that streams a reply is never idle (a client that only reads a long reply is busy reading it),
 and its silence counts from the stream's end. Whatever it does, a connection whose socket has
@@ -72,9 +72,12 @@ class Keepalive:
         return max(self.last_inbound, self.stream_ended_at)
 
     def _ping_due(self) -> float | None:
-        if self.ping_sent_at is not None and self.ping_sent_at >= self.last_inbound:
+        # The silence counts from a stream's end too: a ping at the very start of the idle
+        # window would leave its pong no later than the window's start, and the timer that
+        # looks at the window's end a hair late would close a client that answered.
+        if self.ping_sent_at is not None and self.ping_sent_at >= self.active_since:
             return None  # one ping per silence
-        return self.last_inbound + self.heartbeat_interval_s
+        return self.active_since + self.heartbeat_interval_s
 
     def due(self, now: float, stalled_since: float | None) -> float:
         """When the timer should next look (a loop time)."""
