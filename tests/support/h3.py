@@ -37,6 +37,7 @@ from aioquic.quic.events import ConnectionTerminated, QuicEvent, StreamDataRecei
 
 TEXT = 0x00
 BINARY = 0x01
+CLOSE = 0x02  # the server's close, in order on the stream: u32 code, UTF-8 reason
 CLOSE_WEBTRANSPORT_SESSION = 0x2843
 MAX_DATAGRAM_FRAME_SIZE = 65536
 
@@ -92,10 +93,11 @@ class MessageDecoder:
         """Whether bytes of an incomplete message are waiting for the rest."""
         return bool(self._pending)
 
-    def feed(self, data: bytes) -> list[str | bytes]:
-        """The messages that ``data`` completes (ValueError for an unknown kind or bad UTF-8)."""
+    def feed(self, data: bytes) -> list[str | bytes | WebTransportClosed]:
+        """The messages that ``data`` completes, the server's close as a WebTransportClosed
+        (ValueError for an unknown kind or bad UTF-8)."""
         self._pending += data
-        messages: list[str | bytes] = []
+        messages: list[str | bytes | WebTransportClosed] = []
         while self._pending:
             header = Buffer(data=bytes(self._pending[1 : 1 + UINT_VAR_MAX_SIZE]))
             try:
@@ -113,6 +115,9 @@ class MessageDecoder:
                 messages.append(payload.decode())
             elif kind == BINARY:
                 messages.append(payload)
+            elif kind == CLOSE:
+                code = int.from_bytes(payload[:4], "big")
+                messages.append(WebTransportClosed(code, payload[4:].decode(errors="replace")))
             else:
                 raise ValueError(f"unknown message kind {kind:#04x}")
         return messages
@@ -276,7 +281,10 @@ class WebTransportSession:
     def _message_data_received(self, data: bytes, stream_ended: bool) -> None:
         try:
             for message in self._decoder.feed(data):
-                self._messages.put_nowait(message)
+                if isinstance(message, WebTransportClosed):  # in order, after the last frame
+                    self._finish(message.code, message.reason)
+                else:
+                    self._messages.put_nowait(message)
             if stream_ended and self._decoder.mid_message:
                 raise ValueError("the message stream ended inside a message")
         except ValueError as error:

@@ -180,6 +180,13 @@ def create_app(
         ]
         return json_response({"object": "list", "data": data})
 
+    async def webtransport(request: Request) -> Response:
+        """Whether and where ``/v2/infer`` is served over WebTransport (``--http3``), for the
+        browser SDK: its port and, for a certificate the server made itself, the SHA-256 a
+        page passes as ``serverCertificateHashes``. Always 200 (a 404 is a console error in
+        every browser that asks)."""
+        return json_response(state.webtransport or {"offered": False})
+
     async def upgrade_required(request: Request) -> Response:
         raise UpgradeRequired(f"{INFER_PATH} is a WebSocket endpoint: connect with ws:// or wss://")
 
@@ -205,6 +212,7 @@ def create_app(
         routes=[
             WebSocketRoute(INFER_PATH, infer),
             Route(INFER_PATH, upgrade_required),
+            Route("/v2/webtransport", webtransport),
             Route("/healthz", healthz),
             Route("/health", health),
             Route("/metrics", metrics),

@@ -69,8 +69,8 @@ App = Callable[..., Any]
 
 #: The capsule that closes a WebTransport session (draft-ietf-webtrans-http3).
 CLOSE_SESSION_CAPSULE = 0x2843
-#: The message kinds on a session's stream.
-TEXT, BINARY = 0, 1
+#: The message kinds on a session's stream: a frame, and the close (code and reason).
+TEXT, BINARY, CLOSE = 0, 1, 2
 #: The protocol's binary heartbeat frame type (docs/protocol.md, section 4): what a datagram
 #: may carry.
 _HEARTBEAT = 0x01
@@ -78,6 +78,8 @@ _HEARTBEAT = 0x01
 _WT_STREAM = 0x41
 #: How long a closing session's last frames wait for the client to open its stream, seconds.
 _STREAM_WAIT_S = 5.0
+#: How long the session's capsule waits after the client acknowledged its stream's close.
+_CLOSE_GRACE_S = 0.1
 #: H3_REQUEST_CANCELLED: how a session's streams are reset when it is dropped.
 _CANCELLED = 0x10C
 #: The longest a message on a session's stream may be (the app checks its own limit).
@@ -436,6 +438,7 @@ class _Session:
         self._pending: list[bytes] = []  # what was sent before the client opened its stream
         self._bound = asyncio.Event()
         self._close_code = 1011  # the close if the app ends without one: an internal error
+        self._closing = False
         self._pong: Callable[[], None] | None = None
         self._last_control: float = 0.0
 
@@ -517,6 +520,7 @@ class _Session:
     def ended(self, why: str) -> None:
         if self.closed:
             return
+        self._closing = True
         self.closed = True
         logger.debug("WebTransport session %d ended: %s", self.session_id, why)
         self.events.put_nowait({"type": "websocket.disconnect", "code": 1006})
@@ -583,21 +587,47 @@ class _Session:
         self.connection.transmit()
 
     async def _close(self, code: int, reason: str) -> None:
+        """Close as a WebSocket closes: after the frames sent, in order. The close goes on the
+        stream (a ``close`` message, then its end) and, once the client has it, as the
+        session's capsule: a browser drops what a page has not read yet of a stream when its
+        session closes, so the capsule waits for the stream's end to be acknowledged and a
+        moment more (a client that read the close may end the session first)."""
         h3 = self.connection.h3
-        if self.closed or h3 is None:
+        if self.closed or self._closing or h3 is None:
             return
+        self._closing = True
         if not self.accepted:  # refused before the session began: a status, as HTTP says
             h3.send_headers(self.session_id, [(b":status", b"403")], end_stream=True)
-        else:
-            if self._pending and not await self._stream_opened():
-                return
-            value = code.to_bytes(4, "big") + reason.encode()[:1024]
-            capsule = encode_uint_var(CLOSE_SESSION_CAPSULE) + encode_uint_var(len(value)) + value
-            if self.stream_id is not None:
-                self._quic_send(b"", end=True)
+            self.connection.transmit()
+            self._finish()
+            return
+        if self._pending and not await self._stream_opened():
+            return
+        value = code.to_bytes(4, "big") + reason.encode()[:1024]
+        if self.stream_id is not None:
+            self._quic_send(bytes([CLOSE]) + encode_uint_var(len(value)) + value, end=True)
+            self.connection.transmit()
+            if not await self._delivered():
+                return  # the client ended the session itself
+        capsule = encode_uint_var(CLOSE_SESSION_CAPSULE) + encode_uint_var(len(value)) + value
+        with contextlib.suppress(Exception):  # the client ended the CONNECT stream meanwhile
             h3.send_data(self.session_id, capsule, end_stream=True)
         self.connection.transmit()
         self._finish()
+
+    async def _delivered(self) -> bool:
+        """Wait until the client acknowledged the whole stream, and a moment more (bounded);
+        false when the session ended meanwhile."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _STREAM_WAIT_S
+        streams = self.connection._quic._streams
+        while loop.time() < deadline and not self.closed:
+            stream = streams.get(self.stream_id) if self.stream_id is not None else None
+            if stream is None or stream.sender.is_finished:
+                await asyncio.sleep(_CLOSE_GRACE_S)
+                break
+            await asyncio.sleep(0.005)
+        return not self.closed
 
     async def _stream_opened(self) -> bool:
         """Wait a while for the client's stream, for frames sent before the close (its

@@ -167,6 +167,13 @@ class SeedanceServer(uvicorn.Server):
         advertised = [(name.encode(), value.encode())]
         self.config.encoded_headers += advertised  # HTTP/1.1 answers name the listener
         self.server_state.default_headers += advertised
+        made = self.http3_certificate
+        self.state.webtransport = {
+            "offered": True,
+            "path": "/v2/infer",
+            "port": port,
+            "certificate_sha256": None if made is None else made.sha256,
+        }
         logger.info("HTTP/3 and WebTransport on UDP port %d", port)
 
     def bound_addresses(self) -> list[tuple[str, int]]:

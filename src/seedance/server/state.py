@@ -13,7 +13,7 @@ import asyncio
 import functools
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from seedance.config import ServerConfig
 from seedance.engines.base import Engine
@@ -132,6 +132,10 @@ class ServerState:
         self._wire(cluster)
         #: The registry a model is served from (``--model-registry``), and its reloads.
         self.model_manager: ModelManager | None = None
+        #: How a browser reaches /v2/infer over WebTransport: {"offered", "path", "port",
+        #: "certificate_sha256"}
+        #: (None: not served; set when the HTTP/3 listener starts).
+        self.webtransport: dict[str, Any] | None = None
         self._started = False
 
     def _wire(self, cluster: ClusterNode | None) -> None:

@@ -259,6 +259,33 @@ export interface ConnectOptions {
   rttSmoothing?: number;
   /** Encrypt every frame end to end with the server that proves this identity. */
   e2e?: E2EOptions;
+  /** "auto" (default): WebTransport where the browser has it and the page's own server offers
+   * it (`GET /v2/webtransport`), else (or when it does not get through) a WebSocket;
+   * "websocket"; "webtransport": that or nothing. */
+  transport?: "auto" | "websocket" | "webtransport";
+}
+
+/** Where a server serves /v2/infer over WebTransport (null: it does not). */
+export interface WebTransportOffer {
+  url: string;
+  certificateHashes: { algorithm: "sha-256"; value: Uint8Array }[] | null;
+}
+export declare function hasWebTransport(): boolean;
+export declare function webTransportOffer(httpUrl: string): Promise<WebTransportOffer | null>;
+/** A message as the WebTransport stream carries it: kind byte, QUIC varint length, bytes. */
+export declare function encodeMessage(data: string | ArrayBuffer | ArrayBufferView): Uint8Array;
+export declare class MessageReader {
+  feed(chunk: Uint8Array): (string | ArrayBuffer)[];
+}
+/** The part of a WebSocket a session uses, over a WebTransport session. */
+export declare class WebTransportSocket {
+  constructor(url: string, options?: { certificateHashes?: WebTransportOffer["certificateHashes"] });
+  readonly url: string;
+  readonly readyState: number;
+  onmessage: ((event: { data: string | ArrayBuffer }) => void) | null;
+  onclose: ((event: { code: number; reason: string }) => void) | null;
+  send(data: string | ArrayBuffer | ArrayBufferView): void;
+  close(code?: number, reason?: string): void;
 }
 
 /** A pinned server identity: its Ed25519 public key as base64url (the offer's `identity`),
@@ -304,6 +331,8 @@ export declare class Session extends EventTarget {
   readonly lastRtt: number | undefined;
   readonly reconnects: number;
   readonly closed: boolean;
+  /** The transport of the connection now (null before the first). */
+  readonly transport: "websocket" | "webtransport" | null;
   /** End-to-end encryption of the connection now (a new Channel at every reconnect); null when
    * not asked for. */
   readonly e2e: Channel | null;

@@ -1,10 +1,11 @@
-// Seedance's browser client for the /v2/infer WebSocket protocol (docs/protocol.md): sessions,
-// replies as async iterators, cancel, binary heartbeats with a rolling round trip, reconnect
-// with resume of resumable replies, typed errors with the protocol's codes, and end-to-end
-// encryption of every frame (e2e.js).
+// Seedance's browser client for the /v2/infer protocol (docs/protocol.md), over a WebSocket or
+// WebTransport (webtransport.js): sessions, replies as async iterators, cancel, binary
+// heartbeats with a rolling round trip, reconnect with resume of resumable replies, typed errors
+// with the protocol's codes, and end-to-end encryption of every frame (e2e.js).
 
 import { Handshake, SEALED, toHex } from "./e2e.js";
 import { TENSOR, decodeTensor, encodeTensor } from "./tensors.js";
+import { WebTransportSocket, hasWebTransport, webTransportOffer } from "./webtransport.js";
 
 export const SUBPROTOCOL = "seedance.v2";
 
@@ -118,6 +119,13 @@ export function inferUrl(url, params = {}) {
   return target.toString();
 }
 
+/** The http(s) URL of the server that `url` (as inferUrl takes it) names. */
+function httpUrl(url) {
+  const target = new URL(inferUrl(url));
+  target.protocol = target.protocol === "wss:" ? "https:" : "http:";
+  return target.toString();
+}
+
 /** Reconnect tries: up to `attempts`, each after a wait drawn uniformly below `firstDelayMs`
  * doubled per try (at most `maxDelayMs`): full jitter, so that the clients of one server do not
  * all come back at once. */
@@ -128,7 +136,9 @@ export const DEFAULT_RECONNECT = { attempts: 6, firstDelayMs: 100, maxDelayMs: 5
  * qos (every request's default), reconnect (DEFAULT_RECONNECT; false: never), heartbeatMs
  * (how often the round trip is measured, default 2000), rttSmoothing (default 1/8), e2e
  * ({identity}: encrypt every frame end to end with the server whose Ed25519 identity this is,
- * or one of these; docs/browser.md).
+ * or one of these; docs/browser.md), transport ("auto": WebTransport where the browser has it
+ * and the page's own server offers it (`GET /v2/webtransport`), else, or when it does not get
+ * through, a WebSocket; "websocket"; "webtransport": that or nothing).
  * Rejects with the server's error (Unauthorized, ModelNotFound...), EncryptionFailed (reason
  * "handshake": the server did not prove the pinned identity) or ConnectionClosed.
  */
@@ -162,6 +172,9 @@ export class Session extends EventTarget {
     this.reconnects = 0;
     this.closed = false;
     this._ws = null;
+    /** The transport of the connection: "websocket" or "webtransport" (null before one). */
+    this.transport = null;
+    this._offer = undefined; // where the server serves WebTransport (null: nowhere; not asked yet)
     this._generations = new Map();
     this._embeds = new Map(); // request id -> {resolve, reject, arrays} of an embed() waiting
     this._pings = []; // send times of heartbeats not answered yet
@@ -277,14 +290,35 @@ export class Session extends EventTarget {
   // ---------------------------------------------------------------------------- the socket
 
   async _open() {
+    const mode = this.options.transport ?? "auto";
+    try {
+      return await this._openOnce(mode);
+    } catch (error) {
+      if (mode !== "auto" || this.transport !== "webtransport" || !(error instanceof ConnectionClosed)
+          || error.closeCode !== 1006) throw error;
+      this._offer = null; // WebTransport does not get through (UDP blocked?): WebSockets from now on
+      return await this._openOnce(mode);
+    }
+  }
+
+  // One connection, by the transport `mode` asks for.
+  async _openOnce(mode) {
     // A fresh key pair for every connection: keys belong to a connection, not to the session.
     const handshake = this._pinned ? await Handshake.create(this._pinned) : null;
-    const url = inferUrl(this.url, { session_id: this.sessionId, model: this.model, e2e: handshake?.param });
-    const protocols = [SUBPROTOCOL];
-    if (this.options.apiKey) protocols.push(`bearer.${this.options.apiKey}`);
+    const params = { session_id: this.sessionId, model: this.model, e2e: handshake?.param };
+    if (mode !== "websocket" && this._offer === undefined) {
+      // Asked of the page's own server only, unless WebTransport is asked for: the server
+      // answers no CORS, and a refused fetch is an error in the console.
+      const server = httpUrl(this.url);
+      const own = new URL(server).origin === globalThis.location?.origin;
+      this._offer = hasWebTransport() && (own || mode === "webtransport")
+        ? await webTransportOffer(server) : null;
+    }
+    if (mode === "webtransport" && !this._offer) {
+      throw new ConnectionClosed(1006, "the server offers no WebTransport (or the browser has none)");
+    }
+    const ws = mode !== "websocket" && this._offer ? this._webTransport(params) : this._webSocket(params);
     return new Promise((resolve, reject) => {
-      const ws = new WebSocket(url, protocols);
-      ws.binaryType = "arraybuffer";
       let refusal = null;
       ws.onmessage = (event) => {
         if (typeof event.data !== "string") return;
@@ -317,6 +351,26 @@ export class Session extends EventTarget {
       };
       ws.onclose = (event) => reject(refusal ?? new ConnectionClosed(event.code, event.reason));
     });
+  }
+
+  _webSocket(params) {
+    const protocols = [SUBPROTOCOL];
+    if (this.options.apiKey) protocols.push(`bearer.${this.options.apiKey}`);
+    const ws = new WebSocket(inferUrl(this.url, params), protocols);
+    ws.binaryType = "arraybuffer";
+    this.transport = "websocket";
+    return ws;
+  }
+
+  // WebTransport sends no subprotocols everywhere: the key goes in the query, as api_key.
+  _webTransport(params) {
+    const url = new URL(this._offer.url);
+    const query = { ...params, api_key: this.options.apiKey };
+    for (const [key, value] of Object.entries(query)) {
+      if (value != null) url.searchParams.set(key, value);
+    }
+    this.transport = "webtransport";
+    return new WebTransportSocket(url.toString(), { certificateHashes: this._offer.certificateHashes });
   }
 
   _attach(ws, frame, channel) {
