@@ -397,6 +397,14 @@ class ClusterConfig:
         node_name,
         "1 to 64 printable characters without spaces",
     )
+    relay_trust: tuple[tuple[str, str], ...] = setting(
+        (),
+        "--relay-trust",
+        label_pairs,
+        "take requests relayed by edge gateways of other regions (POST /v2/relay) with relay "
+        "tokens signed by these: EDGE_NODE_ID=PUBLIC_KEY.pem pairs, comma-separated (Ed25519; "
+        "needs --node-id, the tokens' audience) (docs/transports.md)",
+    )
     lease_s: float = setting(
         5.0,
         "--lease",

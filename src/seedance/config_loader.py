@@ -177,6 +177,7 @@ def _check_together(config: ServerConfig) -> None:
         ("tls_client_ca", "tls_cert"),
         ("e2e_required", "e2e_key"),
         ("encrypt_at_rest", "e2e_key"),
+        ("relay_trust", "node_id"),
     )
     for name, needed in needs:
         if config.value(BY_NAME[name]) and not config.value(BY_NAME[needed]):

@@ -123,6 +123,10 @@ class GenerationRequest:
     #: engine that calls another service (gateway mode) sends them, so the trace goes on.
     traceparent: str | None = None
     tracestate: str | None = None
+    #: Whose request it is: the tenant and the session (None: none), for an engine that passes
+    #: the request on under their name (the relay binds them into its token).
+    tenant: str = ""
+    session_id: str | None = None
 
 
 @dataclass(slots=True)

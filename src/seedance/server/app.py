@@ -34,6 +34,7 @@ from seedance.server.lifecycle.models import ServedModel
 from seedance.server.oip_api import oip_routes
 from seedance.server.openai_api import OpenAIEndpoint, StreamsEndpoint
 from seedance.server.realtime import RealtimeEndpoint
+from seedance.server.relay_api import RelayEndpoint, relay_verifier
 from seedance.server.responses_api import (
     ResponseEndpoint,
     ResponsesEndpoint,
@@ -213,6 +214,7 @@ def create_app(
             WebSocketRoute(INFER_PATH, infer),
             Route(INFER_PATH, upgrade_required),
             Route("/v2/webtransport", webtransport),
+            Route("/v2/relay", RelayEndpoint(services, relay_verifier(config)), methods=["POST"]),
             Route("/healthz", healthz),
             Route("/health", health),
             Route("/metrics", metrics),

@@ -21,7 +21,7 @@ from seedance.tenants.auth import (
     client_address,
     credential_of,
 )
-from seedance.tenants.config import AccessConfig
+from seedance.tenants.config import AccessConfig, Tenant
 from seedance.tenants.keys import revoke_key
 
 logger = logging.getLogger(__name__)
@@ -88,6 +88,18 @@ class Access:
         credential = credential_of(scope)
         certificate = None if credential else certificate_of(scope)  # a credential counts first
         return self.authenticator.authenticate(credential, client_address(scope), certificate)
+
+    def relayed(self, tenant: str, issuer: str) -> Principal:
+        """The caller of a request relayed by the edge gateway ``issuer`` for ``tenant``
+        (whose relay token was checked): that tenant of this node, or, on an open node, a
+        tenant of that name with the open defaults. Forbidden for a tenant this node lacks."""
+        credential = f"relay:{issuer}"
+        if self.authenticator.open:
+            return Principal(Tenant(name=tenant, max_priority=10), credential, "user")
+        found = self.authenticator.access.tenants.get(tenant)
+        if found is None:
+            raise Forbidden(f"tenant {tenant!r} is not a tenant of this node")
+        return Principal(found, credential, "user")
 
     # ------------------------------------------------------------------ reloads
 

@@ -413,6 +413,7 @@ class Generation:
         prompt = self.prompt
         clock = time.monotonic
         params = SamplingParams.of(message, prompt.unset, self.tools)
+        requester = self.requester
         already = self.completion_tokens  # a generation taken over: the reply so far
         if already:
             if already >= params.max_tokens:
@@ -431,8 +432,10 @@ class Generation:
             prompt_ids=None if message.prompt_ids is None else tuple(message.prompt_ids),
             traceparent=self.trace.traceparent,
             tracestate=self.trace.tracestate,
+            tenant=requester.tenant,
+            session_id=None if requester.session is None else requester.session.session_id,
         )
-        stream = self.requester.model.engine.generate(request)
+        stream = requester.model.engine.generate(request)
         if self.modules is not None and self.modules.filters:
             stream = self.modules.filter(stream)
         tokens_at = self.meter.tokens

@@ -1,0 +1,204 @@
+"""The cross-region relay (``--engine relay`` at the edge, ``POST /v2/relay`` at the far end):
+a relayed reply is the far gateway's own, token for token; relay tokens that are not for this
+node, expired, replayed, unsigned or for a tenant it lacks are refused with their reason; one
+QUIC connection carries every request; a link cut mid-reply is opened again and the reply
+resumed whole. On loopback here; across network namespaces with delay and loss in
+tests/test_relay_netns.py."""
+
+from __future__ import annotations
+
+import json
+import ssl
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jwt
+import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from seedance.client import connect
+from seedance.config_loader import load_access
+from tests.support.certs import Authority, Issued
+from tests.support.servers import RunningServer
+
+pytest.importorskip("aioquic", reason="the relay needs aioquic, which needs Python 3.11")
+
+from seedance.relay.tokens import RelayRefused, Verifier, mint
+
+
+class Region:
+    """The keys and certificates of an edge and a far gateway."""
+
+    def __init__(self, directory: Path) -> None:
+        self.authority = Authority(directory)
+        self.far_cert: Issued = self.authority.server("far")
+        self.edge_key = Ed25519PrivateKey.generate()
+        self.edge_key_file = directory / "edge.pem"
+        self.edge_key_file.write_bytes(
+            self.edge_key.private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.PKCS8,
+                serialization.NoEncryption(),
+            )
+        )
+        self.edge_public = directory / "edge.pub.pem"
+        self.edge_public.write_bytes(
+            self.edge_key.public_key().public_bytes(
+                serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+            )
+        )
+
+    def far(self, make_server: Callable[..., RunningServer], **fields: Any) -> RunningServer:
+        return make_server(
+            tls_cert=str(self.far_cert.cert),
+            tls_key=str(self.far_cert.key),
+            http3=True,
+            node_id="far-1",
+            relay_trust=(("edge-1", str(self.edge_public)),),
+            **fields,
+        )
+
+    def edge(
+        self, make_server: Callable[..., RunningServer], far: RunningServer, **fields: Any
+    ) -> RunningServer:
+        return make_server(
+            engine="relay",
+            peer=(("far-1", f"https://127.0.0.1:{far.port}"),),
+            key=str(self.edge_key_file),
+            ca=str(self.authority.pem),
+            model="synthetic",
+            node_id="edge-1",
+            **fields,
+        )
+
+    def token(self, **claims: Any) -> str:
+        fields: dict[str, Any] = {
+            "issuer": "edge-1",
+            "audience": "far-1",
+            "tenant": "default",
+            "session": "s1",
+        }
+        fields.update(claims)
+        return mint(self.edge_key, **fields)
+
+
+@pytest.fixture
+def region(tmp_path: Path) -> Region:
+    return Region(tmp_path)
+
+
+async def test_a_relayed_reply_is_the_far_gateways_own_over_one_quic_connection(
+    make_server: Callable[..., RunningServer], region: Region
+) -> None:
+    far = region.far(make_server)
+    edge = region.edge(make_server, far)
+    ca = str(region.authority.pem)
+    async with connect(f"wss://127.0.0.1:{far.port}", ca_file=ca) as direct:
+        expected = [await direct.complete(p, max_tokens=20) for p in ("first", "second")]
+    async with connect(edge.url, session_id="relayed") as session:
+        got = [await session.complete(p, max_tokens=20) for p in ("first", "second")]
+    assert [g.text for g in got] == [e.text for e in expected]
+    assert all(g.finish_reason == "length" for g in got)
+    (peer,) = edge.engine.peers
+    assert peer.link.connects == 1  # one connection, a stream per request
+
+
+async def test_a_link_cut_mid_reply_is_opened_again_and_the_reply_resumed_whole(
+    make_server: Callable[..., RunningServer], region: Region
+) -> None:
+    far = region.far(make_server, tokens_per_s=100)
+    edge = region.edge(make_server, far)
+    (peer,) = edge.engine.peers
+    async with connect(edge.url) as session:
+        reply = session.generate("a long one", max_tokens=80)
+        pieces = []
+        async for chunk in reply:
+            pieces.append(chunk.text)
+            if len(pieces) == 10:
+                peer.link.cut()
+        done = reply.done
+    assert done is not None and done.finish_reason == "length"
+    assert done.usage.completion_tokens == 80
+    async with connect(f"wss://127.0.0.1:{far.port}", ca_file=str(region.authority.pem)) as d:
+        direct = await d.complete("a long one", max_tokens=80)
+    assert "".join(pieces) == direct.text  # no token lost, none twice
+    assert peer.link.connects == 2
+
+
+@pytest.mark.parametrize(
+    ("claims", "reason"),
+    [
+        ({"audience": "far-2"}, "wrong_audience"),
+        ({"now": time.time() - 200}, "expired"),
+        ({"issuer": "edge-9"}, "unknown_issuer"),
+    ],
+)
+async def test_a_token_not_for_this_node_is_refused_with_its_reason(
+    make_server: Callable[..., RunningServer],
+    region: Region,
+    claims: dict[str, Any],
+    reason: str,
+) -> None:
+    far = region.far(make_server)
+    refused = await post(far, region, region.token(**claims))
+    assert refused.status_code == 401
+    assert f"({reason})" in refused.json()["error"]["message"]
+
+
+async def test_a_replayed_an_unsigned_and_a_long_lived_token_are_refused(
+    make_server: Callable[..., RunningServer], region: Region
+) -> None:
+    far = region.far(make_server)
+    token = region.token()
+    assert (await post(far, region, token)).status_code == 200
+    replayed = await post(far, region, token)
+    assert replayed.status_code == 401 and "(replayed)" in replayed.json()["error"]["message"]
+    now = int(time.time())
+    claims = {"iss": "edge-1", "aud": "far-1", "iat": now, "exp": now + 60, "jti": "x"}
+    unsigned = jwt.encode({**claims, "tenant": "default"}, key=None, algorithm="none")
+    answer = await post(far, region, unsigned)
+    assert answer.status_code == 401 and "(unsigned)" in answer.json()["error"]["message"]
+    hs = jwt.encode({**claims, "jti": "y", "tenant": "default"}, "s" * 32, algorithm="HS256")
+    answer = await post(far, region, hs)
+    assert answer.status_code == 401 and "(unsigned)" in answer.json()["error"]["message"]
+    forged = mint(
+        Ed25519PrivateKey.generate(), issuer="edge-1", audience="far-1", tenant="t", session=None
+    )
+    answer = await post(far, region, forged)
+    assert answer.status_code == 401 and "(bad_signature)" in answer.json()["error"]["message"]
+
+
+def test_a_token_longer_than_90_s_is_refused() -> None:
+    key = Ed25519PrivateKey.generate()
+    verifier = Verifier("far-1", {"edge-1": key.public_key()})
+    now = int(time.time())
+    claims = {"iss": "edge-1", "aud": "far-1", "iat": now, "exp": now + 120, "jti": "z"}
+    with pytest.raises(RelayRefused) as refused:
+        verifier.verify(jwt.encode({**claims, "tenant": "t"}, key, algorithm="EdDSA"))
+    assert refused.value.reason == "too_long"
+
+
+async def test_a_token_for_a_tenant_the_far_node_lacks_is_refused(
+    make_server: Callable[..., RunningServer], region: Region, tmp_path: Path
+) -> None:
+    config = tmp_path / "tenants.toml"
+    config.write_text("[tenants.acme]\nkeys = []\n")
+    far = region.far(make_server, config_file=str(config), access=load_access(config))
+    answer = await post(far, region, region.token(tenant="globex"))
+    assert answer.status_code == 403 and "globex" in answer.json()["error"]["message"]
+
+
+async def post(far: RunningServer, region: Region, token: str) -> httpx.Response:
+    """A relayed request over HTTP/1.1 with ``token``; the whole answer."""
+    body = {"generate": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}}
+    context = ssl.create_default_context(cafile=str(region.authority.pem))
+    async with httpx.AsyncClient(verify=context) as http:
+        return await http.post(
+            f"https://127.0.0.1:{far.port}/v2/relay",
+            headers={"authorization": f"Bearer {token}"},
+            content=json.dumps(body),
+        )
