@@ -127,6 +127,8 @@ async def test_a_link_cut_mid_reply_is_opened_again_and_the_reply_resumed_whole(
         direct = await d.complete("a long one", max_tokens=80)
     assert "".join(pieces) == direct.text  # no token lost, none twice
     assert peer.link.connects == 2
+    link = peer.link._link
+    assert link is not None and link.resumed and link.early_data  # the resume went as 0-RTT
 
 
 @pytest.mark.parametrize(

@@ -4,8 +4,9 @@ carrying each relayed request as an HTTP/3 request stream (aioquic).
 :meth:`Peer.post` opens a stream on the connection (opening the connection first when there is
 none, or when the last one ended) and streams the response's body back. A connection that ends
 fails every stream on it with :class:`LinkLost`; the next request opens a new one, resuming the
-TLS session with the ticket the far end gave (no certificate exchange, and its first flight
-sent at once).
+TLS session with the ticket the far end gave: no certificate exchange, and the request sent in
+the first flight as 0-RTT data. That is safe here because a relayed request carries a relay
+token the far end takes once: a replay of the early data is refused as ``replayed``.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.h3.connection import H3_ALPN, H3Connection
 from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
-from aioquic.quic.events import ConnectionTerminated, QuicEvent, StreamReset
+from aioquic.quic.events import ConnectionTerminated, HandshakeCompleted, QuicEvent, StreamReset
 from aioquic.tls import SessionTicket
 
 logger = logging.getLogger(__name__)
@@ -50,8 +51,12 @@ class _Link(QuicConnectionProtocol):
         self.h3 = H3Connection(self._quic)
         self.exchanges: dict[int, _Exchange] = {}
         self.ended = False
+        #: The TLS session was resumed from a ticket, and the far end took the 0-RTT data.
+        self.resumed = self.early_data = False
 
     def quic_event_received(self, event: QuicEvent) -> None:
+        if isinstance(event, HandshakeCompleted):
+            self.resumed, self.early_data = event.session_resumed, event.early_data_accepted
         if isinstance(event, ConnectionTerminated):
             self.ended = True
             for exchange in self.exchanges.values():
@@ -142,6 +147,7 @@ class Peer:
                 configuration=self._configuration(),
                 create_protocol=_Link,
                 session_ticket_handler=self._keep_ticket,
+                wait_connected=self._ticket is None,  # with a ticket: the request as 0-RTT
             )
             try:
                 opened = await asyncio.wait_for(

@@ -23,6 +23,7 @@ scope's ``client`` is the address at the time the request began.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import datetime
 import hashlib
@@ -56,6 +57,7 @@ from aioquic.quic.events import (
     StreamDataReceived,
     StreamReset,
 )
+from aioquic.tls import SessionTicket
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -80,6 +82,8 @@ _WT_STREAM = 0x41
 _STREAM_WAIT_S = 5.0
 #: How long the session's capsule waits after the client acknowledged its stream's close.
 _CLOSE_GRACE_S = 0.1
+#: Session tickets kept for resumption (the oldest forgotten first).
+_MAX_TICKETS = 10_000
 #: H3_REQUEST_CANCELLED: how a session's streams are reset when it is dropped.
 _CANCELLED = 0x10C
 #: The longest a message on a session's stream may be (the app checks its own limit).
@@ -152,6 +156,8 @@ class Http3Listener:
         self.load(cert, key)
         self.connections: set[_QuicConnection] = set()
         self.accepting = True
+        # TLS session tickets given out, each taken back once (a resumed handshake, 0-RTT).
+        self._tickets: collections.OrderedDict[bytes, SessionTicket] = collections.OrderedDict()
         self._server: QuicServer | None = None
 
     def load(self, cert: str, key: str) -> None:
@@ -160,8 +166,22 @@ class Http3Listener:
 
     async def start(self, host: str, port: int) -> None:
         self._server = await serve(
-            host, port, configuration=self.configuration, create_protocol=self._protocol
+            host,
+            port,
+            configuration=self.configuration,
+            create_protocol=self._protocol,
+            session_ticket_fetcher=self._take_ticket,
+            session_ticket_handler=self._keep_ticket,
         )
+
+    def _take_ticket(self, label: bytes) -> SessionTicket | None:
+        """A ticket, once: the same ticket again gets a full handshake (0-RTT replayed)."""
+        return self._tickets.pop(label, None)
+
+    def _keep_ticket(self, ticket: SessionTicket) -> None:
+        self._tickets[ticket.ticket] = ticket
+        while len(self._tickets) > _MAX_TICKETS:
+            self._tickets.popitem(last=False)
 
     def _protocol(self, *args: Any, **kwargs: Any) -> _QuicConnection:
         return _QuicConnection(self, *args, **kwargs)
