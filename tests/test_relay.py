@@ -17,73 +17,16 @@ from typing import Any
 import httpx
 import jwt
 import pytest
-from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from seedance.client import connect
 from seedance.config_loader import load_access
-from tests.support.certs import Authority, Issued
 from tests.support.servers import RunningServer
 
 pytest.importorskip("aioquic", reason="the relay needs aioquic, which needs Python 3.11")
 
 from seedance.relay.tokens import RelayRefused, Verifier, mint
-
-
-class Region:
-    """The keys and certificates of an edge and a far gateway."""
-
-    def __init__(self, directory: Path) -> None:
-        self.authority = Authority(directory)
-        self.far_cert: Issued = self.authority.server("far")
-        self.edge_key = Ed25519PrivateKey.generate()
-        self.edge_key_file = directory / "edge.pem"
-        self.edge_key_file.write_bytes(
-            self.edge_key.private_bytes(
-                serialization.Encoding.PEM,
-                serialization.PrivateFormat.PKCS8,
-                serialization.NoEncryption(),
-            )
-        )
-        self.edge_public = directory / "edge.pub.pem"
-        self.edge_public.write_bytes(
-            self.edge_key.public_key().public_bytes(
-                serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-            )
-        )
-
-    def far(self, make_server: Callable[..., RunningServer], **fields: Any) -> RunningServer:
-        return make_server(
-            tls_cert=str(self.far_cert.cert),
-            tls_key=str(self.far_cert.key),
-            http3=True,
-            node_id="far-1",
-            relay_trust=(("edge-1", str(self.edge_public)),),
-            **fields,
-        )
-
-    def edge(
-        self, make_server: Callable[..., RunningServer], far: RunningServer, **fields: Any
-    ) -> RunningServer:
-        return make_server(
-            engine="relay",
-            peer=(("far-1", f"https://127.0.0.1:{far.port}"),),
-            key=str(self.edge_key_file),
-            ca=str(self.authority.pem),
-            model="synthetic",
-            node_id="edge-1",
-            **fields,
-        )
-
-    def token(self, **claims: Any) -> str:
-        fields: dict[str, Any] = {
-            "issuer": "edge-1",
-            "audience": "far-1",
-            "tenant": "default",
-            "session": "s1",
-        }
-        fields.update(claims)
-        return mint(self.edge_key, **fields)
+from tests.support.relay import Region
 
 
 @pytest.fixture

@@ -47,9 +47,13 @@ class Authority:
         self.pem = directory / f"{name.replace(' ', '-').lower()}.pem"
         self.pem.write_bytes(self.certificate.public_bytes(serialization.Encoding.PEM))
 
-    def server(self, file: str, common_name: str = "seedance-test") -> Issued:
-        """A server certificate for 127.0.0.1 and localhost."""
-        names = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+    def server(
+        self, file: str, common_name: str = "seedance-test", addresses: tuple[str, ...] = ()
+    ) -> Issued:
+        """A server certificate for 127.0.0.1, localhost and ``addresses``."""
+        names: list[x509.GeneralName] = [x509.DNSName("localhost")]
+        for address in ("127.0.0.1", *addresses):
+            names.append(x509.IPAddress(ipaddress.ip_address(address)))
         return self._issue(file, common_name, ExtendedKeyUsageOID.SERVER_AUTH, names)
 
     def client(self, file: str, common_name: str, organization: str = "Acme Bank") -> Issued:

@@ -151,10 +151,12 @@ class ServerProcess:
         *args: str,
         env: dict[str, str] | None = None,
         preexec: Callable[[], None] | None = None,
+        prefix: Sequence[str] = (),
     ) -> None:
-        """``preexec`` runs in the child before it starts (a lower resource limit, say)."""
+        """``preexec`` runs in the child before it starts (a lower resource limit, say);
+        ``prefix`` comes before the command (``ip netns exec NS``)."""
         self.proc = subprocess.Popen(
-            [SEEDANCE, "serve", "--port", "0", *args],
+            [*prefix, SEEDANCE, "serve", "--port", "0", *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -169,20 +171,21 @@ class ServerProcess:
         while True:
             match = next(
                 (
-                    re.search(r"(wss?)://127\.0\.0\.1:(\d+)/v2/infer", line)
+                    re.search(r"(wss?)://([\w.]+):(\d+)/v2/infer", line)
                     for line in self.lines
                     if "connect to" in line
                 ),
                 None,
             )
             if match:
-                scheme, self.port = match.group(1), int(match.group(2))
+                scheme, host, self.port = match.group(1), match.group(2), int(match.group(3))
                 break
             if time.monotonic() > deadline or self.proc.poll() is not None:
                 self.stop()
                 raise RuntimeError("server did not start:\n" + "".join(self.lines))
             time.sleep(0.02)
-        self.url = f"{scheme}://127.0.0.1:{self.port}"  # wss:// when served with TLS
+        self.host = "127.0.0.1" if host == "0.0.0.0" else host
+        self.url = f"{scheme}://{self.host}:{self.port}"  # wss:// when served with TLS
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
