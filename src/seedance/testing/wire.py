@@ -11,6 +11,7 @@ a line, change the link while it runs (each answered ``ok`` on stdout)::
     delay MS        each direction delayed by MS milliseconds (the round trip: twice it)
     loss PERCENT    each packet lost with this probability, in each direction
     down / up       the cable cut, or back
+    bytes           the IP bytes carried so far, A to B and B to A (answered ``bytes N M``)
 
 Packets leave in the order they came (a queue per direction); the link has no bandwidth limit.
 """
@@ -66,6 +67,7 @@ class _Direction:
         self.target = target
         self.queue: collections.deque[tuple[float, bytes]] = collections.deque()
         self.timer: asyncio.TimerHandle | None = None
+        self.carried = 0  # IP bytes delivered
 
     def readable(self) -> None:
         loop = asyncio.get_running_loop()
@@ -89,6 +91,7 @@ class _Direction:
             _, packet = self.queue.popleft()
             with contextlib.suppress(OSError):  # the device's queue is full: lost, as on a wire
                 os.write(self.target, packet)
+                self.carried += len(packet)
         if self.queue:
             self.timer = loop.call_at(self.queue[0][0], self.release)
 
@@ -98,6 +101,7 @@ class Wire:
         self.delay_s = 0.0
         self.loss = 0.0
         self.down = False
+        self.directions: list[_Direction] = []
 
     def command(self, line: str) -> str:
         word, _, value = line.strip().partition(" ")
@@ -107,6 +111,8 @@ class Wire:
             self.loss = float(value) / 100
         elif word in ("down", "up"):
             self.down = word == "down"
+        elif word == "bytes":
+            return "bytes " + " ".join(str(d.carried) for d in self.directions)
         else:
             return f"error: unknown command {line.strip()!r}"
         return "ok"
@@ -117,8 +123,9 @@ async def _serve(ns_a: str, address_a: str, ns_b: str, address_b: str) -> None:
     b = _tun(ns_b, "sdwire1", address_b)
     wire = Wire()
     loop = asyncio.get_running_loop()
-    loop.add_reader(a, _Direction(wire, a, b).readable)
-    loop.add_reader(b, _Direction(wire, b, a).readable)
+    wire.directions = [_Direction(wire, a, b), _Direction(wire, b, a)]
+    for fd, direction in zip((a, b), wire.directions, strict=True):
+        loop.add_reader(fd, direction.readable)
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     print("ready", flush=True)
