@@ -211,6 +211,7 @@ class _QuicConnection(QuicConnectionProtocol):
         self.session_of_stream: dict[int, _Session] = {}
         self.pings: dict[int, _Session] = {}
         self.tasks: set[asyncio.Task[None]] = set()
+        self._flushing = False
         listener.connections.add(self)
 
     @property
@@ -226,6 +227,17 @@ class _QuicConnection(QuicConnectionProtocol):
         transport = self._transport
         sockname = transport.get_extra_info("sockname") if transport is not None else None
         return (str(sockname[0]), int(sockname[1])) if sockname else None
+
+    def flush_soon(self) -> None:
+        """Send what was written at the end of this turn of the loop: what many streams write
+        in one turn (a token for each of many replies) leaves in as few packets as it fits."""
+        if not self._flushing:
+            self._flushing = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flushing = False
+        self.transmit()
 
     def run(self, coroutine: Any, name: str) -> None:
         task = asyncio.create_task(coroutine, name=name)
@@ -393,7 +405,7 @@ class _Request:
         h3.send_data(self.stream_id, bytes(message.get("body", b"")), end_stream=not more)
         if not more:
             self.ended = True
-        self.connection.transmit()
+        self.connection.flush_soon()
 
     async def serve(self) -> None:
         try:
@@ -587,7 +599,7 @@ class _Session:
             h3.send_data(self.session_id, bytes(message.get("body", b"")), end_stream=not more)
             if not more:
                 self._finish()
-        self.connection.transmit()
+        self.connection.flush_soon()
 
     def _write(self, kind: int, payload: bytes) -> None:
         message = bytes([kind]) + encode_uint_var(len(payload)) + payload
