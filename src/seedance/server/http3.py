@@ -152,6 +152,7 @@ class Http3Listener:
             alpn_protocols=H3_ALPN,
             max_datagram_frame_size=65536,
             idle_timeout=60.0,
+            congestion_control_algorithm="cubic",  # as Linux's TCP: Reno halves on every loss
         )
         self.load(cert, key)
         self.connections: set[_QuicConnection] = set()
