@@ -6,12 +6,14 @@ with the browser's own ``WebTransport`` speaks the framing of docs/protocol.md, 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import pytest
 from playwright.async_api import Browser
 
 from tests.support.browser import chromium, tab
 from tests.support.servers import RunningServer
+from tests.test_browser_e2e import Identity
 
 pytestmark = pytest.mark.subprocess  # Chromium runs as a process of its own
 pytest.importorskip("aioquic", reason="--http3 needs aioquic, which needs Python 3.11")
@@ -137,3 +139,31 @@ async def test_a_plain_page_speaks_the_framing_with_the_browsers_own_webtranspor
     assert result["tokens"] == 8
     assert result["error"] == "model_not_found"
     assert (result["code"], result["reason"]) == (4404, "model_not_found")
+
+
+async def test_an_encrypted_session_over_webtransport_is_the_plain_reply(
+    browser: Browser, make_server: Callable[..., RunningServer], tmp_path: Path
+) -> None:
+    """End-to-end encryption (docs/protocol.md, section 9) over WebTransport as over a
+    WebSocket: the frames sealed on the stream, the reply the plain one."""
+    identity = Identity(tmp_path)
+    server = make_server(http3=True, e2e_key=str(identity.path))
+    async with tab(browser, page_of(server)) as page:
+        result = await page.sdk(
+            """const fields = {max_tokens: 60, seed: 3, temperature: 0.8};
+            const plain = await sd.connect("", {transport: "websocket"});
+            const reference = plain.generate("a secret", fields);
+            await reference.result();
+            plain.close();
+            const session = await sd.connect("", {e2e: {identity: arg}});
+            const reply = session.generate("a secret", fields);
+            await reply.result();
+            const out = {transport: session.transport, text: reply.text,
+                         plain: reference.text, identity: session.e2e.identity};
+            session.close();
+            return out;""",
+            identity.public,
+        )
+        page.check()
+    assert result["transport"] == "webtransport" and result["identity"] == identity.public
+    assert result["text"] == result["plain"] and result["text"]

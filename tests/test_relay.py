@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import ssl
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +22,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from seedance.client import connect
 from seedance.config_loader import load_access
-from tests.support.servers import RunningServer
+from tests.support.servers import SEEDANCE, RunningServer
+from tests.support.ws import open_session
+from tests.test_resume import Reading, read, resume
 
 pytest.importorskip("aioquic", reason="the relay needs aioquic, which needs Python 3.11")
 
@@ -147,3 +150,50 @@ async def post(far: RunningServer, region: Region, token: str) -> httpx.Response
             headers={"authorization": f"Bearer {token}"},
             content=json.dumps(body),
         )
+
+
+async def test_a_client_that_drops_from_the_edge_resumes_the_relayed_reply_without_a_gap(
+    make_server: Callable[..., RunningServer], region: Region
+) -> None:
+    """The edge's stream log holds every relayed token: a client that loses its connection to
+    the edge mid-reply resumes there, each token once."""
+    far = region.far(make_server, tokens_per_s=200)
+    edge = region.edge(make_server, far)
+    ws, _ = await open_session(edge.url, "session_id=roaming")
+    request = {"prompt": "relay me", "max_tokens": 80, "resumable": True, "request_id": "r1"}
+    await ws.send(json.dumps(request))
+    reading = Reading("r1")
+    await read(ws, reading, until_seq=15)
+    ws.transport.abort()  # the client's network goes away
+    ws, hello = await resume(edge, "roaming", reading)
+    assert hello["active"]["request_id"] == "r1"
+    await read(ws, reading)
+    await ws.close()
+    assert reading.end is not None and reading.end["finish_reason"] == "length"
+    assert reading.last_seq + 1 == 80
+    ca = str(region.authority.pem)
+    async with connect(f"wss://127.0.0.1:{far.port}", ca_file=ca) as direct:
+        assert reading.text == (await direct.complete("relay me", max_tokens=80)).text
+
+
+async def test_a_refused_relay_token_is_audited_with_its_reason(
+    make_server: Callable[..., RunningServer], region: Region, tmp_path: Path
+) -> None:
+    audit = tmp_path / "audit.log"
+    far = region.far(make_server, audit_file=str(audit))
+    await post(far, region, region.token(audience="far-2"))
+    far.stop()
+    records = [json.loads(line) for line in audit.read_text().splitlines() if line.strip()]
+    refused = [r for r in records if "wrong_audience" in json.dumps(r)]
+    assert refused, records[-3:]
+
+
+def test_seedance_relay_is_serve_with_the_relay_engine() -> None:
+    done = subprocess.run(
+        [SEEDANCE, "relay", "--port", "0"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip() == (
+        "seedance relay: error: the relay engine needs --relay-key EDGE.pem "
+        "(seedance models keygen)"
+    )

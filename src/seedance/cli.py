@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.command == "serve":
+    if args.command in ("serve", "relay"):
         return _serve(args)
     if args.command == "chat":
         return _chat(args)
@@ -61,6 +61,16 @@ def _parser() -> argparse.ArgumentParser:
         "serve", help="run the server", description="Serve /v2/infer, /healthz and /v1/models."
     )
     add_arguments(serve)
+
+    relay = commands.add_parser(
+        "relay",
+        help="run an edge gateway whose replies come from a gateway in another region",
+        description="seedance serve --engine relay: this region's sessions, the replies of a "
+        "far gateway over QUIC with relay tokens (--relay-peer, --relay-key, --node-id; "
+        "docs/transports.md).",
+    )
+    add_arguments(relay)
+    relay.set_defaults(engine="relay")
 
     chat = commands.add_parser(
         "chat",
@@ -206,7 +216,7 @@ def _serve(args: argparse.Namespace) -> int:
         raise_descriptors()
         server = build_server(config)
     except ConfigError as exc:
-        print(f"seedance serve: error: {exc.message}", file=sys.stderr)
+        print(f"seedance {args.command}: error: {exc.message}", file=sys.stderr)
         return 2
     try:
         server.run()
