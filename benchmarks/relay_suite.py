@@ -19,6 +19,11 @@ gateway a ``seedance serve --http3`` process in its namespace (the synthetic eng
    (``seedance serve --engine relay`` in the edge's namespace) opens a session and asks for one
    token, against the far gateway asked directly: the relay's link is kept, so the goal is at
    most one round trip (80 ms) more.
+4. **WebTransport against WebSocket in Chromium** on the same link: a headless Chromium in the
+   edge's namespace opens a page of a far gateway (``--http3`` with a certificate of its own,
+   pinned by its hash) and runs :data:`BROWSER_STREAMS` sessions at once through the browser
+   SDK, once over WebTransport and once over WebSocket, at 0% and 1% loss: each session's
+   time to first token and every token's gap, as the page saw them.
 """
 
 from __future__ import annotations
@@ -48,6 +53,9 @@ FAR_PORT = 18443
 MUX_PORT, MUX_DEFLATE_PORT = 18444, 18445
 EDGE_PORT = 18080
 SESSIONS = 20  # new sessions timed for part 3
+BROWSER_PORT = 18500
+BROWSER_STREAMS = 20
+BROWSER_TOKENS = 128
 
 
 def _exe() -> str:
@@ -257,6 +265,73 @@ async def _ttft(url: str, ca: str | None, sessions: int) -> list[float]:
     return times
 
 
+_PAGE_RUN = """async ([transport, streams, tokens]) => {
+    const sd = await import('/sdk/index.js');
+    const ttft = [], gaps = [];
+    const one = async (i) => {
+        const session = await sd.connect("", {transport});
+        const used = session.transport;
+        const sent = performance.now();
+        let last = null;
+        for await (const chunk of session.generate(`browser ${i}`, {max_tokens: tokens})) {
+            const now = performance.now();
+            if (last === null) ttft.push(now - sent); else gaps.push(now - last);
+            for (let k = 1; k < chunk.n; k++) gaps.push(0);
+            last = now;
+        }
+        session.close();
+        return used;
+    };
+    const used = await Promise.all(Array.from({length: streams}, (_, i) => one(i)));
+    return {ttft, gaps, used: [...new Set(used)]};
+}"""
+
+
+async def _browser_runs(
+    regions: Regions, report: Report, port: int
+) -> dict[tuple[float, str], Any]:
+    """Part 4: the page's figures per (loss, transport), alternating rounds."""
+    import shutil
+
+    from playwright.async_api import async_playwright
+
+    from seedance.testing.regions import FAR_ON_LINK
+
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        raise RuntimeError("chromium is not installed (Debian package chromium)")
+    wrapper = Path(tempfile.mkdtemp(prefix="seedance-chromium-")) / "chromium-in-edge"
+    wrapper.write_text(f'#!/bin/sh\nexec ip netns exec {regions.edge} {chromium} "$@"\n')
+    wrapper.chmod(0o755)
+    origin = f"http://{FAR_ON_LINK}:{port}"
+    cells: dict[tuple[float, str], Any] = {}
+    async with async_playwright() as driver:
+        browser = await driver.chromium.launch(
+            executable_path=str(wrapper),
+            # The far gateway's page is plain HTTP on an address that is not this machine's:
+            # a secure context only by this flag (WebTransport needs one).
+            args=["--no-sandbox", f"--unsafely-treat-insecure-origin-as-secure={origin}"],
+        )
+        page = await browser.new_page()
+        await page.goto(f"{origin}/sdk/package.json")
+        for loss in (0.0, 1.0):
+            regions.netem(DELAY_MS, loss)
+            for round_ in range(report.rounds):
+                order = ["webtransport", "websocket"]
+                for transport in order if round_ % 2 == 0 else order[::-1]:
+                    report.log(f"[20. relay] Chromium, {loss:g}% loss, {transport}")
+                    run = await page.evaluate(
+                        _PAGE_RUN, [transport, BROWSER_STREAMS, BROWSER_TOKENS]
+                    )
+                    if run["used"] != [transport]:
+                        raise RuntimeError(f"the page used {run['used']}, not {transport}")
+                    cell = cells.setdefault((loss, transport), {"gaps": [], "ttft": []})
+                    cell["gaps"] += run["gaps"]
+                    cell["ttft"] += run["ttft"]
+        await browser.close()
+    return cells
+
+
 def relay_suite(report: Report) -> None:
     from seedance.testing.regions import EDGE_ADDRESS, FAR_ADDRESS, FAR_ON_LINK, Regions, available
 
@@ -301,11 +376,19 @@ def relay_suite(report: Report) -> None:
         asyncio.run(_ttft(f"ws://{EDGE_ADDRESS}:{EDGE_PORT}", None, 2))  # the relay link up
         relayed = asyncio.run(_ttft(f"ws://{EDGE_ADDRESS}:{EDGE_PORT}", None, SESSIONS))
         direct = asyncio.run(_ttft(f"wss://{FAR_ADDRESS}:{FAR_PORT}", keys["ca"], SESSIONS))
+        browser_far = _Process(regions.exec(regions.far, [
+            _exe(), "serve", "--host", "0.0.0.0", "--port", str(BROWSER_PORT), "--engine",
+            "synthetic", "--synthetic-tokens-per-s", str(PACE), "--http3", "--log-level", "info",
+        ]))  # fmt: skip
+        processes.append(browser_far)
+        browser_far.wait_for("HTTP/3 and WebTransport on UDP port")
+        browser = asyncio.run(_browser_runs(regions, report, BROWSER_PORT))
     finally:
         for process in processes:
             process.stop()
         regions.close()
     _write(report, cells, carried, relayed, direct, rtt, tokens)
+    _write_browser(report, browser)
 
 
 def _write(
@@ -401,4 +484,31 @@ def _write(
                 "",
             ]
         )
+    )
+
+
+def _write_browser(report: Report, cells: dict[tuple[float, str], Any]) -> None:
+    rows = [
+        f"| {loss:g}% | {'WebTransport' if transport == 'webtransport' else 'WebSocket'} | "
+        f"{fmt(_p(cell['gaps'], 0.5), 1)} | {fmt(_p(cell['gaps'], 0.99), 1)} | "
+        f"{fmt(_p(cell['gaps'], 0.999), 1)} | {_late(cell['gaps']):.2%} | "
+        f"{fmt(_p(cell['ttft'], 0.5), 0)} | {fmt(_p(cell['ttft'], 0.99), 0)} |"
+        for (loss, transport), cell in sorted(cells.items())
+    ]
+    report.sections[-1] += "\n".join(
+        [
+            "",
+            f"**WebTransport against WebSocket in Chromium** on the same link: a headless "
+            "Chromium in the edge's namespace, the page of a far gateway (`seedance serve "
+            "--http3`, its own certificate pinned by hash), "
+            f"{BROWSER_STREAMS} sessions at once through the browser SDK, {BROWSER_TOKENS}-token "
+            f"replies at {PACE} tokens/s, the transport chosen by `connect(..., {{transport}})`; "
+            "what the page saw:",
+            "",
+            "| loss | transport | gap p50 ms | p99 | p99.9 | gaps over one RTT more than the "
+            "pace | TTFT p50 ms | TTFT p99 ms |",
+            "|---|---|---|---|---|---|---|---|",
+            *rows,
+            "",
+        ]
     )
