@@ -331,16 +331,29 @@ class _QuicConnection(QuicConnectionProtocol):
             session.ended("the client reset the stream")
 
 
-def _scope_headers(pseudo: dict[bytes, bytes], headers: Any) -> list[tuple[bytes, bytes]]:
-    """The request's headers as ASGI gives them: the authority as ``host``, no pseudo-headers."""
-    out = [(b"host", pseudo.get(b":authority", b""))]
-    out.extend((k, v) for k, v in headers if not k.startswith(b":") and k != b"host")
-    return out
-
-
-def _split_path(raw: bytes) -> tuple[str, bytes, bytes]:
-    path, _, query = raw.partition(b"?")
-    return unquote(path.decode("latin-1")), path, query
+def _scope(
+    connection: _QuicConnection, kind: str, pseudo: dict[bytes, bytes], headers: Any
+) -> dict[str, Any]:
+    """The ASGI scope of a request on ``connection`` (``kind``: ``http``, or ``websocket`` for
+    a WebTransport session): its path and query, its headers with the authority as ``host``
+    and no pseudo-headers, the addresses as they are now."""
+    raw_path, _, query = pseudo.get(b":path", b"/").partition(b"?")
+    scope_headers = [(b"host", pseudo.get(b":authority", b""))]
+    scope_headers += [(k, v) for k, v in headers if not k.startswith(b":") and k != b"host"]
+    return {
+        "type": kind,
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "3",
+        "scheme": "https" if kind == "http" else "wss",
+        "path": unquote(raw_path.decode("latin-1")),
+        "raw_path": raw_path,
+        "query_string": query,
+        "root_path": "",
+        "headers": scope_headers,
+        "client": connection.client,
+        "server": connection.server,
+        "extensions": {},
+    }
 
 
 class _Request:
@@ -351,22 +364,8 @@ class _Request:
     ) -> None:
         self.connection = connection
         self.stream_id = stream_id
-        path, raw_path, query = _split_path(pseudo.get(b":path", b"/"))
-        self.scope: dict[str, Any] = {
-            "type": "http",
-            "asgi": {"version": "3.0", "spec_version": "2.3"},
-            "http_version": "3",
-            "method": pseudo.get(b":method", b"GET").decode(),
-            "scheme": "https",
-            "path": path,
-            "raw_path": raw_path,
-            "query_string": query,
-            "root_path": "",
-            "headers": _scope_headers(pseudo, headers),
-            "client": connection.client,
-            "server": connection.server,
-            "extensions": {},
-        }
+        self.scope = _scope(connection, "http", pseudo, headers)
+        self.scope["method"] = pseudo.get(b":method", b"GET").decode()
         self.events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self.ended = False  # the response was sent whole, or the stream is gone
         self._status: int | None = None
@@ -432,7 +431,6 @@ class _Session:
     ) -> None:
         self.connection = connection
         self.session_id = session_id
-        path, raw_path, query = _split_path(pseudo.get(b":path", b"/"))
         protocols = [
             p.strip().decode()
             for k, v in headers
@@ -440,27 +438,13 @@ class _Session:
             for p in v.split(b",")
             if p.strip()
         ]
-        self.scope: dict[str, Any] = {
-            "type": "websocket",
-            "asgi": {"version": "3.0", "spec_version": "2.3"},
-            "http_version": "3",
-            "scheme": "wss",
-            "path": path,
-            "raw_path": raw_path,
-            "query_string": query,
-            "root_path": "",
-            "headers": _scope_headers(pseudo, headers),
-            "client": connection.client,
-            "server": connection.server,
-            "subprotocols": [p.strip('"') for p in protocols],
-            "extensions": {
-                TRANSPORT_EXTENSION: {
-                    "ping": self.ping,
-                    "set_pong_handler": self._set_pong_handler,
-                    "last_control_frame_at": lambda: self._last_control,
-                    "abort": self.abort,
-                }
-            },
+        self.scope = _scope(connection, "websocket", pseudo, headers)
+        self.scope["subprotocols"] = [p.strip('"') for p in protocols]
+        self.scope["extensions"][TRANSPORT_EXTENSION] = {
+            "ping": self.ping,
+            "set_pong_handler": self._set_pong_handler,
+            "last_control_frame_at": lambda: self._last_control,
+            "abort": self.abort,
         }
         self.events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self.events.put_nowait({"type": "websocket.connect"})

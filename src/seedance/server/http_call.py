@@ -143,13 +143,19 @@ class HttpCall:
         self.principal = self.arrival.principal = self.services.access.authenticate(self.scope)
         return self.principal
 
-    async def answer(self, receive: Receive, run: Callable[[bytes], Awaitable[None]]) -> None:
-        """A POST: the caller checked, its body read, then ``run(body)`` served (:meth:`serve`);
-        a refusal or a client gone before is answered and reported here."""
+    async def answer(
+        self,
+        receive: Receive,
+        run: Callable[[bytes], Awaitable[None]],
+        authenticate: Callable[[], Principal] | None = None,
+    ) -> None:
+        """A POST: the caller checked (by its credential, or by ``authenticate``, which sets
+        :attr:`principal`), its body read, then ``run(body)`` served (:meth:`serve`); a refusal
+        or a client gone before is answered and reported here."""
         bind_request(self.request_id, self.trace.trace_id)  # for this task and those it starts
         try:
             # The door first: a caller that is not let in costs no body read and no parse.
-            self.authenticate()
+            (authenticate or self.authenticate)()
             body = await read_body(receive, self.services.config.max_frame_bytes)
         except Disconnected:
             self.ended()

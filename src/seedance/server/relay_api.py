@@ -32,7 +32,7 @@ from seedance.protocol.errors import InvalidRequest, SeedanceError, Unauthorized
 from seedance.protocol.messages import ErrorFrame, Generate
 from seedance.relay.keys import trusted
 from seedance.relay.tokens import RelayClaims, RelayRefused, Verifier
-from seedance.server.http_call import Disconnected, HttpCall, Receive, Scope, Send, read_body
+from seedance.server.http_call import HttpCall, Receive, Scope, Send
 from seedance.server.lifecycle.admit import admit, prepare
 from seedance.server.lifecycle.reader import Reading
 from seedance.server.lifecycle.request import Requester, explicit_prompt
@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from seedance.server.lifecycle.generation import Generation
     from seedance.server.lifecycle.services import Services
     from seedance.streams.log import StreamLog
+    from seedance.tenants.auth import Principal
 
 logger = logging.getLogger(__name__)
 
@@ -79,29 +80,19 @@ class RelayEndpoint:
         self.verifier = verifier
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        services = self.services
         request_id = "relay-" + secrets.token_hex(12)
-        call = HttpCall(services, scope, send, "relay", request_id, errors=_error_line)
-        try:
+        call = HttpCall(self.services, scope, send, "relay", request_id, errors=_error_line)
+        checked: list[RelayClaims] = []
+
+        def authenticate() -> Principal:
+            """The relay token, not a tenant's credential: the caller is the token's tenant."""
             claims = self._check(scope)
-            call.principal = call.arrival.principal = services.access.relayed(
-                claims.tenant, claims.issuer
-            )
-            body = msgspec.json.decode(
-                await read_body(receive, services.config.max_frame_bytes), type=_Body
-            )
-        except Disconnected:
-            call.ended()
-            return
-        except msgspec.DecodeError as exc:
-            await call.fail(InvalidRequest(f"the relayed request does not parse: {exc}"))
-            call.ended()
-            return
-        except SeedanceError as exc:
-            await call.fail(exc)
-            call.ended()
-            return
-        await call.serve(self._run(call, claims, body), receive)
+            checked.append(claims)
+            principal = self.services.access.relayed(claims.tenant, claims.issuer)
+            call.principal = call.arrival.principal = principal
+            return principal
+
+        await call.answer(receive, lambda body: self._run(call, checked[0], body), authenticate)
 
     def _check(self, scope: Scope) -> RelayClaims:
         """The token's claims; Unauthorized (with the reason) for anything else."""
@@ -116,8 +107,12 @@ class RelayEndpoint:
         except RelayRefused as exc:
             raise Unauthorized(str(exc)) from None
 
-    async def _run(self, call: HttpCall, claims: RelayClaims, body: _Body) -> None:
+    async def _run(self, call: HttpCall, claims: RelayClaims, raw: bytes) -> None:
         try:
+            try:
+                body = msgspec.json.decode(raw, type=_Body)
+            except msgspec.DecodeError as exc:
+                raise InvalidRequest(f"the relayed request does not parse: {exc}") from None
             if body.resume is not None:
                 log, generation, after = await self._resumed(call, body.resume, body.after_seq)
             else:
