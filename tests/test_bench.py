@@ -24,6 +24,7 @@ from benchmarks.peers.openai_sse import create_app as openai_app
 
 from seedance.bench.metrics import Distribution, Sample, percentile, summarize
 from seedance.engines.synthetic import SyntheticEngine
+from tests.support.netns import need_namespaces
 from tests.support.servers import SEEDANCE, RunningServer, asgi_server, slow_engine
 from tests.support.tools import tool
 
@@ -590,3 +591,15 @@ def test_schema_logprobs_and_tools_loads(smollm: RunningServer, tmp_path: Path) 
         assert summary["output_tokens"] > 0
     refused = bench(smollm.infer_url, "-n", "1", "--tools", tools)
     assert refused.returncode != 0 and "--tools is for --openai" in refused.stderr
+
+
+@pytest.mark.timeout(330)  # past quick_suite's own bound, which reports what ran
+def test_the_relay_suite_measures_both_relays_and_both_browser_transports(tmp_path: Path) -> None:
+    pytest.importorskip("aioquic", reason="the relay needs aioquic, which needs Python 3.11")
+    need_namespaces()
+    report, progress = quick_suite(tmp_path, 20, timeout_s=300)
+    assert "## 20. The cross-region relay over a lossy link" in report
+    for row in ("| 1% | QUIC (Seedance) |", "| 1% | WebSocket, one TCP |", "| 1% | WebTransport |"):
+        assert row in report
+    assert "| QUIC (Seedance's relay) |" in report and "A new session's time to first" in report
+    assert "[20. relay] Chromium, 1% loss, websocket" in progress
