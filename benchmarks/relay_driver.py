@@ -1,10 +1,11 @@
 """The two ends of suite 20's relay runs, each run in a region's network namespace
 (``ip netns exec``) by :mod:`benchmarks.relay_suite`; each prints one JSON line.
 
-``quic FAR_URL CA KEY STREAMS TOKENS``
+``quic FAR_URL CA KEY STREAMS TOKENS COPIES``
     In the edge's namespace: ``STREAMS`` relayed requests at once to the far gateway over one
     QUIC connection (Seedance's own link, :class:`seedance.relay.client.Peer`, each request a
-    stream with its relay token), every token's arrival timed.
+    stream with its relay token; each packet sent ``COPIES`` times both ways), every token's
+    arrival timed.
 ``ws-far PORT CERT KEY CA FAR_HTTP DEFLATE``
     In the far's namespace: the baseline's far end, a WebSocket server over TLS that takes
     requests tagged with an id on one connection, has the far gateway serve each
@@ -88,10 +89,12 @@ def _token(key_file: str) -> str:
     )
 
 
-async def quic(far_url: str, ca: str, key_file: str, streams: int, tokens: int) -> dict[str, Any]:
+async def quic(
+    far_url: str, ca: str, key_file: str, streams: int, tokens: int, copies: int
+) -> dict[str, Any]:
     from seedance.relay.client import Peer
 
-    peer = Peer(far_url, ca_file=ca)
+    peer = Peer(far_url, ca_file=ca, copies=copies)
     timings = Timings()
 
     async def one(index: int) -> None:
@@ -188,8 +191,8 @@ async def ws(
 def main() -> None:
     mode, *args = sys.argv[1:]
     if mode == "quic":
-        far_url, ca, key, streams, tokens = args
-        result = asyncio.run(quic(far_url, ca, key, int(streams), int(tokens)))
+        far_url, ca, key, streams, tokens, copies = args
+        result = asyncio.run(quic(far_url, ca, key, int(streams), int(tokens), int(copies)))
     elif mode == "ws":
         url, ca, key, streams, tokens, deflate = args
         result = asyncio.run(ws(url, ca, key, int(streams), int(tokens), deflate == "1"))

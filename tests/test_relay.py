@@ -28,6 +28,7 @@ from tests.test_resume import Reading, read, resume
 
 pytest.importorskip("aioquic", reason="the relay needs aioquic, which needs Python 3.11")
 
+from seedance.relay.copies import Repeating
 from seedance.relay.tokens import RelayRefused, Verifier, mint
 from tests.support.relay import Region
 
@@ -197,3 +198,22 @@ def test_seedance_relay_is_serve_with_the_relay_engine() -> None:
         "seedance relay: error: the relay engine needs --relay-key EDGE.pem "
         "(seedance models keygen)"
     )
+
+
+async def test_a_link_of_two_copies_sends_every_packet_twice_both_ways(
+    make_server: Callable[..., RunningServer], region: Region
+) -> None:
+    """``--relay-copies 2``: the edge's packets and, asked by a header, the far end's answers
+    go out twice on the link (the receiving QUIC stack drops the copy), the reply unchanged."""
+    far = region.far(make_server)
+    edge = region.edge(make_server, far, copies=2)
+    async with connect(edge.url) as session:
+        relayed = await session.complete("twice over", max_tokens=20)
+    async with connect(f"wss://127.0.0.1:{far.port}", ca_file=str(region.authority.pem)) as d:
+        assert relayed.text == (await d.complete("twice over", max_tokens=20)).text
+    (peer,) = edge.engine.peers
+    link = peer.link._link
+    assert link is not None and isinstance(link._transport, Repeating)
+    listener = far.server.http3
+    assert listener is not None
+    assert any(isinstance(c._transport, Repeating) for c in listener.connections)

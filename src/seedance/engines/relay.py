@@ -80,12 +80,15 @@ class RelayEngine(Engine):
         ca_file: str | None = None,
         resume_s: float = 30.0,
         cooldown_s: float = 10.0,
+        copies: int = 1,
     ) -> None:
         from seedance.relay.client import Peer  # aioquic: only where a relay is asked for
 
         if not peers:
             raise ConfigError("the relay engine needs --relay-peer NODE_ID=https://host:port")
-        self.peers = [RelayPeer(node, Peer(url, ca_file=ca_file)) for node, url in peers]
+        self.peers = [
+            RelayPeer(node, Peer(url, ca_file=ca_file, copies=copies)) for node, url in peers
+        ]
         self.key = key
         self.issuer = issuer
         self.far_model = far_model
@@ -278,6 +281,7 @@ class RelayOptions:
     ca: str | None = None
     resume_s: float = 30.0
     cooldown_s: float = 10.0
+    copies: int = 1
 
 
 OPTIONS = (
@@ -309,6 +313,15 @@ OPTIONS = (
         "positive",
     ),
     Option(
+        "copies",
+        "--relay-copies",
+        int,
+        "send each packet of the link this many times, both ways (1-3; 2: a lost packet costs "
+        "a token no round trip unless both copies are lost, for twice the bytes)",
+        lambda v: 1 <= v <= 3,
+        "1 to 3",
+    ),
+    Option(
         "cooldown_s",
         "--relay-cooldown",
         float,
@@ -336,6 +349,7 @@ def create_engine(config: ServerConfig, options: RelayOptions) -> RelayEngine:
         ca_file=options.ca,
         resume_s=options.resume_s,
         cooldown_s=options.cooldown_s,
+        copies=options.copies,
     )
 
 

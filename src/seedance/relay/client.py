@@ -28,6 +28,8 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.events import ConnectionTerminated, HandshakeCompleted, QuicEvent, StreamReset
 from aioquic.tls import SessionTicket
 
+from seedance.relay.copies import HEADER, repeat
+
 logger = logging.getLogger(__name__)
 
 
@@ -104,7 +106,12 @@ class Peer:
     """A far gateway at ``url`` (``https://host:port``), reached over one kept QUIC connection."""
 
     def __init__(
-        self, url: str, *, ca_file: str | None = None, connect_timeout_s: float = 10.0
+        self,
+        url: str,
+        *,
+        ca_file: str | None = None,
+        connect_timeout_s: float = 10.0,
+        copies: int = 1,
     ) -> None:
         parts = urlsplit(url)
         if parts.scheme != "https" or not parts.hostname:
@@ -115,6 +122,8 @@ class Peer:
         self.authority = f"{self.host}:{self.port}"
         self.ca_file = ca_file
         self.connect_timeout_s = connect_timeout_s
+        #: Each datagram sent this many times, both ways (:mod:`seedance.relay.copies`).
+        self.copies = copies
         self.connects = 0  # connections opened: one, while the link holds
         self._ticket: SessionTicket | None = None
         self._link: _Link | None = None
@@ -157,6 +166,8 @@ class Peer:
                 await stack.aclose()
                 raise LinkLost(f"cannot reach {self.url}: {exc or 'timed out'}") from None
             assert isinstance(opened, _Link)
+            if self.copies > 1:
+                repeat(opened, self.copies)
             self._link, self._stack = opened, stack
             self.connects += 1
             logger.info("relay link to %s open (connection %d)", self.url, self.connects)
@@ -178,6 +189,8 @@ class Peer:
             (b"content-length", str(len(body)).encode()),
             *headers,
         ]
+        if self.copies > 1:  # the far end's packets too
+            request.append((HEADER, str(self.copies).encode()))
         link.h3.send_headers(stream_id, request)
         link.h3.send_data(stream_id, body, end_stream=True)
         link.transmit()

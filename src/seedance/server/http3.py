@@ -63,7 +63,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from seedance.server.transport import TRANSPORT_EXTENSION
+from seedance.server.transport import QUIC_EXTENSION, TRANSPORT_EXTENSION
 
 logger = logging.getLogger(__name__)
 
@@ -229,6 +229,13 @@ class _QuicConnection(QuicConnectionProtocol):
         sockname = transport.get_extra_info("sockname") if transport is not None else None
         return (str(sockname[0]), int(sockname[1])) if sockname else None
 
+    def repeat(self, copies: int) -> None:
+        """Send each datagram of this connection ``copies`` times from now on (a relay link
+        that asked for it: :mod:`seedance.relay.copies`)."""
+        from seedance.relay.copies import repeat
+
+        repeat(self, copies)
+
     def flush_soon(self) -> None:
         """Send what was written at the end of this turn of the loop: what many streams write
         in one turn (a token for each of many replies) leaves in as few packets as it fits."""
@@ -352,7 +359,8 @@ def _scope(
         "headers": scope_headers,
         "client": connection.client,
         "server": connection.server,
-        "extensions": {},
+        # The connection's own controls, for an endpoint that owns a link (the relay's).
+        "extensions": {QUIC_EXTENSION: {"repeat": connection.repeat}},
     }
 
 

@@ -30,12 +30,14 @@ import msgspec
 from seedance.protocol.codec import FrameLimits, decode_client_text, encode_error, encode_frame
 from seedance.protocol.errors import InvalidRequest, SeedanceError, Unauthorized
 from seedance.protocol.messages import ErrorFrame, Generate
+from seedance.relay.copies import HEADER, MAX_COPIES
 from seedance.relay.keys import trusted
 from seedance.relay.tokens import RelayClaims, RelayRefused, Verifier
 from seedance.server.http_call import HttpCall, Receive, Scope, Send
 from seedance.server.lifecycle.admit import admit, prepare
 from seedance.server.lifecycle.reader import Reading
 from seedance.server.lifecycle.request import Requester, explicit_prompt
+from seedance.server.transport import QUIC_EXTENSION
 
 if TYPE_CHECKING:
     from seedance.config import ServerConfig
@@ -68,6 +70,15 @@ def relay_verifier(config: ServerConfig) -> Verifier | None:
     return Verifier(cluster.node_id, trusted(cluster.relay_trust))
 
 
+def _repeat(scope: Scope) -> None:
+    """Send the link's packets as many times as the edge asks (``seedance-relay-copies``),
+    where the link is QUIC (:mod:`seedance.relay.copies`)."""
+    asked = dict(scope.get("headers", ())).get(HEADER)
+    controls = (scope.get("extensions") or {}).get(QUIC_EXTENSION)
+    if asked is not None and controls is not None and asked.isdigit():
+        controls["repeat"](min(int(asked), MAX_COPIES))
+
+
 def _error_line(error: SeedanceError) -> bytes:
     return encode_error(error).encode() + b"\n"
 
@@ -88,6 +99,7 @@ class RelayEndpoint:
             """The relay token, not a tenant's credential: the caller is the token's tenant."""
             claims = self._check(scope)
             checked.append(claims)
+            _repeat(scope)
             principal = self.services.access.relayed(claims.tenant, claims.issuer)
             call.principal = call.arrival.principal = principal
             return principal

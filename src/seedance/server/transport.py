@@ -13,6 +13,9 @@ from typing import Any, Protocol
 
 # What the server offers the app in ``scope["extensions"]`` (see seedance.server.uvicorn_ws).
 TRANSPORT_EXTENSION = "seedance.transport"
+# What the HTTP/3 listener offers in ``scope["extensions"]``: its QUIC connection's controls
+# (``repeat``: send each datagram N times; seedance.server.http3).
+QUIC_EXTENSION = "seedance.quic"
 OutFrame = str | bytes
 # Called with each complete message (payload, is_text); returns false to decline it.
 Receiver = Callable[[bytes, bool], bool]
