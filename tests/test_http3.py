@@ -228,3 +228,36 @@ async def test_shutdown_ends_a_webtransport_reply_whole_then_closes_1001(
     assert sum(f.get("n", 1) for f in tokens) == 40
     assert code == 1001
     assert server.wait() in (0, -signal.SIGTERM)  # uvicorn raises the signal again at its end
+
+
+async def test_a_webtransport_client_that_stops_reading_is_cut_off_and_holds_little(
+    make_server: Callable[..., RunningServer],
+    issued: tuple[Authority, Issued],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A client whose QUIC stack goes silent mid-reply (nothing acknowledged): the session's
+    sends wait once 256 KiB are held for it, as a WebSocket's do on a full socket, and the
+    connection's write timeout cuts it off; the server holds no more than that meanwhile."""
+    caplog.set_level("INFO", "seedance")
+    # Merging off: a frame per token, so that the reply outgrows the mark before it ends.
+    server = h3_server(make_server, issued, write_timeout_s=2.0, merge_window_ms=0)
+    authority, _ = issued
+    async with h3_connection("127.0.0.1", server.port, ca_file=str(authority.pem)) as h3:
+        session = await h3.webtransport("/v2/infer?session_id=silent")
+        await session.recv()
+        generate = {"type": "generate", "request_id": "big", "prompt": "go", "max_tokens": 16000}
+        await session.send_text(json.dumps(generate))
+        assert json.loads(await session.recv())["type"] == "start"  # the reply runs
+        h3._protocol.datagram_received = lambda data, addr: None  # type: ignore[method-assign]
+        listener = server.server.http3
+        assert listener is not None
+        (connection,) = listener.connections
+        (held,) = connection.sessions.values()
+        largest = 0
+        deadline = asyncio.get_running_loop().time() + 15
+        while server.connections and asyncio.get_running_loop().time() < deadline:
+            largest = max(largest, held._backlog())
+            await asyncio.sleep(0.05)
+        assert not server.connections  # cut off
+        assert largest <= 2 * 256 * 1024  # what it held: the high-water mark and a frame or so
+    assert any("not reading" in r.getMessage() for r in caplog.records)

@@ -82,6 +82,8 @@ _WT_STREAM = 0x41
 _STREAM_WAIT_S = 5.0
 #: How long the session's capsule waits after the client acknowledged its stream's close.
 _CLOSE_GRACE_S = 0.1
+#: Bytes a WebTransport session's stream may hold for a client before a send waits.
+_HIGH_WATER = 256 * 1024
 #: Session tickets kept for resumption (the oldest forgotten first).
 _MAX_TICKETS = 10_000
 #: H3_REQUEST_CANCELLED: how a session's streams are reset when it is dropped.
@@ -211,6 +213,7 @@ class _QuicConnection(QuicConnectionProtocol):
         self.sessions: dict[int, _Session] = {}
         self.session_of_stream: dict[int, _Session] = {}
         self.pings: dict[int, _Session] = {}
+        self.draining: set[_Session] = set()  # sessions whose sends wait for the client
         self.tasks: set[asyncio.Task[None]] = set()
         self._flushing = False
         listener.connections.add(self)
@@ -228,6 +231,11 @@ class _QuicConnection(QuicConnectionProtocol):
         transport = self._transport
         sockname = transport.get_extra_info("sockname") if transport is not None else None
         return (str(sockname[0]), int(sockname[1])) if sockname else None
+
+    def datagram_received(self, data: bytes | str, addr: Any) -> None:
+        super().datagram_received(data, addr)
+        for session in list(self.draining):  # acknowledgements may have taken their backlog
+            session.check_drain()
 
     def repeat(self, copies: int) -> None:
         """Send each datagram of this connection ``copies`` times from now on (a relay link
@@ -462,6 +470,7 @@ class _Session:
         self._inbound = bytearray()
         self._pending: list[bytes] = []  # what was sent before the client opened its stream
         self._bound = asyncio.Event()
+        self._drain = asyncio.Event()  # set: a send that waits for the client may go on
         self._close_code = 1011  # the close if the app ends without one: an internal error
         self._closing = False
         self._pong: Callable[[], None] | None = None
@@ -552,6 +561,8 @@ class _Session:
         self._forget()
 
     def _forget(self) -> None:
+        self._drain.set()  # a send that waits ends: the session is gone
+        self.connection.draining.discard(self)
         self.connection.sessions.pop(self.session_id, None)
         if self.stream_id is not None:
             self.connection.session_of_stream.pop(self.stream_id, None)
@@ -580,6 +591,9 @@ class _Session:
                 self._write(TEXT, text.encode())
             else:
                 self._write(BINARY, bytes(message.get("bytes") or b""))
+            self.connection.flush_soon()
+            await self._drained()
+            return
         elif kind == "websocket.close":
             await self._close(int(message.get("code", 1000)), message.get("reason") or "")
             return
@@ -593,6 +607,28 @@ class _Session:
             if not more:
                 self._finish()
         self.connection.flush_soon()
+
+    async def _drained(self) -> None:
+        """Wait while the client holds back more than :data:`_HIGH_WATER` bytes of the stream
+        (sent and not acknowledged, or not sent for its flow control): the send waits, as a
+        WebSocket's does on a full socket, so the connection's own bounds (its write timeout,
+        its pending bytes) see a client that does not read, and what the server holds for it
+        stays bounded. It goes on once half of that is taken (looked at as acknowledgements
+        arrive: :meth:`_QuicConnection.datagram_received`)."""
+        while not self.closed and self._backlog() > _HIGH_WATER:
+            self._drain.clear()
+            self.connection.draining.add(self)
+            await self._drain.wait()
+
+    def check_drain(self) -> None:
+        """Acknowledgements came: a send that waits goes on once half the backlog is taken."""
+        if self.closed or self._backlog() <= _HIGH_WATER // 2:
+            self.connection.draining.discard(self)
+            self._drain.set()
+
+    def _backlog(self) -> int:
+        stream = self.connection._quic._streams.get(self.stream_id) if self.stream_id else None
+        return len(stream.sender._buffer) if stream is not None else len(b"".join(self._pending))
 
     def _write(self, kind: int, payload: bytes) -> None:
         message = bytes([kind]) + encode_uint_var(len(payload)) + payload
