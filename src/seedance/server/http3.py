@@ -213,7 +213,8 @@ class _QuicConnection(QuicConnectionProtocol):
         self.sessions: dict[int, _Session] = {}
         self.session_of_stream: dict[int, _Session] = {}
         self.pings: dict[int, _Session] = {}
-        self.draining: set[_Session] = set()  # sessions whose sends wait for the client
+        #: Streams whose writers wait for the client to take what they hold, and their wake-ups.
+        self.draining: dict[int, asyncio.Event] = {}
         self.tasks: set[asyncio.Task[None]] = set()
         self._flushing = False
         listener.connections.add(self)
@@ -234,8 +235,30 @@ class _QuicConnection(QuicConnectionProtocol):
 
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
         super().datagram_received(data, addr)
-        for session in list(self.draining):  # acknowledgements may have taken their backlog
-            session.check_drain()
+        for stream_id, drained in list(self.draining.items()):  # acknowledgements came
+            if self.backlog(stream_id) <= _HIGH_WATER // 2:
+                del self.draining[stream_id]
+                drained.set()
+
+    def backlog(self, stream_id: int) -> int:
+        """Bytes stream ``stream_id`` holds for the client: sent and not acknowledged, or not
+        sent yet (its flow control, the congestion window)."""
+        stream = self._quic._streams.get(stream_id)
+        return len(stream.sender._buffer) if stream is not None else 0
+
+    async def drained(self, stream_id: int, gone: Callable[[], bool]) -> None:
+        """Wait while stream ``stream_id`` holds more than :data:`_HIGH_WATER` bytes for the
+        client, until it holds half that (or ``gone()``): a writer waits as on a full socket,
+        so what the server holds for a client that does not read stays bounded, and the
+        writer's own bounds (a WebSocket connection's write timeout) see it."""
+        while not gone() and self.backlog(stream_id) > _HIGH_WATER:
+            drained = self.draining.setdefault(stream_id, asyncio.Event())
+            await drained.wait()
+
+    def _wake_all(self) -> None:
+        for drained in self.draining.values():
+            drained.set()
+        self.draining.clear()
 
     def repeat(self, copies: int) -> None:
         """Send each datagram of this connection ``copies`` times from now on (a relay link
@@ -269,6 +292,7 @@ class _QuicConnection(QuicConnectionProtocol):
                 self.h3 = H3Connection(self._quic, enable_webtransport=True)
         elif isinstance(event, ConnectionTerminated):
             self.listener.connections.discard(self)
+            self._wake_all()
             for request in self.requests.values():
                 request.disconnect()
             for session in list(self.sessions.values()):
@@ -338,6 +362,9 @@ class _QuicConnection(QuicConnectionProtocol):
         self.run(session.serve(), f"webtransport-{stream_id}")
 
     def _reset(self, stream_id: int) -> None:
+        waiting = self.draining.pop(stream_id, None)  # its writer stops waiting: it is gone
+        if waiting is not None:
+            waiting.set()
         request = self.requests.pop(stream_id, None)
         if request is not None:
             request.disconnect()
@@ -422,6 +449,8 @@ class _Request:
         if not more:
             self.ended = True
         self.connection.flush_soon()
+        if more:  # a stream (SSE, the relay's lines): held to what the client takes
+            await self.connection.drained(self.stream_id, lambda: self.ended)
 
     async def serve(self) -> None:
         try:
@@ -470,7 +499,6 @@ class _Session:
         self._inbound = bytearray()
         self._pending: list[bytes] = []  # what was sent before the client opened its stream
         self._bound = asyncio.Event()
-        self._drain = asyncio.Event()  # set: a send that waits for the client may go on
         self._close_code = 1011  # the close if the app ends without one: an internal error
         self._closing = False
         self._pong: Callable[[], None] | None = None
@@ -561,8 +589,10 @@ class _Session:
         self._forget()
 
     def _forget(self) -> None:
-        self._drain.set()  # a send that waits ends: the session is gone
-        self.connection.draining.discard(self)
+        if self.stream_id is not None:  # a send that waits ends: the session is gone
+            waiting = self.connection.draining.pop(self.stream_id, None)
+            if waiting is not None:
+                waiting.set()
         self.connection.sessions.pop(self.session_id, None)
         if self.stream_id is not None:
             self.connection.session_of_stream.pop(self.stream_id, None)
@@ -592,7 +622,8 @@ class _Session:
             else:
                 self._write(BINARY, bytes(message.get("bytes") or b""))
             self.connection.flush_soon()
-            await self._drained()
+            if self.stream_id is not None:
+                await self.connection.drained(self.stream_id, lambda: self.closed)
             return
         elif kind == "websocket.close":
             await self._close(int(message.get("code", 1000)), message.get("reason") or "")
@@ -608,27 +639,10 @@ class _Session:
                 self._finish()
         self.connection.flush_soon()
 
-    async def _drained(self) -> None:
-        """Wait while the client holds back more than :data:`_HIGH_WATER` bytes of the stream
-        (sent and not acknowledged, or not sent for its flow control): the send waits, as a
-        WebSocket's does on a full socket, so the connection's own bounds (its write timeout,
-        its pending bytes) see a client that does not read, and what the server holds for it
-        stays bounded. It goes on once half of that is taken (looked at as acknowledgements
-        arrive: :meth:`_QuicConnection.datagram_received`)."""
-        while not self.closed and self._backlog() > _HIGH_WATER:
-            self._drain.clear()
-            self.connection.draining.add(self)
-            await self._drain.wait()
-
-    def check_drain(self) -> None:
-        """Acknowledgements came: a send that waits goes on once half the backlog is taken."""
-        if self.closed or self._backlog() <= _HIGH_WATER // 2:
-            self.connection.draining.discard(self)
-            self._drain.set()
-
     def _backlog(self) -> int:
-        stream = self.connection._quic._streams.get(self.stream_id) if self.stream_id else None
-        return len(stream.sender._buffer) if stream is not None else len(b"".join(self._pending))
+        if self.stream_id is None:
+            return sum(len(message) for message in self._pending)
+        return self.connection.backlog(self.stream_id)
 
     def _write(self, kind: int, payload: bytes) -> None:
         message = bytes([kind]) + encode_uint_var(len(payload)) + payload
