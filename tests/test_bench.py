@@ -599,7 +599,12 @@ def test_the_relay_suite_measures_both_relays_and_both_browser_transports(tmp_pa
     need_namespaces()
     report, progress = quick_suite(tmp_path, 20, timeout_s=300)
     assert "## 20. The cross-region relay over a lossy link" in report
-    for row in ("| 1% | QUIC (Seedance) |", "| 1% | WebSocket, one TCP |", "| 1% | WebTransport |"):
+    for row in (
+        "| 1% | QUIC (Seedance) |",
+        "| 1% | QUIC, `--relay-copies 2` |",
+        "| 1% | WebSocket over TLS, one TCP connection |",
+        "| 1% | WebTransport |",
+    ):
         assert row in report
     assert "| QUIC (Seedance's relay) |" in report and "A new session's time to first" in report
     assert "[20. relay] Chromium, 1% loss, websocket" in progress
