@@ -606,5 +606,5 @@ def test_the_relay_suite_measures_both_relays_and_both_browser_transports(tmp_pa
         "| 1% | WebTransport |",
     ):
         assert row in report
-    assert "| QUIC (Seedance's relay) |" in report and "A new session's time to first" in report
+    assert "| QUIC (Seedance) | " in report and "A new session's time to first" in report
     assert "[20. relay] Chromium, 1% loss, websocket" in progress
