@@ -16,6 +16,7 @@ touched (tests/test_relay_netns.py and suite 20 of ``make bench``).
 
 from __future__ import annotations
 
+import fcntl
 import os
 import secrets
 import shutil
@@ -50,10 +51,28 @@ def available() -> str | None:
     return None
 
 
+#: Held while a :class:`Regions` exists: their addresses are fixed, so one at a time on a
+#: machine (tests in several processes wait for each other).
+LOCK_FILE = "/tmp/seedance-regions.lock"
+
+
+def _sweep() -> None:
+    """Remove what a run that was killed left (its namespaces, their veth pairs with them): with
+    the lock held, any namespace of ours is stale."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    for line in listed.splitlines():
+        name = line.split()[0] if line.strip() else ""
+        if name.startswith("sd-") and name.endswith(("-edge", "-far")):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
 class Regions:
     """The namespaces and links (see the module); :meth:`close` removes them."""
 
     def __init__(self) -> None:
+        self._lock = open(LOCK_FILE, "w")  # noqa: SIM115  # held until close()
+        fcntl.flock(self._lock, fcntl.LOCK_EX)
+        _sweep()
         tag = secrets.token_hex(3)
         self.edge = f"sd-{tag}-edge"
         self.far = f"sd-{tag}-far"
@@ -131,3 +150,6 @@ class Regions:
             subprocess.run(["ip", "link", "del", device], capture_output=True)
         for ns in (self.edge, self.far):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        if not self._lock.closed:
+            fcntl.flock(self._lock, fcntl.LOCK_UN)
+            self._lock.close()
