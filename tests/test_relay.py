@@ -22,7 +22,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from seedance.client import connect
 from seedance.config_loader import load_access
-from tests.support.servers import SEEDANCE, RunningServer
+from tests.support.servers import SEEDANCE, RunningServer, ServerProcess
 from tests.support.ws import open_session
 from tests.test_resume import Reading, read, resume
 
@@ -217,3 +217,28 @@ async def test_a_link_of_two_copies_sends_every_packet_twice_both_ways(
     listener = far.server.http3
     assert listener is not None
     assert any(isinstance(c._transport, Repeating) for c in listener.connections)
+
+
+async def test_a_far_gateway_restarted_behind_a_kept_link_is_reached_again(
+    make_server: Callable[..., RunningServer],
+    server_process: Callable[..., ServerProcess],
+    region: Region,
+) -> None:
+    """The far gateway restarts (killed, then served again on its port): the edge's kept link
+    answers nothing; the next request waits for it a bounded while, then goes on a new
+    connection and is served."""
+    far = server_process(*region.far_flags())
+    await far.logged("HTTP/3 and WebTransport on UDP port")
+    edge = region.edge(make_server, far)
+    async with connect(edge.url) as session:
+        assert (await session.complete("before", max_tokens=4)).finish_reason == "length"
+    far.proc.kill()
+    far.proc.wait()
+    again = server_process(*region.far_flags(), "--port", str(far.port))
+    await again.logged("HTTP/3 and WebTransport on UDP port")
+    started = time.monotonic()
+    async with connect(edge.url) as session:
+        assert (await session.complete("after", max_tokens=4)).finish_reason == "length"
+    assert time.monotonic() - started < 10  # the stale link given up after 5 s
+    (peer,) = edge.engine.peers
+    assert peer.link.connects == 2

@@ -12,7 +12,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from seedance.relay.tokens import mint
 from tests.support.certs import Authority, Issued
-from tests.support.servers import RunningServer
+from tests.support.servers import RunningServer, ServerProcess
 
 
 class Region:
@@ -48,7 +48,10 @@ class Region:
         )
 
     def edge(
-        self, make_server: Callable[..., RunningServer], far: RunningServer, **fields: Any
+        self,
+        make_server: Callable[..., RunningServer],
+        far: RunningServer | ServerProcess,
+        **fields: Any,
     ) -> RunningServer:
         return make_server(
             engine="relay",

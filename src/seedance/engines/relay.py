@@ -163,10 +163,10 @@ class RelayEngine(Engine):
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
         body = self._body(request)
         tried: RelayPeer | None = None
-        for attempt in (1, 2):
-            peer = self._pick(tried)
-            tried = peer
-            peer.in_flight += 1
+        peer = self._pick(None)
+        for attempt in (1, 2, 3):
+            asked = peer
+            asked.in_flight += 1
             reply = _Reply()
             try:
                 async for delta in self._follow(peer, request, body, reply):
@@ -178,16 +178,25 @@ class RelayEngine(Engine):
                         f"the relay to {peer.node_id} was lost during request "
                         f"{request.request_id} and could not be resumed: {exc}"
                     ) from None
+                if getattr(exc, "reused", False) and attempt == 1:
+                    # A kept link that no longer answers (the far gateway restarted, a NAT
+                    # forgot it): the same peer again, on a new connection.
+                    logger.info(
+                        "relay link to %s is stale (%s): opening another", peer.node_id, exc
+                    )
+                    continue
                 peer.down_until = time.monotonic() + self.cooldown_s
                 logger.warning(
                     "relay peer %s is out for %.0f s: %s", peer.node_id, self.cooldown_s, exc
                 )
-                if attempt == 2 or not any(p.up for p in self.peers):
+                tried = peer
+                if attempt == 3 or not any(p.up for p in self.peers if p is not tried):
                     raise EngineError(
                         f"no relay peer could serve request {request.request_id}"
                     ) from None
+                peer = self._pick(tried)
             finally:
-                peer.in_flight -= 1
+                asked.in_flight -= 1
 
     async def _follow(
         self, peer: RelayPeer, request: GenerationRequest, body: bytes, reply: _Reply

@@ -34,7 +34,13 @@ logger = logging.getLogger(__name__)
 
 
 class LinkLost(ConnectionError):
-    """The QUIC connection to the far gateway ended (or the stream was reset) mid-response."""
+    """The QUIC connection to the far gateway ended (or the stream was reset, or it did not
+    answer in time); ``reused``: on a connection kept from an earlier request, which may only
+    be stale (a new one may do)."""
+
+    def __init__(self, message: str, *, reused: bool = False) -> None:
+        super().__init__(message)
+        self.reused = reused
 
 
 @dataclass
@@ -111,6 +117,7 @@ class Peer:
         *,
         ca_file: str | None = None,
         connect_timeout_s: float = 10.0,
+        answer_timeout_s: float = 5.0,
         copies: int = 1,
     ) -> None:
         parts = urlsplit(url)
@@ -122,6 +129,9 @@ class Peer:
         self.authority = f"{self.host}:{self.port}"
         self.ca_file = ca_file
         self.connect_timeout_s = connect_timeout_s
+        #: How long a request waits for the far end's first answer (its headers come with
+        #: the reply's start, before the engine's first token) before the link counts as lost.
+        self.answer_timeout_s = answer_timeout_s
         #: Each datagram sent this many times, both ways (:mod:`seedance.relay.copies`).
         self.copies = copies
         self.connects = 0  # connections opened: one, while the link holds
@@ -176,6 +186,7 @@ class Peer:
     async def post(self, path: str, headers: list[tuple[bytes, bytes]], body: bytes) -> Response:
         """A POST on a stream of its own; the response's status and headers, and its body as
         it arrives (LinkLost when the link ends first)."""
+        reused = self._link is not None and not self._link.ended
         link = await self._connected()
         stream_id = link._quic.get_next_available_stream_id()
         loop = asyncio.get_running_loop()
@@ -194,9 +205,24 @@ class Peer:
         link.h3.send_headers(stream_id, request)
         link.h3.send_data(stream_id, body, end_stream=True)
         link.transmit()
-        answered = await exchange.headers
+        try:
+            answered = await asyncio.wait_for(exchange.headers, self.answer_timeout_s)
+        except asyncio.TimeoutError:
+            link.exchanges.pop(stream_id, None)
+            await self._forget(link)
+            raise LinkLost(
+                f"{self.url} did not answer in {self.answer_timeout_s:g} s", reused=reused
+            ) from None
+        except LinkLost as exc:
+            raise LinkLost(str(exc), reused=reused) from None
         head = dict(answered)
         return Response(int(head.get(b":status", b"0")), head, _body(link, stream_id, exchange))
+
+    async def _forget(self, link: _Link) -> None:
+        """Stop using ``link`` (the next request opens another), if it is still the one."""
+        async with self._lock:
+            if self._link is link:
+                await self._drop()
 
     async def _drop(self) -> None:
         stack, self._stack, self._link = self._stack, None, None
