@@ -143,13 +143,18 @@ class Server:
         return 0
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        terminate(self.proc)
         self.log.close()
+
+
+def terminate(proc: subprocess.Popen[Any]) -> None:
+    """Stop ``proc``: SIGTERM, then SIGKILL after 10 s."""
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 @contextlib.contextmanager

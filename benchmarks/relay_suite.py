@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from benchmarks.harness import fmt, ratio, verdict
+from benchmarks.harness import fmt, ratio, terminate, verdict
 
 if TYPE_CHECKING:
     from benchmarks.harness import Report
@@ -85,11 +85,7 @@ class _Process:
             time.sleep(0.05)
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        terminate(self.proc)
 
 
 def _keys(workdir: Path) -> dict[str, str]:

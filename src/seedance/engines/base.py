@@ -94,6 +94,12 @@ def bound_to(message: Generate, tools: Tools | None) -> OutputSchema | None:
     return None if tools is None else OutputSchema(grammar(tools), kind="lark")
 
 
+def estimated_tokens(text: str) -> int:
+    """About four characters a token: the count of an engine whose model's tokenizer is
+    elsewhere (gateway mode's upstreams, the relay's far gateway)."""
+    return max(1, (len(text) + 3) // 4) if text else 0
+
+
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
     """One reply to generate: the whole (already trimmed) context and how to sample.

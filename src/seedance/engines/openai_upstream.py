@@ -40,7 +40,14 @@ import aiohttp
 import msgspec
 
 from seedance.config import ConfigError
-from seedance.engines.base import Engine, EngineHealth, GenerationRequest, ModelInfo, TokenDelta
+from seedance.engines.base import (
+    Engine,
+    EngineHealth,
+    GenerationRequest,
+    ModelInfo,
+    TokenDelta,
+    estimated_tokens,
+)
 from seedance.engines.registry import EngineSpec
 from seedance.engines.routing import Upstream, choose
 from seedance.protocol.errors import EngineError, InvalidRequest
@@ -156,8 +163,7 @@ class OpenAIUpstreamEngine(Engine):
         return EngineHealth(ok=False, detail="every upstream is down")
 
     def count_tokens(self, text: str) -> int:
-        """An estimate (about four characters a token): the upstream's tokenizer is unknown."""
-        return max(1, (len(text) + 3) // 4) if text else 0
+        return estimated_tokens(text)  # the upstream's tokenizer is unknown
 
     # -- upstream choice and health ----------------------------------------------------------
 

@@ -34,7 +34,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 from seedance.config import ConfigError
-from seedance.engines.base import Engine, EngineHealth, GenerationRequest, ModelInfo, TokenDelta
+from seedance.engines.base import (
+    Engine,
+    EngineHealth,
+    GenerationRequest,
+    ModelInfo,
+    TokenDelta,
+    estimated_tokens,
+)
 from seedance.engines.registry import EngineSpec
 from seedance.protocol.errors import EngineError, SeedanceError, error_from_wire
 from seedance.settings import Option, labels, positive
@@ -116,8 +123,7 @@ class RelayEngine(Engine):
         return EngineHealth(ok=False, detail="every relay peer is down")
 
     def count_tokens(self, text: str) -> int:
-        """An estimate (about four characters a token): the far model's tokenizer is there."""
-        return max(1, (len(text) + 3) // 4) if text else 0
+        return estimated_tokens(text)  # the far model's tokenizer is there
 
     # -- generation ----------------------------------------------------------------------------
 

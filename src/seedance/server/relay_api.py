@@ -38,6 +38,7 @@ from seedance.server.lifecycle.admit import admit, prepare
 from seedance.server.lifecycle.reader import Reading
 from seedance.server.lifecycle.request import Requester, explicit_prompt
 from seedance.server.transport import QUIC_EXTENSION
+from seedance.tenants.auth import bearer
 
 if TYPE_CHECKING:
     from seedance.config import ServerConfig
@@ -110,12 +111,11 @@ class RelayEndpoint:
         """The token's claims; Unauthorized (with the reason) for anything else."""
         if self.verifier is None:
             raise Unauthorized("this node takes no relayed requests (no --relay-trust)")
-        headers = dict(scope.get("headers", ()))
-        scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
-        if scheme.lower() != "bearer" or not token:
+        token = bearer(scope.get("headers", ()))
+        if token is None:
             raise Unauthorized("a relayed request needs a relay token (Authorization: Bearer)")
         try:
-            return self.verifier.verify(token.strip())
+            return self.verifier.verify(token)
         except RelayRefused as exc:
             raise Unauthorized(str(exc)) from None
 
