@@ -82,7 +82,8 @@ _WT_STREAM = 0x41
 _STREAM_WAIT_S = 5.0
 #: How long the session's capsule waits after the client acknowledged its stream's close.
 _CLOSE_GRACE_S = 0.1
-#: Bytes a WebTransport session's stream may hold for a client before a send waits.
+#: Bytes a stream (a WebTransport session's, a streamed response's) may hold for a client
+#: before its writer waits.
 _HIGH_WATER = 256 * 1024
 #: Session tickets kept for resumption (the oldest forgotten first).
 _MAX_TICKETS = 10_000
@@ -213,8 +214,10 @@ class _QuicConnection(QuicConnectionProtocol):
         self.sessions: dict[int, _Session] = {}
         self.session_of_stream: dict[int, _Session] = {}
         self.pings: dict[int, _Session] = {}
-        #: Streams whose writers wait for the client to take what they hold, and their wake-ups.
-        self.draining: dict[int, asyncio.Event] = {}
+        #: Set (and replaced) when datagrams came or the connection ended: what a writer
+        #: waiting for the client's acknowledgements looks again at (:meth:`acknowledged`).
+        self._heard = asyncio.Event()
+        self._waiting = 0  # writers waiting on it
         self.tasks: set[asyncio.Task[None]] = set()
         self._flushing = False
         listener.connections.add(self)
@@ -235,10 +238,23 @@ class _QuicConnection(QuicConnectionProtocol):
 
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
         super().datagram_received(data, addr)
-        for stream_id, drained in list(self.draining.items()):  # acknowledgements came
-            if self.backlog(stream_id) <= _HIGH_WATER // 2:
-                del self.draining[stream_id]
-                drained.set()
+        if self._waiting:  # acknowledgements may have come
+            self.wake()
+
+    def wake(self) -> None:
+        """Have every writer that waits look again (:meth:`acknowledged`)."""
+        self._heard.set()
+        self._heard = asyncio.Event()
+
+    async def acknowledged(self, ready: Callable[[], bool]) -> None:
+        """Return once ``ready()`` holds, looked at again as datagrams come from the client
+        (its acknowledgements), or a stream or the connection ends (:meth:`wake`)."""
+        self._waiting += 1
+        try:
+            while not ready():
+                await self._heard.wait()
+        finally:
+            self._waiting -= 1
 
     def backlog(self, stream_id: int) -> int:
         """Bytes stream ``stream_id`` holds for the client: sent and not acknowledged, or not
@@ -247,18 +263,12 @@ class _QuicConnection(QuicConnectionProtocol):
         return len(stream.sender._buffer) if stream is not None else 0
 
     async def drained(self, stream_id: int, gone: Callable[[], bool]) -> None:
-        """Wait while stream ``stream_id`` holds more than :data:`_HIGH_WATER` bytes for the
-        client, until it holds half that (or ``gone()``): a writer waits as on a full socket,
-        so what the server holds for a client that does not read stays bounded, and the
-        writer's own bounds (a WebSocket connection's write timeout) see it."""
-        while not gone() and self.backlog(stream_id) > _HIGH_WATER:
-            drained = self.draining.setdefault(stream_id, asyncio.Event())
-            await drained.wait()
-
-    def _wake_all(self) -> None:
-        for drained in self.draining.values():
-            drained.set()
-        self.draining.clear()
+        """When stream ``stream_id`` holds more than :data:`_HIGH_WATER` bytes for the client,
+        wait until it holds half that (or ``gone()``): a writer waits as on a full socket, so
+        what the server holds for a client that does not read stays bounded, and the writer's
+        own bounds (a WebSocket connection's write timeout) see it."""
+        if not gone() and self.backlog(stream_id) > _HIGH_WATER:
+            await self.acknowledged(lambda: gone() or self.backlog(stream_id) <= _HIGH_WATER // 2)
 
     def repeat(self, copies: int) -> None:
         """Send each datagram of this connection ``copies`` times from now on (a relay link
@@ -292,7 +302,7 @@ class _QuicConnection(QuicConnectionProtocol):
                 self.h3 = H3Connection(self._quic, enable_webtransport=True)
         elif isinstance(event, ConnectionTerminated):
             self.listener.connections.discard(self)
-            self._wake_all()
+            self.wake()
             for request in self.requests.values():
                 request.disconnect()
             for session in list(self.sessions.values()):
@@ -362,15 +372,13 @@ class _QuicConnection(QuicConnectionProtocol):
         self.run(session.serve(), f"webtransport-{stream_id}")
 
     def _reset(self, stream_id: int) -> None:
-        waiting = self.draining.pop(stream_id, None)  # its writer stops waiting: it is gone
-        if waiting is not None:
-            waiting.set()
         request = self.requests.pop(stream_id, None)
         if request is not None:
             request.disconnect()
         session = self.sessions.get(stream_id) or self.session_of_stream.get(stream_id)
         if session is not None:
             session.ended("the client reset the stream")
+        self.wake()  # a writer of the stream stops waiting: it is gone
 
 
 def _scope(
@@ -589,13 +597,10 @@ class _Session:
         self._forget()
 
     def _forget(self) -> None:
-        if self.stream_id is not None:  # a send that waits ends: the session is gone
-            waiting = self.connection.draining.pop(self.stream_id, None)
-            if waiting is not None:
-                waiting.set()
         self.connection.sessions.pop(self.session_id, None)
         if self.stream_id is not None:
             self.connection.session_of_stream.pop(self.stream_id, None)
+        self.connection.wake()  # a send that waits ends: the session is gone
 
     # ------------------------------------------------------------------ to the client
 
@@ -638,11 +643,6 @@ class _Session:
             if not more:
                 self._finish()
         self.connection.flush_soon()
-
-    def _backlog(self) -> int:
-        if self.stream_id is None:
-            return sum(len(message) for message in self._pending)
-        return self.connection.backlog(self.stream_id)
 
     def _write(self, kind: int, payload: bytes) -> None:
         message = bytes([kind]) + encode_uint_var(len(payload)) + payload
@@ -693,15 +693,18 @@ class _Session:
     async def _delivered(self) -> bool:
         """Wait until the client acknowledged the whole stream, and a moment more (bounded);
         false when the session ended meanwhile."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + _STREAM_WAIT_S
         streams = self.connection._quic._streams
-        while loop.time() < deadline and not self.closed:
+
+        def acknowledged() -> bool:
             stream = streams.get(self.stream_id) if self.stream_id is not None else None
-            if stream is None or stream.sender.is_finished:
-                await asyncio.sleep(_CLOSE_GRACE_S)
-                break
-            await asyncio.sleep(0.005)
+            return self.closed or stream is None or stream.sender.is_finished
+
+        try:
+            await asyncio.wait_for(self.connection.acknowledged(acknowledged), _STREAM_WAIT_S)
+        except asyncio.TimeoutError:
+            return not self.closed
+        if not self.closed:
+            await asyncio.sleep(_CLOSE_GRACE_S)
         return not self.closed
 
     async def _stream_opened(self) -> bool:
