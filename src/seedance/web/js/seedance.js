@@ -113,10 +113,15 @@ export function inferUrl(url, params = {}) {
     throw new InvalidRequest(`url must start with ws://, wss://, http:// or https://, got ${url}`);
   }
   if (target.pathname === "" || target.pathname === "/") target.pathname = "/v2/infer";
+  return withParams(target, params);
+}
+
+/** `url` (a URL) with the query parameters of `params` that are set, as a string. */
+function withParams(url, params) {
   for (const [key, value] of Object.entries(params)) {
-    if (value != null) target.searchParams.set(key, value);
+    if (value != null) url.searchParams.set(key, value);
   }
-  return target.toString();
+  return url.toString();
 }
 
 /** The http(s) URL of the server that `url` (as inferUrl takes it) names. */
@@ -364,13 +369,9 @@ export class Session extends EventTarget {
 
   // WebTransport sends no subprotocols everywhere: the key goes in the query, as api_key.
   _webTransport(params) {
-    const url = new URL(this._offer.url);
-    const query = { ...params, api_key: this.options.apiKey };
-    for (const [key, value] of Object.entries(query)) {
-      if (value != null) url.searchParams.set(key, value);
-    }
+    const url = withParams(new URL(this._offer.url), { ...params, api_key: this.options.apiKey });
     this.transport = "webtransport";
-    return new WebTransportSocket(url.toString(), { certificateHashes: this._offer.certificateHashes });
+    return new WebTransportSocket(url, { certificateHashes: this._offer.certificateHashes });
   }
 
   _attach(ws, frame, channel) {
