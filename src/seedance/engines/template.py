@@ -153,10 +153,11 @@ class ChatTemplate:
         call = _PROBE_CALL.search(text)
         if call is None:
             return None
-        before = text[: call.start()].rstrip()
+        before = text[: call.start()].replace(" ", "").rstrip()  # what opens the call
         for format in FORMATS.values():
-            lead = (format.tag or "") + format.begin + format.open
-            if call.group(1) == format.key and before.replace(" ", "").endswith(lead):
+            if call.group(1) == format.key and before.endswith(
+                format.tag + format.begin + format.open
+            ):
                 return format
         return None
 
