@@ -230,6 +230,8 @@ async def test_any_node_serves_any_session(
         assert "2 live sessions" in error["error"]["message"]
 
         await a.send(json.dumps({"type": "end_session"}))
+        code, _ = await wait_closed(a)  # the server closes once the session is deleted
+        assert code == 1000
     again, hello = await open_session(third.url, "session_id=talk", **headers)
     await again.close()
     assert hello["created"] and hello["context_turns"] == 0  # ended on every node
