@@ -149,7 +149,7 @@ def test_servers_started_together_probe_once(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- crashes
 
 
-def crashing_server(tmp_path: Path, how: str) -> ServerProcess:
+def crashing_server(tmp_path: Path, how: str, *args: str) -> ServerProcess:
     """``seedance serve`` with the crash plugin (``tests/support/crash_plugin.py``) installed."""
     info = tmp_path / "crash_plugin-0.dist-info"
     info.mkdir()
@@ -162,7 +162,7 @@ def crashing_server(tmp_path: Path, how: str) -> ServerProcess:
         "SEEDANCE_TEST_CRASH": how,
         "PYTHONPATH": f"{tmp_path}:{REPO}",
     }
-    return ServerProcess("--repack", "off", "--parallel", "2", env=env)
+    return ServerProcess("--repack", "off", "--parallel", "2", *args, env=env)
 
 
 def healthz(port: int) -> tuple[int, dict[str, str]]:
@@ -207,3 +207,21 @@ async def test_a_fatal_signal_in_the_engine_leaves_the_threads_stacks_in_the_log
     # The stack of the thread that the startup log named: the decode step, in native code.
     stack = log.split(f"hread {ident} (most recent call first):")[1].split("\n\n")[0]
     assert "in crash" in stack and "in _step" in stack, log
+
+
+async def test_an_abort_in_the_engine_process_ends_one_request_not_the_server(
+    tmp_path: Path,
+) -> None:
+    """With ``--engine-process`` the same abort kills the engine process alone: the request
+    goes on in a new one, meets the abort again and ends retryable; the server serves on."""
+    server = crashing_server(tmp_path, "abort", "--engine-process")
+    async with connect(server.url) as session:
+        with pytest.raises(SeedanceError) as failed:
+            await session.generate("hello", max_tokens=8).collect()
+        assert failed.value.code == "engine_error" and failed.value.retryable
+        assert "was killed by SIGABRT" in str(failed.value)
+        assert session.reconnects == 0  # the connection stayed open
+    assert server.proc.poll() is None
+    log = server.output
+    assert log.count("llama.cpp aborted: crash_plugin.py:1: a deliberate abort (test)") == 2
+    assert "was killed by SIGABRT" in log and "the engine process is back" in log

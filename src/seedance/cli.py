@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import faulthandler
-import logging
 import os
 import signal
 import sys
@@ -15,7 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from seedance import __version__
-from seedance.config import ConfigError, ServerConfig
+from seedance.config import ConfigError
 from seedance.config_loader import add_arguments, load_config
 from seedance.protocol.errors import SeedanceError
 
@@ -191,26 +190,15 @@ def _parser() -> argparse.ArgumentParser:
 # --------------------------------------------------------------------------- serve
 
 
-def configure_logging(config: ServerConfig) -> None:
-    level = getattr(logging, config.log_level.upper())
-    from seedance.observability.logs import LOG_FORMAT, RequestIdsFilter, SafeFormatter
-
-    handler = logging.StreamHandler(sys.stderr)
-    handler.addFilter(RequestIdsFilter())
-    handler.setFormatter(SafeFormatter(LOG_FORMAT))
-    logging.basicConfig(level=level, handlers=[handler])
-    # uvicorn's own per-connection lines repeat ours; keep its warnings and errors.
-    uvicorn_level = level if level <= logging.DEBUG else logging.WARNING
-    logging.getLogger("uvicorn.error").setLevel(uvicorn_level)
-
-
 def _serve(args: argparse.Namespace) -> int:
     # A fatal signal or an abort in native code (an engine's C library) leaves every thread's
     # Python stack on stderr instead of a silent exit.
     faulthandler.enable(file=sys.stderr, all_threads=True)
     try:
         config = load_config(vars(args), os.environ)
-        configure_logging(config)
+        from seedance.observability.logs import configure_logging
+
+        configure_logging(config.log_level)
         from seedance.server.runner import build_server, raise_descriptors
 
         raise_descriptors()

@@ -552,6 +552,23 @@ class ServerConfig:
         str,
         "inference engine (installed: see `seedance engines`)",
     )
+    engine_process: bool = setting(
+        False,
+        "--engine-process",
+        boolean,
+        "run the engine in a process of its own, restarted when it dies: a crash of its native "
+        "code ends no connection, and replies go on where they were (engines: llamacpp, "
+        "synthetic)",
+    )
+    engine_restart_wait_s: float = setting(
+        30.0,
+        "--engine-restart-wait",
+        float,
+        "with --engine-process: seconds a request waits for the engine process to come back "
+        "before it ends with engine_error (0: it ends at once)",
+        non_negative,
+        "0 or more",
+    )
     model: str | None = setting(
         None,
         "--model",

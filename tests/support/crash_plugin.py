@@ -35,4 +35,6 @@ def create_engine(config: Any, options: llamacpp.LlamaCppOptions) -> LlamaCppEng
     return engine
 
 
-ENGINE = EngineSpec(create_engine, llamacpp.LlamaCppOptions, llamacpp.OPTIONS)
+ENGINE = EngineSpec(
+    create_engine, llamacpp.LlamaCppOptions, llamacpp.OPTIONS, front=llamacpp.create_front
+)

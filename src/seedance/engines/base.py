@@ -188,6 +188,10 @@ class Engine(abc.ABC):
     task: str = "generate"
     #: How many generations the engine runs well at once; the admission cap defaults to it.
     max_concurrency: int = 64
+    #: True in the engine process (``--engine-process``): when the engine fails fatally the
+    #: process ends, and the server goes on with its requests in the next one, so the engine
+    #: need not fail them first.
+    own_process: bool = False
     #: Tokens a chat template adds around each message and before the reply.
     message_overhead_tokens: int = 0
     reply_overhead_tokens: int = 0

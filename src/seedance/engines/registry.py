@@ -18,7 +18,7 @@ from importlib.metadata import EntryPoint, entry_points
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from seedance.config import OPTIONS, ConfigError
-from seedance.engines.base import Engine
+from seedance.engines.base import Engine, ModelInfo
 from seedance.settings import Option
 
 if TYPE_CHECKING:
@@ -47,6 +47,12 @@ class EngineSpec(Generic[OptionsT]):
     declared: tuple[Option, ...] = ()
     #: One line for ``seedance engines`` and ``seedance serve --help``.
     summary: str = ""
+    #: ``front(config, options, info)``: the engine as the server needs it when the engine
+    #: runs in a process of its own (``--engine-process``): it counts and renders prompts,
+    #: checks schemas and answers ``/tokenize`` (its tokenizer and chat template, not its
+    #: model), and never generates; ``info`` is what the engine process serves. None: the
+    #: engine cannot run in a process of its own.
+    front: Callable[[ServerConfig, OptionsT, ModelInfo], Engine] | None = None
 
     def __post_init__(self) -> None:
         fields = {f.name for f in dataclasses.fields(self.options)}  # type: ignore[arg-type]
@@ -110,6 +116,10 @@ def create_engine(config: ServerConfig) -> Engine:
         raise ConfigError(
             f"engine {config.engine!r} takes {spec.options.__name__}, not {type(options).__name__}"
         )
+    if config.engine_process:
+        from seedance.engines.core.remote import RemoteEngine
+
+        return RemoteEngine(config, spec, options)
     engine = spec.create(config, options)
     if not isinstance(engine, Engine):
         raise ConfigError(f"engine {config.engine!r} did not return an Engine")

@@ -143,6 +143,9 @@ class SyntheticEngine(Engine):
     def count_tokens(self, text: str) -> int:
         return len(_TOKEN_RE.findall(text))
 
+    def unfinished_requests(self) -> int:
+        return self.stats.active
+
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
         stats = self.stats
         stats.requests_started += 1
@@ -369,4 +372,6 @@ ENGINE = EngineSpec(
     SyntheticOptions,
     OPTIONS,
     "Deterministic text at a set rate, no model: for tests and load measurements.",
+    # Its counts need no model: the engine itself is its front.
+    front=lambda config, options, info: create_engine(config, options),
 )

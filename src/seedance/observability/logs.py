@@ -8,6 +8,7 @@ A request's task binds its ids once (:func:`bind_request`); tasks it starts inhe
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from contextvars import ContextVar
 from typing import Final
@@ -16,6 +17,19 @@ _IDS: ContextVar[str] = ContextVar("seedance_log_ids", default="")
 
 #: The format of ``seedance serve``'s log lines.
 LOG_FORMAT: Final = "%(asctime)s %(levelname)s %(name)s: %(message)s%(request_ids)s"
+
+
+def configure_logging(level_name: str) -> None:
+    """``seedance serve``'s log: one line a record on stderr, in :data:`LOG_FORMAT` (the
+    server's process and its engine process alike)."""
+    level = getattr(logging, level_name.upper())
+    handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(RequestIdsFilter())
+    handler.setFormatter(SafeFormatter(LOG_FORMAT))
+    logging.basicConfig(level=level, handlers=[handler])
+    # uvicorn's own per-connection lines repeat ours; keep its warnings and errors.
+    uvicorn_level = level if level <= logging.DEBUG else logging.WARNING
+    logging.getLogger("uvicorn.error").setLevel(uvicorn_level)
 
 
 def bind_request(request_id: str, trace_id: str) -> None:

@@ -18,6 +18,7 @@ from seedance.settings import Option, boolean
 
 if TYPE_CHECKING:
     from seedance.config import ServerConfig
+    from seedance.engines.base import Engine, ModelInfo
     from seedance.engines.llamacpp.engine import LlamaCppEngine
 
 SWITCH = ("auto", "on", "off")
@@ -86,9 +87,21 @@ def create_engine(config: ServerConfig, options: LlamaCppOptions) -> LlamaCppEng
     )
 
 
+def create_front(config: ServerConfig, options: LlamaCppOptions, info: ModelInfo) -> Engine:
+    """The vocabulary of the model the engine process serves (``--engine-process``)."""
+    from seedance.engines.llamacpp.engine import LlamaCppFront
+    from seedance.engines.local import chat_template_source, model_source
+
+    path, _ = model_source(config.model_path, config.model)
+    return LlamaCppFront(
+        model_path=path, info=info, chat_template=chat_template_source(options.chat_template)
+    )
+
+
 ENGINE = EngineSpec(
     create_engine,
     LlamaCppOptions,
     OPTIONS,
-    "GGUF models on llama.cpp in this process, continuous batching and KV reuse (the default).",
+    "GGUF models on llama.cpp, continuous batching and KV reuse (the default).",
+    front=create_front,
 )

@@ -4,21 +4,24 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
 from typing import Any
 
 from llguidance import LLTokenizer
 from llguidance.llamacpp import lltokenizer_from_vocab
 
-from seedance.engines.base import ModelInfo, SamplingParams
+from seedance.engines.base import GenerationRequest, ModelInfo, SamplingParams, TokenDelta
 from seedance.engines.batching import BatchedEngine
+from seedance.engines.grammar import check_schema
 from seedance.engines.llamacpp.cpu import resolve_repack
 from seedance.engines.llamacpp.native import ContextShape, LlamaContext, LlamaModel, on_abort
 from seedance.engines.llamacpp.scheduler import Job, Scheduler
 from seedance.engines.local import context_per_sequence, machine_cores
-from seedance.engines.prompts import Prompts
+from seedance.engines.prompts import PromptedEngine, Prompts
 from seedance.engines.template import ChatTemplate
+from seedance.protocol.errors import EngineError
+from seedance.protocol.schemas import OutputSchema
 
 logger = logging.getLogger(__name__)
 
@@ -65,16 +68,7 @@ class LlamaCppEngine(BatchedEngine):
             max_output_tokens=self.context.n_ctx_seq,
             version=Path(model_path).name,
         )
-        self._use_prompts(
-            Prompts(
-                model_template(model, chat_template),
-                lambda text, special: model.tokenize(text, special=special),
-                self._info.context_length,
-                decode=model.detokenize,
-                vocab_size=model.vocab_size,
-                tokenize=lambda text, bos: model.tokenize(text, special=bos, parse_special=True),
-            )
-        )
+        self._use_prompts(model_prompts(model, chat_template, self._info.context_length))
         self._use_grammars(lambda: grammar_vocabulary(model))
 
     async def start(self) -> None:
@@ -89,9 +83,11 @@ class LlamaCppEngine(BatchedEngine):
         self.model.close()
 
     def _aborted(self, message: str) -> None:
-        """llama.cpp is aborting the process: say where the engine was, fail what runs."""
+        """llama.cpp is aborting the process: say where the engine was, fail what runs (in
+        an engine process of its own, the server goes on with it in the next one instead)."""
         logger.critical("the llamacpp engine was at %s", self.loop.describe())
-        self.loop.abort(f"llama.cpp aborted ({message}); the server is going down")
+        if not self.own_process:
+            self.loop.abort(f"llama.cpp aborted ({message}); the server is going down")
 
     def kv_cache_usage(self) -> float:
         return self.loop.cells_in_use() / (self.context.shape.n_seq * self.context.n_ctx_seq)
@@ -100,6 +96,42 @@ class LlamaCppEngine(BatchedEngine):
         self, prompt: list[int], params: SamplingParams, limit: int, seed: int, sink: Any
     ) -> Job:
         return Job(prompt, params, limit, seed, sink, self.model)
+
+
+class LlamaCppFront(PromptedEngine):
+    """The ``llamacpp`` engine as the server needs it when the model runs in the engine
+    process (``--engine-process``): the GGUF's vocabulary and chat template alone."""
+
+    logprobs = True
+    token_ids = True
+
+    def __init__(self, *, model_path: Path, info: ModelInfo, chat_template: str | None) -> None:
+        self.model = LlamaModel(model_path, vocab_only=True)
+        self._info = info
+        self._use_prompts(model_prompts(self.model, chat_template, info.context_length))
+
+    def check_schema(self, schema: OutputSchema, field: str) -> None:
+        check_schema(schema, field)  # the engine process binds replies: every valid schema
+
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
+        raise EngineError("the llamacpp front does not generate: the engine process does")
+        yield  # type: ignore[unreachable]  # an async generator
+
+    async def close(self) -> None:
+        self.model.close()
+
+
+def model_prompts(model: LlamaModel, chat_template: str | None, context_length: int) -> Prompts:
+    """Prompts as ``model`` renders and tokenizes them (``chat_template``: its template's
+    source instead of the model's own)."""
+    return Prompts(
+        model_template(model, chat_template),
+        lambda text, special: model.tokenize(text, special=special),
+        context_length,
+        decode=model.detokenize,
+        vocab_size=model.vocab_size,
+        tokenize=lambda text, bos: model.tokenize(text, special=bos, parse_special=True),
+    )
 
 
 def grammar_vocabulary(model: LlamaModel) -> LLTokenizer:

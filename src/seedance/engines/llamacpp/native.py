@@ -162,11 +162,14 @@ class LlamaModel:
     that is safe and faster.
     """
 
-    def __init__(self, path: Path, *, repack: bool = False) -> None:
+    def __init__(self, path: Path, *, repack: bool = False, vocab_only: bool = False) -> None:
+        """``vocab_only``: the vocabulary, chat template and hyperparameters, not the weights
+        (what counting and rendering prompts needs)."""
         require_model_file(path)
         _init_backend()
         params = lc.llama_model_default_params()
         params.use_extra_bufts = repack
+        params.vocab_only = vocab_only
         self.path = path
         self.repack = repack
         self._ptr = lc.llama_model_load_from_file(str(path).encode(), params)

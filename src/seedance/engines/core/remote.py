@@ -1,0 +1,436 @@
+"""The server's side of the engine process: :class:`RemoteEngine` and :class:`EngineProcess`.
+
+When the engine process dies (a signal, an abort, an out-of-memory kill), every connection
+stays open: the server logs the cause and what was running, ``/healthz`` answers 503, and the
+process is started again (at once the first time, then with a backoff doubling up to
+:data:`MAX_BACKOFF_S` while it keeps dying, the count forgotten after :data:`STABLE_S` of
+life). Each running request waits for it at most ``--engine-restart-wait`` seconds and then
+goes on from its last token: the reply so far becomes the prompt's continuation, and the new
+tokens are a new sample after it. A request that meets a second crash, or a restart that takes
+longer than the wait, ends with ``engine_error`` (retryable). New requests wait the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import logging
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import AsyncGenerator, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Final
+
+import zmq
+import zmq.asyncio
+
+from seedance.config import ConfigError
+from seedance.engines.base import (
+    Engine,
+    EngineHealth,
+    GenerationRequest,
+    ModelInfo,
+    TokenDelta,
+    Tokenizer,
+)
+from seedance.engines.core import wire
+from seedance.eventloop import LightQueue, timeout
+from seedance.protocol.errors import EngineError, error_from_wire
+from seedance.protocol.messages import ChatMessage
+from seedance.protocol.schemas import OutputSchema
+from seedance.protocol.tools import CallFormat, Tools
+
+if TYPE_CHECKING:
+    from seedance.config import ServerConfig
+    from seedance.engines.registry import EngineSpec
+
+logger = logging.getLogger(__name__)
+
+#: The longest wait before starting a crashing engine process again.
+MAX_BACKOFF_S: Final = 30.0
+#: An engine process that lived this long starts its crash count afresh.
+STABLE_S: Final = 60.0
+#: How often the server says hello to an engine process that has not answered yet.
+_HELLO_EVERY_S: Final = 0.05
+#: How long a closing engine process may take before it is killed.
+_CLOSE_WAIT_S: Final = 10.0
+#: What a request's queue receives when the engine process running it died.
+_LOST: Final = None
+
+
+def exit_cause(returncode: int) -> str:
+    """How a process ended, in words: ``killed by SIGKILL``, ``exited with status 2``."""
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with status {returncode}"
+
+
+class EngineProcess:
+    """Starts the engine process (``python -m seedance.engines.core``) and tells when it ends."""
+
+    def __init__(self, config: ServerConfig, endpoint: str) -> None:
+        self.config = config
+        self.endpoint = endpoint
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.started_at = 0.0
+
+    def spawn(self) -> subprocess.Popen[bytes]:
+        """Start a process; its standard input stays open while the server wants it."""
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "seedance.engines.core"], stdin=subprocess.PIPE
+        )
+        setup = pickle.dumps((self.config, self.endpoint))
+        assert proc.stdin is not None
+        proc.stdin.write(len(setup).to_bytes(8, "big") + setup)
+        proc.stdin.flush()
+        self.proc, self.started_at = proc, time.monotonic()
+        logger.info("engine process started (pid %d)", proc.pid)
+        return proc
+
+    def watch(
+        self, loop: asyncio.AbstractEventLoop, ended: Callable[[subprocess.Popen[bytes]], None]
+    ) -> None:
+        """Call ``ended(proc)`` on ``loop`` when the current process ends."""
+        proc = self.proc
+        assert proc is not None
+
+        def wait() -> None:
+            proc.wait()
+            with contextlib.suppress(RuntimeError):  # a closed loop: the server is gone
+                loop.call_soon_threadsafe(ended, proc)
+
+        threading.Thread(target=wait, name=f"engine-{proc.pid}", daemon=True).start()
+
+    def stop(self) -> None:
+        """Close its input (it ends its requests and exits); kill it if it lingers."""
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return
+        assert proc.stdin is not None
+        proc.stdin.close()
+        try:
+            proc.wait(_CLOSE_WAIT_S)
+        except subprocess.TimeoutExpired:
+            logger.warning(
+                "engine process %d did not end in %.0f s: killed", proc.pid, _CLOSE_WAIT_S
+            )
+            proc.kill()
+            proc.wait()
+
+    def first_hello(self) -> wire.Ready:
+        """Start the process and wait until it serves (its model loaded): its
+        :class:`~seedance.engines.core.wire.Ready`. A process that cannot build its engine
+        is a :class:`ConfigError`, with its reason."""
+        proc = self.spawn()
+        context = zmq.Context()
+        socket = context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.IMMEDIATE, 1)
+        socket.connect(self.endpoint)
+        try:
+            while proc.poll() is None:
+                with contextlib.suppress(zmq.Again):  # not bound yet
+                    socket.send(wire.encode(wire.Hello()), zmq.NOBLOCK)
+                if socket.poll(int(_HELLO_EVERY_S * 1000)):
+                    answer = wire.decode_from_engine(socket.recv())
+                    if isinstance(answer, wire.Ready):
+                        return answer
+                    if isinstance(answer, wire.Failed):
+                        proc.wait()
+                        raise ConfigError(answer.message)
+            raise ConfigError(
+                f"the engine process {exit_cause(proc.returncode)} while loading the model "
+                "(its log lines above say why)"
+            )
+        finally:
+            socket.close()
+            context.term()
+
+
+class RemoteEngine(Engine):
+    """An engine that runs in a process of its own, seen from the server (module docstring).
+
+    Built with the engine's *front* (``EngineSpec.front``): what counts and renders prompts,
+    checks schemas and answers ``/tokenize`` here; the engine process does the rest.
+    """
+
+    def __init__(self, config: ServerConfig, spec: EngineSpec[Any], options: Any) -> None:
+        if spec.front is None:
+            raise ConfigError(
+                f"--engine-process: the {config.engine} engine cannot run in a "
+                "process of its own (llamacpp and synthetic can)"
+            )
+        self.config = config
+        self._dir = tempfile.mkdtemp(prefix="seedance-engine-")
+        self.process = EngineProcess(config, f"ipc://{self._dir}/engine")
+        try:
+            ready = self.process.first_hello()
+            self.front = spec.front(config, options, ready.info)
+        except BaseException:
+            self.process.stop()
+            shutil.rmtree(self._dir, ignore_errors=True)
+            raise
+        self._info = ready.info
+        self.epoch: int | None = None  # the serving process's pid; None while there is none
+        self.max_concurrency = ready.max_concurrency
+        self.task = self.front.task
+        self.message_overhead_tokens = self.front.message_overhead_tokens
+        self.reply_overhead_tokens = self.front.reply_overhead_tokens
+        self.logprobs = self.front.logprobs
+        self.token_ids = self.front.token_ids
+        self._runs: dict[int, LightQueue] = {}
+        self._numbers = itertools.count()
+        self._stats = wire.Stats(True, "", 0, None)
+        self._ready = asyncio.Event()
+        self._down = ""  # why there is no engine process: how the last one ended
+        self._crashes = 0  # in a row, each within STABLE_S of its start
+        self._closing = False
+        self._restart: asyncio.Task[None] | None = None
+        self._receiver: asyncio.Task[None] | None = None
+        self._context = zmq.asyncio.Context()
+        self._socket: zmq.asyncio.Socket | None = None
+
+    # ------------------------------------------------------------------ what the front knows
+
+    @property
+    def info(self) -> ModelInfo:
+        return self._info
+
+    def count_tokens(self, text: str) -> int:
+        return self.front.count_tokens(text)
+
+    def count_message_tokens(self, message: ChatMessage) -> int:
+        return self.front.count_message_tokens(message)
+
+    def count_prompt_tokens(self, messages: Sequence[ChatMessage]) -> int:
+        return self.front.count_prompt_tokens(messages)
+
+    def prompt_tokens(
+        self,
+        messages: Sequence[ChatMessage],
+        estimate: int | None = None,
+        *,
+        raw: bool = False,
+        tools: Tools | None = None,
+    ) -> int:
+        return self.front.prompt_tokens(messages, estimate, raw=raw, tools=tools)
+
+    @property
+    def native_tools(self) -> bool:
+        return self.front.native_tools
+
+    @property
+    def call_format(self) -> CallFormat:
+        return self.front.call_format
+
+    def check_schema(self, schema: OutputSchema, field: str) -> None:
+        self.front.check_schema(schema, field)
+
+    def tokenizer(self) -> Tokenizer | None:
+        return self.front.tokenizer()
+
+    # ------------------------------------------------------------------ the engine process
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._socket = socket = self._context.socket(zmq.DEALER)
+        for option, value in (
+            (zmq.LINGER, 0),
+            (zmq.IMMEDIATE, 1),  # nothing queued for a process that is not there
+            (zmq.SNDHWM, 0),
+            (zmq.RCVHWM, 0),
+            (zmq.RECONNECT_IVL, 20),  # ms: to a restarted process at once
+        ):
+            socket.setsockopt(option, value)
+        socket.connect(self.process.endpoint)
+        self._receiver = asyncio.create_task(self._receive_forever())
+        self.process.watch(loop, self._ended)
+        await self._hello()
+
+    async def close(self) -> None:
+        self._closing = True
+        if self._restart is not None:
+            self._restart.cancel()
+        await asyncio.to_thread(self.process.stop)
+        if self._receiver is not None:
+            self._receiver.cancel()
+            await asyncio.gather(self._receiver, return_exceptions=True)
+        if self._socket is not None:
+            self._socket.close()
+        self._context.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+        await self.front.close()
+
+    def health(self) -> EngineHealth:
+        if self.epoch is None:
+            return EngineHealth(False, f"the engine process {self._down}; it is restarting")
+        return EngineHealth(self._stats.ok, self._stats.detail)
+
+    def unfinished_requests(self) -> int | None:
+        return self._stats.unfinished if self.epoch is not None else len(self._runs)
+
+    def kv_cache_usage(self) -> float | None:
+        return self._stats.kv_cache_usage
+
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
+        wait_s = self.config.engine_restart_wait_s
+        attempt: GenerationRequest | None = request
+        texts: list[str] = []  # the reply so far, for a continuation
+        tokens = 0
+        crashed = False
+        while attempt is not None:
+            epoch = await self._serving(wait_s)
+            no = next(self._numbers)
+            self._runs[no] = queue = LightQueue()
+            self._send(wire.Submit(epoch, no, attempt))
+            ended = False
+            try:
+                while (delta := await queue.get()) is not _LOST:
+                    if delta.error is not None:
+                        ended = True
+                        raise error_from_wire(
+                            delta.error, delta.text, request_id=attempt.request_id
+                        )
+                    if delta.tokens:
+                        texts.append(delta.text)
+                        tokens += delta.tokens
+                    ended = delta.finish_reason is not None
+                    yield TokenDelta(
+                        delta.text, delta.tokens, delta.finish_reason, delta.logprobs, delta.ids
+                    )
+                    if ended:
+                        return
+            finally:
+                del self._runs[no]
+                if not ended and self.epoch == epoch:  # the consumer went away: stop it there
+                    self._send(wire.Cancel(epoch, no))
+            if crashed or wait_s == 0:
+                raise EngineError(
+                    f"the engine process {self._down} while it generated request "
+                    f"{request.request_id}; retry"
+                )
+            crashed = True
+            attempt = _continued(request, texts, tokens)
+            logger.info(
+                "request %s waits for the engine process and goes on after %d token(s)",
+                request.request_id,
+                tokens,
+            )
+        yield TokenDelta("", 0, "length")  # the crash came after its last token
+
+    # ------------------------------------------------------------------ the link
+
+    def _send(self, message: wire.Hello | wire.Submit | wire.Cancel) -> None:
+        assert self._socket is not None, "start() first"
+        # Not sent when no engine process is there: its requests then end as lost.
+        wire.send_now(self._socket, (wire.encode(message),))
+
+    async def _serving(self, wait_s: float) -> int:
+        """The serving process's epoch; waits ``wait_s`` at most for one."""
+        if self.epoch is None and not self._closing and wait_s > 0:
+            try:
+                async with timeout(wait_s):
+                    await self._ready.wait()
+            except asyncio.TimeoutError:
+                pass
+        if self._closing:
+            raise EngineError("the server is shutting down")
+        if self.epoch is None:
+            raise EngineError(f"the engine process {self._down} and is not back yet; retry")
+        return self.epoch
+
+    async def _receive_forever(self) -> None:
+        runs = self._runs
+        socket = self._socket
+        assert socket is not None
+        while True:
+            message = wire.decode_from_engine(await socket.recv())
+            if isinstance(message, wire.Deltas):
+                for delta in message.items:
+                    queue = runs.get(delta.no)
+                    if queue is not None:
+                        queue.put_nowait(delta)
+            elif isinstance(message, wire.Stats):
+                self._stats = message
+            elif isinstance(message, wire.Ready) and self.epoch is None:
+                proc = self.process.proc
+                if proc is not None and proc.pid == message.epoch:  # not a late answer
+                    self.epoch = message.epoch
+                    self._ready.set()
+
+    async def _hello(self) -> None:
+        """Say hello to the current process until it answers (or ends)."""
+        proc = self.process.proc
+        while self.epoch is None and proc is not None and proc.poll() is None:
+            self._send(wire.Hello())
+            try:
+                async with timeout(_HELLO_EVERY_S):
+                    await self._ready.wait()
+            except asyncio.TimeoutError:
+                pass
+
+    def _ended(self, proc: subprocess.Popen[bytes]) -> None:
+        """The engine process ``proc`` ended (on the event loop)."""
+        if self._closing or proc is not self.process.proc:
+            return
+        lived_s = time.monotonic() - self.process.started_at
+        self._crashes = 1 if lived_s >= STABLE_S else self._crashes + 1
+        delay = 0.0 if self._crashes == 1 else min(MAX_BACKOFF_S, 0.5 * 2 ** (self._crashes - 2))
+        self._down = exit_cause(proc.returncode)
+        self.epoch = None
+        self._ready.clear()
+        stats = self._stats
+        logger.error(
+            "the engine process (pid %d) %s after %.1f s; %d request(s) of this server were "
+            "running in it (%s requests inside the engine, KV cache %s used); starting it again "
+            "in %.1f s",
+            proc.pid,
+            self._down,
+            lived_s,
+            len(self._runs),
+            "?" if stats.unfinished is None else stats.unfinished,
+            "?" if stats.kv_cache_usage is None else f"{stats.kv_cache_usage:.0%}",
+            delay,
+        )
+        for queue in self._runs.values():
+            queue.put_nowait(_LOST)
+        self._restart = asyncio.create_task(self._start_again(delay))
+
+    async def _start_again(self, delay_s: float) -> None:
+        await asyncio.sleep(delay_s)
+        began = time.monotonic()
+        self.process.spawn()
+        self.process.watch(asyncio.get_running_loop(), self._ended)
+        await self._hello()
+        if self.epoch is not None:
+            logger.warning(
+                "the engine process is back (pid %d) after %.1f s",
+                self.epoch,
+                time.monotonic() - began + delay_s,
+            )
+
+
+def _continued(
+    request: GenerationRequest, texts: list[str], tokens: int
+) -> GenerationRequest | None:
+    """``request`` again from where it was: the reply so far is the prompt's continuation
+    (None: it had all its tokens)."""
+    params = request.params
+    if tokens >= params.max_tokens:
+        return None
+    return dataclasses.replace(
+        request,
+        params=dataclasses.replace(params, max_tokens=params.max_tokens - tokens),
+        continuation=request.continuation + "".join(texts),
+        continuation_tokens=request.continuation_tokens + tokens,
+    )
