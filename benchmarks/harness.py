@@ -132,9 +132,14 @@ class Server:
         return True
 
     def cpu_seconds(self) -> float:
-        """CPU time the server has used so far (user and system)."""
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rpartition(")")[2].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        """CPU time the server has used so far (user and system), its child processes' (an
+        engine process) included."""
+        ticks = 0
+        for pid in [self.proc.pid, *_children(self.proc.pid)]:
+            with contextlib.suppress(OSError):
+                fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+                ticks += int(fields[11]) + int(fields[12])
+        return ticks / os.sysconf("SC_CLK_TCK")
 
     def rss_bytes(self) -> int:
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
@@ -145,6 +150,16 @@ class Server:
     def stop(self) -> None:
         terminate(self.proc)
         self.log.close()
+
+
+def _children(pid: int) -> list[int]:
+    """The live processes whose parent is ``pid``."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError):
+            if int(stat.read_text().rpartition(")")[2].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+    return found
 
 
 def terminate(proc: subprocess.Popen[Any]) -> None:

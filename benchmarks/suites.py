@@ -28,6 +28,7 @@ from benchmarks.idle import idle
 from benchmarks.llama_suite import llama_suite
 from benchmarks.observability_suite import observability_suite
 from benchmarks.openai_suite import openai_suite
+from benchmarks.processes_suite import processes_suite
 from benchmarks.qos_suite import qos_suite
 from benchmarks.relay_suite import relay_suite
 from benchmarks.reload_suite import reload_suite
@@ -44,8 +45,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks.md"))
     parser.add_argument(
         "--suites",
-        default="1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20",
-        help="which suites to run (default all: 1-20)",
+        default="1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20,21",
+        help="which suites to run (default all: 1-21)",
     )
     args = parser.parse_args(argv)
     if cores() < 2:
@@ -74,6 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "18": functools.partial(guidellm_suite, report),
         "19": functools.partial(tensor_suite, report),
         "20": functools.partial(relay_suite, report),
+        "21": functools.partial(processes_suite, report),
     }
     for key in sorted(chosen, key=int):
         suites[key]()

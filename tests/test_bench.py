@@ -608,3 +608,14 @@ def test_the_relay_suite_measures_both_relays_and_both_browser_transports(tmp_pa
         assert row in report
     assert "| QUIC (Seedance) | " in report and "A new session's time to first" in report
     assert "[20. relay] Chromium, 1% loss, websocket" in progress
+
+
+@pytest.mark.timeout(330)  # past quick_suite's own bound, which reports what ran
+@pytest.mark.model
+def test_the_processes_suite_sets_the_engine_process_beside_the_in_process_engine(
+    tmp_path: Path,
+) -> None:
+    report, progress = quick_suite(tmp_path, 21, timeout_s=300)
+    assert "## 21. A node's processes" in report
+    assert "| 8 streams | " in report and "The IPC's cost per token: **" in report
+    assert "[21b engine process, IPC cost] 2/2: engine process, 64 streams" in progress

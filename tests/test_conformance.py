@@ -7,7 +7,8 @@ concurrent requests all complete. Model-specific behaviour (what the model answe
 figures) stays in each engine's own test module.
 
 The engines: ``synthetic``; ``openai`` (gateway mode, in front of a synthetic Seedance);
-``llamacpp`` and ``transformers`` on the embedded SmolLM2 (marked ``model``); ``vllm`` where a
+``llamacpp`` and ``transformers`` on the embedded SmolLM2 (marked ``model``); ``synthetic`` and
+``llamacpp`` again in a process of their own (``--engine-process``); ``vllm`` where a
 GPU and ``SEEDANCE_VLLM_MODEL`` are at hand. A third-party engine runs the same suite with
 ``SEEDANCE_CONFORMANCE_ENGINES=NAME[,NAME...]`` (each served with the settings ``seedance
 serve`` reads from ``SEEDANCE_*`` variables).
@@ -36,7 +37,13 @@ SYNTHETIC = {"engine": "synthetic", "tokens_per_s": 200.0}
 
 
 def _engines() -> list[Any]:
-    kinds: list[Any] = ["synthetic", "gateway", pytest.param("llamacpp", marks=pytest.mark.model)]
+    kinds: list[Any] = [
+        "synthetic",
+        "synthetic in its own process",
+        "gateway",
+        pytest.param("llamacpp", marks=pytest.mark.model),
+        pytest.param("llamacpp in its own process", marks=pytest.mark.model),
+    ]
     if importlib.util.find_spec("torch") and importlib.util.find_spec("transformers"):
         kinds.append(pytest.param("transformers", marks=[pytest.mark.model, pytest.mark.slow]))
     if os.environ.get("SEEDANCE_VLLM_MODEL") and importlib.util.find_spec("vllm"):
@@ -47,6 +54,9 @@ def _engines() -> list[Any]:
 
 
 def _config(kind: str) -> ServerConfig:
+    if kind.endswith(" in its own process"):  # --engine-process
+        engine = kind.partition(" ")[0]
+        return _config(engine).replace(engine_process=True)
     if kind == "synthetic":
         return server_config(**SYNTHETIC)
     if kind == "llamacpp":

@@ -215,13 +215,16 @@ async def test_an_abort_in_the_engine_process_ends_one_request_not_the_server(
     """With ``--engine-process`` the same abort kills the engine process alone: the request
     goes on in a new one, meets the abort again and ends retryable; the server serves on."""
     server = crashing_server(tmp_path, "abort", "--engine-process")
-    async with connect(server.url) as session:
-        with pytest.raises(SeedanceError) as failed:
-            await session.generate("hello", max_tokens=8).collect()
-        assert failed.value.code == "engine_error" and failed.value.retryable
-        assert "was killed by SIGABRT" in str(failed.value)
-        assert session.reconnects == 0  # the connection stayed open
-    assert server.proc.poll() is None
+    try:
+        async with connect(server.url) as session:
+            with pytest.raises(SeedanceError) as failed:
+                await session.generate("hello", max_tokens=8).collect()
+            assert failed.value.code == "engine_error" and failed.value.retryable
+            assert "was killed by SIGABRT" in str(failed.value)
+            assert session.reconnects == 0  # the connection stayed open
+        assert server.proc.poll() is None
+    finally:
+        server.stop()
     log = server.output
     assert log.count("llama.cpp aborted: crash_plugin.py:1: a deliberate abort (test)") == 2
     assert "was killed by SIGABRT" in log and "the engine process is back" in log
