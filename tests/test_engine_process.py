@@ -84,7 +84,7 @@ async def test_a_crash_under_load_ends_no_connection_and_no_reply(
         await ws.close()
     name = signal.Signals(sig).name
     assert f"the engine process (pid {first}) was killed by {name}" in server.output
-    assert "8 request(s) of this server were running in it" in server.output
+    assert "8 request(s) of this server were running in the engine process" in server.output
     if sig == signal.SIGSEGV:  # the engine process's own stacks, as it died
         assert "Fatal Python error: Segmentation fault" in server.output
     assert engine_pid(server, after=first)

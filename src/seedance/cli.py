@@ -199,13 +199,20 @@ def _serve(args: argparse.Namespace) -> int:
         from seedance.observability.logs import configure_logging
 
         configure_logging(config.log_level)
-        from seedance.server.runner import build_server, raise_descriptors
+        from seedance.server.workers import Supervisor, worker_count
 
-        raise_descriptors()
-        server = build_server(config)
+        if worker_count(config) > 1:
+            supervisor = Supervisor(config)
+        else:
+            from seedance.server.runner import build_server, raise_descriptors
+
+            raise_descriptors()
+            server = build_server(config)
     except ConfigError as exc:
         print(f"seedance {args.command}: error: {exc.message}", file=sys.stderr)
         return 2
+    if worker_count(config) > 1:
+        return supervisor.run()
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn re-raises the signal once it has shut down

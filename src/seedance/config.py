@@ -17,6 +17,7 @@ the one module that knows the parts the settings are for. Neither imports the ot
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,7 @@ from seedance.settings import (
     at_least,
     between,
     boolean,
+    count_or_auto,
     declared,
     lower,
     networks,
@@ -136,6 +138,24 @@ class HandshakeConfig:
         at_least(1024),
         "1024 or more",
     )
+
+
+@dataclass(frozen=True)
+class WorkerSetup:
+    """What a worker process gets from its supervisor (``--workers N``): not a setting."""
+
+    index: int
+    count: int  # of the workers
+    #: The supervisor's folder (its private Redis, the engine process's socket, the workers'
+    #: word that they serve).
+    folder: str
+    #: The engine process the workers share (None: each worker runs its own engine).
+    engine_endpoint: str | None = None
+
+    @property
+    def name(self) -> str:
+        """This process's name towards the engine process (a restarted worker is another)."""
+        return f"worker-{self.index}-{os.getpid()}"
 
 
 @dataclass(frozen=True)
@@ -552,6 +572,16 @@ class ServerConfig:
         str,
         "inference engine (installed: see `seedance engines`)",
     )
+    workers: int = setting(
+        1,
+        "--workers",
+        count_or_auto,
+        "worker processes serving the port (auto: one per core this process may use); with "
+        "more than one, they share sessions, quotas and stream logs through --redis, or a "
+        "private redis-server the server starts, and a model engine through one engine process",
+        non_negative,
+        "a count, or auto",
+    )
     engine_process: bool = setting(
         False,
         "--engine-process",
@@ -749,6 +779,8 @@ class ServerConfig:
     #: The options ``engine`` declares (its EngineSpec's dataclass), from its flags, its
     #: environment variables and the file's ``[engines.NAME]`` table; None: its defaults.
     engine_options: Any = None
+    #: Set in a worker process of ``--workers N`` by its supervisor (None: not a worker).
+    worker: WorkerSetup | None = None
 
     @classmethod
     def of(cls, **values: Any) -> ServerConfig:
@@ -787,4 +819,4 @@ OPTIONS: tuple[Option, ...] = (
 )
 BY_NAME = {opt.field: opt for opt in OPTIONS}
 #: ServerConfig fields that are not settings (read from the TOML file's tables).
-PLAIN_FIELDS = ("config_file", "access", "engine_options")
+PLAIN_FIELDS = ("config_file", "access", "engine_options", "worker")

@@ -110,6 +110,11 @@ def boolean(text: str) -> bool:
     raise ValueError(f"not a boolean: {text!r}")
 
 
+def count_or_auto(text: str) -> int:
+    """A count, or ``auto`` (0: the caller's own choice, such as the cores it may use)."""
+    return 0 if text.strip().lower() == "auto" else int(text)
+
+
 def lower(text: str) -> str:
     return text.lower()
 

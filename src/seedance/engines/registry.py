@@ -53,6 +53,9 @@ class EngineSpec(Generic[OptionsT]):
     #: model), and never generates; ``info`` is what the engine process serves. None: the
     #: engine cannot run in a process of its own.
     front: Callable[[ServerConfig, OptionsT, ModelInfo], Engine] | None = None
+    #: Whether the engine loads a model into this machine's memory: the worker processes of
+    #: ``--workers N`` then share one engine process (others run an engine in each worker).
+    local_model: bool = False
 
     def __post_init__(self) -> None:
         fields = {f.name for f in dataclasses.fields(self.options)}  # type: ignore[arg-type]

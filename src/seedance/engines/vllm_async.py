@@ -408,4 +408,5 @@ ENGINE = EngineSpec(
     OPTIONS,
     "Models on NVIDIA GPUs through vLLM's AsyncLLM (pip install 'seedance[vllm]'; needs "
     "--model-path).",
+    local_model=True,
 )

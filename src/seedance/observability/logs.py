@@ -19,12 +19,13 @@ _IDS: ContextVar[str] = ContextVar("seedance_log_ids", default="")
 LOG_FORMAT: Final = "%(asctime)s %(levelname)s %(name)s: %(message)s%(request_ids)s"
 
 
-def configure_logging(level_name: str) -> None:
+def configure_logging(level_name: str, process: str = "") -> None:
     """``seedance serve``'s log: one line a record on stderr, in :data:`LOG_FORMAT` (the
-    server's process and its engine process alike)."""
+    server's process and its engine process alike); ``process`` (``worker=1``) ends each line
+    of a process that shares the log with others."""
     level = getattr(logging, level_name.upper())
     handler = logging.StreamHandler(sys.stderr)
-    handler.addFilter(RequestIdsFilter())
+    handler.addFilter(RequestIdsFilter(f" {process}" if process else ""))
     handler.setFormatter(SafeFormatter(LOG_FORMAT))
     logging.basicConfig(level=level, handlers=[handler])
     # uvicorn's own per-connection lines repeat ours; keep its warnings and errors.
@@ -54,10 +55,15 @@ class SafeFormatter(logging.Formatter):
 
 
 class RequestIdsFilter(logging.Filter):
-    """Sets ``record.request_ids``: the bound ids, or an empty string outside a request."""
+    """Sets ``record.request_ids``: the bound ids, or an empty string outside a request, then
+    ``suffix``."""
+
+    def __init__(self, suffix: str = "") -> None:
+        super().__init__()
+        self.suffix = suffix
 
     def filter(self, record: logging.LogRecord) -> bool:
-        record.request_ids = _IDS.get()
+        record.request_ids = _IDS.get() + self.suffix
         return True
 
 

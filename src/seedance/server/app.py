@@ -162,7 +162,13 @@ def create_app(
         return not_ready() or json_response({"status": "ok"})
 
     async def metrics(request: Request) -> Response:
-        return Response(state.metrics.render(), headers={"content-type": METRICS_CONTENT_TYPE})
+        body = state.metrics.render()
+        worker = state.config.worker
+        if worker is not None:  # one of --workers N: the whole server's, every worker's summed
+            from seedance.server.workers import all_metrics
+
+            body = await all_metrics(worker, body)
+        return Response(body, headers={"content-type": METRICS_CONTENT_TYPE})
 
     async def models(request: Request) -> Response:
         principal = authenticate_call(services, request.scope, "models")

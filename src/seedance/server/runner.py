@@ -20,8 +20,12 @@ import contextlib
 import gc
 import importlib.util
 import logging
+import os
+import signal
 import socket
 import ssl
+import threading
+from collections.abc import Iterator
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -83,6 +87,7 @@ class SeedanceServer(uvicorn.Server):
         self.app = app  # what the HTTP/3 listener serves (uvicorn's wraps it)
         self.http3: http3.Http3Listener | None = None
         self.http3_certificate: http3.LocalCertificate | None = None  # made without --tls-cert
+        self._metrics_server: asyncio.Server | None = None  # a worker's, for the others
 
     @property
     def should_exit(self) -> bool:
@@ -112,7 +117,15 @@ class SeedanceServer(uvicorn.Server):
         # Everything loaded so far (modules, the engine) lives as long as the process: keep it
         # out of the collector's scans, so a full collection costs in proportion to traffic.
         gc.freeze()
-        if started:
+        worker = self.state.config.worker
+        if started and worker is not None:  # the supervisor says where to connect
+            from seedance.server.workers import serving, share_metrics
+
+            self._metrics_server = await share_metrics(worker, self.state.metrics.render)
+            default = self.state.models[self.state.models.default]
+            logger.info("worker %d serving (pid %d)", worker.index, os.getpid())
+            serving(worker, default.name, default.engine.info.engine)
+        elif started:
             ws, http = ("wss", "https") if self.tls is not None else ("ws", "http")
             for host, port in self.bound_addresses():
                 logger.info(
@@ -184,6 +197,28 @@ class SeedanceServer(uvicorn.Server):
                 addresses.append((f"[{host}]" if ":" in host else host, port))
         return addresses
 
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """uvicorn's, or in a worker of ``--workers N``: SIGUSR1 from the supervisor for each
+        step of a shutdown, SIGTERM and SIGINT ignored (a terminal or a service manager sends
+        them to every process of the group: the supervisor passes them on, once)."""
+        main = threading.current_thread() is threading.main_thread()
+        if self.state.config.worker is None or not main:
+            with super().capture_signals():
+                yield
+            return
+        handlers: dict[signal.Signals, Any] = {
+            signal.SIGUSR1: lambda sig, frame: self.handle_exit(sig, frame),
+            signal.SIGTERM: signal.SIG_IGN,
+            signal.SIGINT: signal.SIG_IGN,
+        }
+        previous = {sig: signal.signal(sig, handler) for sig, handler in handlers.items()}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         """SIGTERM or SIGINT. The first starts the shutdown; a second (either signal) skips the
         wait for running generations, which still end with their final frames; a third exits
@@ -210,6 +245,8 @@ class SeedanceServer(uvicorn.Server):
             await asyncio.wait({drain}, timeout=0.1)
         await asyncio.gather(drain, return_exceptions=True)
         await self._close_connections(sockets)
+        if self._metrics_server is not None:
+            self._metrics_server.close()
         if self.tls is not None:
             await self.tls.close()
         if self.http3 is not None:

@@ -1,11 +1,11 @@
 """The engine process: builds the configured engine and runs what the server sends it.
 
 Started by :class:`~seedance.engines.core.remote.EngineProcess` as ``python -m
-seedance.engines.core``, with the server's configuration and the endpoint to bind pickled on
-its standard input, which then stays open: when it closes (the server ended, or died), the
-engine process ends too. Its log lines, and whatever a crash of native code writes (the
-Python stacks ``faulthandler`` dumps on a fatal signal, llama.cpp's abort message), go to the
-server's standard error.
+seedance.engines.core``, a child of the server (:mod:`seedance.children`: when the server ends
+or dies, so does the engine process), with the server's configuration and the endpoint to
+bind. Its log lines, and whatever a crash of native code writes (the Python stacks
+``faulthandler`` dumps on a fatal signal, llama.cpp's abort message), go to the server's
+standard error.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import asyncio
 import faulthandler
 import logging
 import os
-import pickle
 import signal
 import sys
 from collections.abc import AsyncGenerator
@@ -22,6 +21,7 @@ from collections.abc import AsyncGenerator
 import zmq
 import zmq.asyncio
 
+from seedance.children import parent_gone, read_setup
 from seedance.config import ConfigError, ServerConfig
 from seedance.engines.base import Engine, TokenDelta
 from seedance.engines.core import wire
@@ -58,7 +58,9 @@ class EngineCore:
                 except Exception as exc:  # a server of another version: say so, go on
                     logger.error("unreadable message from a server: %s", exc)
                     continue
-                if isinstance(message, wire.Hello):
+                if isinstance(message, wire.Forget):
+                    self._forget(message.peer)
+                elif isinstance(message, wire.Hello):
                     self._peers.add(peer)
                     ready = wire.Ready(self.epoch, self.engine.info, self.engine.max_concurrency)
                     self._send(peer, ready)
@@ -76,6 +78,14 @@ class EngineCore:
             for run in list(self._runs.values()):
                 run.cancel()
             await asyncio.gather(*self._runs.values(), return_exceptions=True)
+
+    def _forget(self, peer: bytes) -> None:
+        self._peers.discard(peer)
+        gone = [run for (owner, _), run in self._runs.items() if owner == peer]
+        for run in gone:
+            run.cancel()
+        if gone:
+            logger.info("%s is gone: %d request(s) of it stopped", peer.decode(), len(gone))
 
     async def _run(self, key: tuple[bytes, int], submit: wire.Submit) -> None:
         peer, no = key
@@ -146,7 +156,7 @@ async def _serve(config: ServerConfig, endpoint: str) -> int:
         await engine.start()
         core = EngineCore(engine, socket)
         serving = asyncio.create_task(core.serve())
-        await _server_gone()
+        await parent_gone()
         logger.info("the server is gone: the engine process ends")
         serving.cancel()
         await asyncio.gather(serving, return_exceptions=True)
@@ -158,44 +168,15 @@ async def _serve(config: ServerConfig, endpoint: str) -> int:
 
 
 async def _refuse(socket: zmq.asyncio.Socket, message: str) -> None:
-    """Answer the server's hello with why the engine could not be built."""
+    """Answer the server's hello with why the engine could not be built, and end when the
+    server has read it (it closes this process's input)."""
     try:
         async with timeout(_FAILED_LINGER_S):
             peer, _ = await socket.recv_multipart()
             await socket.send_multipart((peer, wire.encode(wire.Failed(message))))
+            await parent_gone()
     except asyncio.TimeoutError:
         logger.error("the engine could not be built: %s", message)
-
-
-async def _server_gone() -> None:
-    """Return when the server closes this process's standard input (or dies)."""
-    loop = asyncio.get_running_loop()
-    gone = loop.create_future()
-    fd = sys.stdin.fileno()
-
-    def readable() -> None:
-        if not os.read(fd, 4096) and not gone.done():
-            gone.set_result(None)
-
-    loop.add_reader(fd, readable)
-    try:
-        await gone
-    finally:
-        loop.remove_reader(fd)
-
-
-def _read_setup(fd: int) -> bytes:
-    """What the server wrote first on standard input: a length (8 bytes), then the pickle."""
-    data = b""
-    size = 8
-    while len(data) < size:
-        chunk = os.read(fd, size - len(data))
-        if not chunk:
-            raise SystemExit("the server closed the engine process's input before its setup")
-        data += chunk
-        if size == 8 and len(data) == 8:
-            size += int.from_bytes(data, "big")
-    return data[8:]
 
 
 def main() -> int:
@@ -206,7 +187,7 @@ def main() -> int:
     # of the service, must not cut the running replies short before that.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    config, endpoint = pickle.loads(_read_setup(sys.stdin.fileno()))
+    config, endpoint = read_setup()
     from seedance.observability.logs import configure_logging
 
     configure_logging(config.log_level)

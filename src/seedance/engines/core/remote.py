@@ -17,13 +17,8 @@ import contextlib
 import dataclasses
 import itertools
 import logging
-import pickle
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
-import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final
@@ -31,6 +26,8 @@ from typing import TYPE_CHECKING, Any, Final
 import zmq
 import zmq.asyncio
 
+from seedance import children
+from seedance.children import Child, exit_cause
 from seedance.config import ConfigError
 from seedance.engines.base import (
     Engine,
@@ -65,96 +62,115 @@ _CLOSE_WAIT_S: Final = 10.0
 _LOST: Final = None
 
 
-def exit_cause(returncode: int) -> str:
-    """How a process ended, in words: ``killed by SIGKILL``, ``exited with status 2``."""
-    if returncode < 0:
-        try:
-            return f"was killed by {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"was killed by signal {-returncode}"
-    return f"exited with status {returncode}"
-
-
 class EngineProcess:
-    """Starts the engine process (``python -m seedance.engines.core``) and tells when it ends."""
+    """Starts the engine process, and starts it again when it dies (module docstring). Owned
+    by the server, or by the supervisor of several workers."""
 
     def __init__(self, config: ServerConfig, endpoint: str) -> None:
         self.config = config
         self.endpoint = endpoint
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: Child | None = None
         self.started_at = 0.0
+        #: How the last process ended (empty: none has).
+        self.cause = ""
+        #: Told on the event loop when the process died (its cause), and when a new one was
+        #: started (not yet serving: say hello).
+        self.on_down: Callable[[str], None] = lambda cause: None
+        self.on_up: Callable[[], None] = lambda: None
+        self._crashes = 0  # in a row, each within STABLE_S of its start
+        self._stopping = False
+        self._restart: asyncio.Task[None] | None = None
 
-    def spawn(self) -> subprocess.Popen[bytes]:
-        """Start a process; its standard input stays open while the server wants it."""
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "seedance.engines.core"], stdin=subprocess.PIPE
-        )
-        setup = pickle.dumps((self.config, self.endpoint))
-        assert proc.stdin is not None
-        proc.stdin.write(len(setup).to_bytes(8, "big") + setup)
-        proc.stdin.flush()
+    def start(self) -> wire.Ready:
+        """Start the process and wait until it serves (its model loaded): its
+        :class:`~seedance.engines.core.wire.Ready`. A process that cannot build its engine
+        is a :class:`ConfigError`, with its reason."""
+        return await_ready(self.endpoint, self._spawn())
+
+    def keep_alive(self, loop: asyncio.AbstractEventLoop) -> None:
+        """From now on, start the process again whenever it dies."""
+        assert self.proc is not None
+        children.watch(self.proc, loop, self._ended)
+
+    def forget(self, peer: str) -> None:
+        """Tell the process that the server ``peer`` is gone (a worker that died): it stops
+        that server's requests."""
+        context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        with context.socket(zmq.DEALER) as socket:
+            socket.setsockopt(zmq.LINGER, 1000)
+            socket.connect(self.endpoint)
+            with contextlib.suppress(zmq.Again):
+                socket.send(wire.encode(wire.Forget(peer.encode())), zmq.NOBLOCK)
+
+    def stop(self) -> None:
+        """End the process, for good (blocks: from a thread)."""
+        self._stopping = True
+        if self._restart is not None:
+            self._restart.get_loop().call_soon_threadsafe(self._restart.cancel)
+        if self.proc is not None:
+            children.stop(self.proc, _CLOSE_WAIT_S)
+
+    def _spawn(self) -> Child:
+        proc = children.spawn("seedance.engines.core", (self.config, self.endpoint))
         self.proc, self.started_at = proc, time.monotonic()
         logger.info("engine process started (pid %d)", proc.pid)
         return proc
 
-    def watch(
-        self, loop: asyncio.AbstractEventLoop, ended: Callable[[subprocess.Popen[bytes]], None]
-    ) -> None:
-        """Call ``ended(proc)`` on ``loop`` when the current process ends."""
-        proc = self.proc
-        assert proc is not None
-
-        def wait() -> None:
-            proc.wait()
-            with contextlib.suppress(RuntimeError):  # a closed loop: the server is gone
-                loop.call_soon_threadsafe(ended, proc)
-
-        threading.Thread(target=wait, name=f"engine-{proc.pid}", daemon=True).start()
-
-    def stop(self) -> None:
-        """Close its input (it ends its requests and exits); kill it if it lingers."""
-        proc = self.proc
-        if proc is None or proc.poll() is not None:
+    def _ended(self, proc: Child) -> None:
+        if self._stopping or proc is not self.proc:
             return
-        assert proc.stdin is not None
-        proc.stdin.close()
-        try:
-            proc.wait(_CLOSE_WAIT_S)
-        except subprocess.TimeoutExpired:
-            logger.warning(
-                "engine process %d did not end in %.0f s: killed", proc.pid, _CLOSE_WAIT_S
-            )
-            proc.kill()
-            proc.wait()
+        lived_s = time.monotonic() - self.started_at
+        self._crashes = 1 if lived_s >= STABLE_S else self._crashes + 1
+        delay = 0.0 if self._crashes == 1 else min(MAX_BACKOFF_S, 0.5 * 2 ** (self._crashes - 2))
+        self.cause = exit_cause(proc.returncode)
+        logger.error(
+            "the engine process (pid %d) %s after %.1f s; starting it again in %.1f s",
+            proc.pid,
+            self.cause,
+            lived_s,
+            delay,
+        )
+        self.on_down(self.cause)
+        self._restart = asyncio.create_task(self._start_again(delay))
 
-    def first_hello(self) -> wire.Ready:
-        """Start the process and wait until it serves (its model loaded): its
-        :class:`~seedance.engines.core.wire.Ready`. A process that cannot build its engine
-        is a :class:`ConfigError`, with its reason."""
-        proc = self.spawn()
-        context = zmq.Context()
-        socket = context.socket(zmq.DEALER)
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.IMMEDIATE, 1)
-        socket.connect(self.endpoint)
-        try:
-            while proc.poll() is None:
-                with contextlib.suppress(zmq.Again):  # not bound yet
-                    socket.send(wire.encode(wire.Hello()), zmq.NOBLOCK)
-                if socket.poll(int(_HELLO_EVERY_S * 1000)):
-                    answer = wire.decode_from_engine(socket.recv())
-                    if isinstance(answer, wire.Ready):
-                        return answer
-                    if isinstance(answer, wire.Failed):
-                        proc.wait()
-                        raise ConfigError(answer.message)
-            raise ConfigError(
-                f"the engine process {exit_cause(proc.returncode)} while loading the model "
-                "(its log lines above say why)"
-            )
-        finally:
-            socket.close()
-            context.term()
+    async def _start_again(self, delay_s: float) -> None:
+        await asyncio.sleep(delay_s)
+        if not self._stopping:
+            self._spawn()
+            self.keep_alive(asyncio.get_running_loop())
+            self.on_up()
+
+
+def await_ready(endpoint: str, proc: Child | None, timeout_s: float = 120.0) -> wire.Ready:
+    """Say hello at ``endpoint`` until the engine process there answers, ``proc`` (the one
+    being started) ends, or (none) ``timeout_s`` passes (blocks)."""
+    context = zmq.Context()
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.IMMEDIATE, 1)
+    socket.connect(endpoint)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while proc.poll() is None if proc is not None else time.monotonic() < deadline:
+            with contextlib.suppress(zmq.Again):  # not bound yet
+                socket.send(wire.encode(wire.Hello()), zmq.NOBLOCK)
+            if socket.poll(int(_HELLO_EVERY_S * 1000)):
+                answer = wire.decode_from_engine(socket.recv())
+                if isinstance(answer, wire.Ready):
+                    return answer
+                if isinstance(answer, wire.Failed):
+                    if proc is not None:
+                        children.stop(proc, _CLOSE_WAIT_S)  # it waits to be told it was heard
+                    raise ConfigError(answer.message)
+        if proc is None:
+            raise ConfigError(f"no engine process answered at {endpoint} in {timeout_s:.0f} s")
+        raise ConfigError(
+            f"the engine process {exit_cause(proc.wait())} while loading the model "
+            "(its log lines above say why)"
+        )
+    finally:
+        socket.close()
+        context.term()
 
 
 class RemoteEngine(Engine):
@@ -171,14 +187,24 @@ class RemoteEngine(Engine):
                 "process of its own (llamacpp and synthetic can)"
             )
         self.config = config
-        self._dir = tempfile.mkdtemp(prefix="seedance-engine-")
-        self.process = EngineProcess(config, f"ipc://{self._dir}/engine")
+        self._dir: str | None = None
+        #: The engine process this server started (None: it attaches to one at
+        #: the one the supervisor of the workers keeps alive).
+        self.process: EngineProcess | None = None
+        worker = config.worker
+        if worker is not None and worker.engine_endpoint is not None:
+            self.endpoint = worker.engine_endpoint
+            ready = await_ready(self.endpoint, None)
+        else:
+            self._dir = tempfile.mkdtemp(prefix="seedance-engine-")
+            self.endpoint = f"ipc://{self._dir}/engine"
+            self.process = EngineProcess(config, self.endpoint)
         try:
-            ready = self.process.first_hello()
+            if self.process is not None:
+                ready = self.process.start()
             self.front = spec.front(config, options, ready.info)
         except BaseException:
-            self.process.stop()
-            shutil.rmtree(self._dir, ignore_errors=True)
+            self._forget_process()
             raise
         self._info = ready.info
         self.epoch: int | None = None  # the serving process's pid; None while there is none
@@ -193,10 +219,9 @@ class RemoteEngine(Engine):
         self._stats = wire.Stats(True, "", 0, None)
         self._ready = asyncio.Event()
         self._down = ""  # why there is no engine process: how the last one ended
-        self._crashes = 0  # in a row, each within STABLE_S of its start
+        self._lost_epoch: int | None = None
         self._closing = False
-        self._restart: asyncio.Task[None] | None = None
-        self._receiver: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
         self._context = zmq.asyncio.Context()
         self._socket: zmq.asyncio.Socket | None = None
 
@@ -252,24 +277,35 @@ class RemoteEngine(Engine):
             (zmq.RECONNECT_IVL, 20),  # ms: to a restarted process at once
         ):
             socket.setsockopt(option, value)
-        socket.connect(self.process.endpoint)
-        self._receiver = asyncio.create_task(self._receive_forever())
-        self.process.watch(loop, self._ended)
+        if self.config.worker is not None:  # so that the supervisor can name it
+            socket.setsockopt(zmq.IDENTITY, self.config.worker.name.encode())
+        socket.connect(self.endpoint)
+        self._tasks.append(asyncio.create_task(self._receive_forever()))
+        if self.process is not None:  # its end is told by the process itself, with the cause
+            self.process.on_down = self._lost
+            self.process.on_up = lambda: self._tasks.append(loop.create_task(self._hello()))
+            self.process.keep_alive(loop)
+        else:  # told by the socket: the supervisor starts it again
+            self._tasks.append(asyncio.create_task(self._watch_link(socket)))
         await self._hello()
 
     async def close(self) -> None:
         self._closing = True
-        if self._restart is not None:
-            self._restart.cancel()
-        await asyncio.to_thread(self.process.stop)
-        if self._receiver is not None:
-            self._receiver.cancel()
-            await asyncio.gather(self._receiver, return_exceptions=True)
+        self._ready.set()  # nothing waits for a process any more
+        await asyncio.to_thread(self._forget_process)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._socket is not None:
             self._socket.close()
         self._context.term()
-        shutil.rmtree(self._dir, ignore_errors=True)
         await self.front.close()
+
+    def _forget_process(self) -> None:
+        if self.process is not None:
+            self.process.stop()
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
     def health(self) -> EngineHealth:
         if self.epoch is None:
@@ -362,62 +398,64 @@ class RemoteEngine(Engine):
                         queue.put_nowait(delta)
             elif isinstance(message, wire.Stats):
                 self._stats = message
-            elif isinstance(message, wire.Ready) and self.epoch is None:
-                proc = self.process.proc
-                if proc is not None and proc.pid == message.epoch:  # not a late answer
-                    self.epoch = message.epoch
-                    self._ready.set()
+            elif (
+                isinstance(message, wire.Ready)
+                and self.epoch is None
+                and self._current(message.epoch)
+            ):
+                self.epoch = message.epoch
+                self._ready.set()
+                if self._down:
+                    logger.warning("the engine process is back (pid %d)", self.epoch)
+
+    def _current(self, epoch: int) -> bool:
+        """Whether a :class:`~seedance.engines.core.wire.Ready` comes from the process that
+        serves now (not a late answer of one that died)."""
+        if self.process is not None:
+            proc = self.process.proc
+            return proc is not None and proc.pid == epoch
+        return epoch != self._lost_epoch
 
     async def _hello(self) -> None:
-        """Say hello to the current process until it answers (or ends)."""
-        proc = self.process.proc
-        while self.epoch is None and proc is not None and proc.poll() is None:
+        """Say hello until the engine process answers (or, one this server started, ends)."""
+        proc = self.process.proc if self.process is not None else None
+        while self.epoch is None and not self._closing:
+            if proc is not None and proc.poll() is not None:
+                return  # dead before it served: it is started again
             self._send(wire.Hello())
-            try:
+            with contextlib.suppress(asyncio.TimeoutError):
                 async with timeout(_HELLO_EVERY_S):
                     await self._ready.wait()
-            except asyncio.TimeoutError:
-                pass
 
-    def _ended(self, proc: subprocess.Popen[bytes]) -> None:
-        """The engine process ``proc`` ended (on the event loop)."""
-        if self._closing or proc is not self.process.proc:
-            return
-        lived_s = time.monotonic() - self.process.started_at
-        self._crashes = 1 if lived_s >= STABLE_S else self._crashes + 1
-        delay = 0.0 if self._crashes == 1 else min(MAX_BACKOFF_S, 0.5 * 2 ** (self._crashes - 2))
-        self._down = exit_cause(proc.returncode)
-        self.epoch = None
+    async def _watch_link(self, socket: zmq.asyncio.Socket) -> None:
+        """An engine process this server did not start: it is gone when its connection is."""
+        monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            while True:
+                await monitor.recv_multipart()  # EVENT_DISCONNECTED: the process is gone
+                if self.epoch is not None:
+                    self._lost("went away")
+                    self._tasks.append(asyncio.create_task(self._hello()))
+        finally:
+            socket.disable_monitor()
+            monitor.close()
+
+    def _lost(self, cause: str) -> None:
+        """The engine process died (on the event loop): what ran in it waits for the next."""
+        self._down = cause
+        self._lost_epoch, self.epoch = self.epoch, None
         self._ready.clear()
         stats = self._stats
-        logger.error(
-            "the engine process (pid %d) %s after %.1f s; %d request(s) of this server were "
-            "running in it (%s requests inside the engine, KV cache %s used); starting it again "
-            "in %.1f s",
-            proc.pid,
-            self._down,
-            lived_s,
-            len(self._runs),
-            "?" if stats.unfinished is None else stats.unfinished,
-            "?" if stats.kv_cache_usage is None else f"{stats.kv_cache_usage:.0%}",
-            delay,
-        )
+        if self._runs:
+            logger.error(
+                "%d request(s) of this server were running in the engine process (%s requests "
+                "inside the engine, KV cache %s used); they go on in the next one",
+                len(self._runs),
+                "?" if stats.unfinished is None else stats.unfinished,
+                "?" if stats.kv_cache_usage is None else f"{stats.kv_cache_usage:.0%}",
+            )
         for queue in self._runs.values():
             queue.put_nowait(_LOST)
-        self._restart = asyncio.create_task(self._start_again(delay))
-
-    async def _start_again(self, delay_s: float) -> None:
-        await asyncio.sleep(delay_s)
-        began = time.monotonic()
-        self.process.spawn()
-        self.process.watch(asyncio.get_running_loop(), self._ended)
-        await self._hello()
-        if self.epoch is not None:
-            logger.warning(
-                "the engine process is back (pid %d) after %.1f s",
-                self.epoch,
-                time.monotonic() - began + delay_s,
-            )
 
 
 def _continued(

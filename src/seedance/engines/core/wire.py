@@ -57,6 +57,12 @@ class Cancel(msgspec.Struct, tag="cancel", array_like=True):
     no: int
 
 
+class Forget(msgspec.Struct, tag="forget", array_like=True):
+    """The server named ``peer`` is gone (a worker that died): stop its requests."""
+
+    peer: bytes
+
+
 class Delta(msgspec.Struct, array_like=True, omit_defaults=True):
     """One :class:`~seedance.engines.base.TokenDelta` of request ``no``, or its failure
     (``error``: the error's code, then ``text`` is its message)."""
@@ -84,7 +90,7 @@ class Stats(msgspec.Struct, tag="stats", array_like=True):
     kv_cache_usage: float | None
 
 
-ToEngine = Hello | Submit | Cancel
+ToEngine = Hello | Submit | Cancel | Forget
 FromEngine = Ready | Failed | Deltas | Stats
 
 encode = msgspec.msgpack.Encoder().encode

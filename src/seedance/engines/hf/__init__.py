@@ -76,4 +76,5 @@ ENGINE = EngineSpec(
     OPTIONS,
     "PyTorch models through Hugging Face transformers, on the CPU or a CUDA GPU "
     "(pip install 'seedance[transformers]').",
+    local_model=True,
 )

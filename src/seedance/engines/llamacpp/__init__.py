@@ -104,4 +104,5 @@ ENGINE = EngineSpec(
     OPTIONS,
     "GGUF models on llama.cpp, continuous batching and KV reuse (the default).",
     front=create_front,
+    local_model=True,
 )

@@ -1,0 +1,446 @@
+"""``seedance serve --workers N``: N worker processes serving one port, and their supervisor.
+
+The ``seedance serve`` process becomes the supervisor. It serves nothing itself:
+
+- **The port.** It binds the address once with ``SO_REUSEPORT`` (a port of 0 is chosen here,
+  once), and each worker binds it again and listens: the kernel spreads new connections over
+  the workers' listening sockets, each with its own accept queue and event loop.
+- **What the workers share.** Any worker serves any session, so sessions, stream logs,
+  quotas, locks and revocations live where every worker reaches them: the cluster mode's Redis
+  stores (:mod:`seedance.cluster`), which already give several processes the semantics of one.
+  With ``--redis`` the workers are nodes of that cluster; without it the supervisor starts a
+  private ``redis-server`` on a Unix socket in a temporary folder (no port, nothing saved) and
+  stops it last. A second implementation of those stores for workers alone would be a second
+  place for each rule (fencing, quotas, resume across processes) to go wrong.
+- **The engine.** An engine that loads a model (``EngineSpec.local_model``: ``llamacpp``)
+  runs once, in an engine process the supervisor starts and starts again when it dies
+  (:class:`~seedance.engines.core.remote.EngineProcess`); each worker attaches to it. Other
+  engines (``synthetic``, gateway mode) run in each worker.
+- **A worker that dies** (a signal, an out-of-memory kill) loses its own connections, nothing
+  else: the supervisor logs how it ended, tells the engine process to drop its requests, and
+  starts it again (at once, then with a backoff while it keeps dying). Its clients reconnect
+  to another worker, which takes their resumable streams over as a node of a cluster does.
+- **Stopping.** SIGTERM or SIGINT to the supervisor is passed to each worker once, as
+  SIGUSR1 (a second one hurries them, a third ends them at once, as for one process); the
+  workers ignore SIGTERM and SIGINT themselves, which a terminal's Ctrl-C or a service manager
+  sends every process of the group. The supervisor waits for the workers' drains, then stops
+  the engine process and the private Redis.
+
+Each worker is ``python -m seedance.server.workers`` (:mod:`seedance.children`): its settings
+pickled on its standard input, which it watches (the supervisor gone: it drains and ends).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import faulthandler
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
+
+from seedance import __version__, children
+from seedance.children import Child, exit_cause
+from seedance.config import ConfigError, ServerConfig, WorkerSetup
+from seedance.engines.core.remote import EngineProcess
+from seedance.engines.local import machine_cores
+from seedance.engines.registry import engine_spec
+from seedance.eventloop import install_uvloop
+
+logger = logging.getLogger("seedance")
+
+#: The longest wait before starting a crashing worker again.
+MAX_BACKOFF_S: Final = 30.0
+#: A worker that lived this long starts its crash count afresh.
+STABLE_S: Final = 60.0
+#: How long workers may take to start (a model engine's workers wait for its engine process).
+START_TIMEOUT_S: Final = 300.0
+
+
+@dataclass
+class _Worker:
+    index: int
+    proc: Child
+    started_at: float
+    crashes: int = 0
+
+
+def worker_count(config: ServerConfig) -> int:
+    """``--workers``: the count asked for, or (auto) the cores this process may use."""
+    return config.workers or machine_cores()
+
+
+def check(config: ServerConfig) -> None:
+    """Refuse what several workers cannot do yet, before anything starts."""
+    if not hasattr(socket, "SO_REUSEPORT"):
+        raise ConfigError(f"--workers {worker_count(config)}: this system has no SO_REUSEPORT")
+    refused = [
+        (config.audit.file is not None, "--audit-file (one audit chain for several processes)"),
+        (config.tls.http3, "--http3 (QUIC needs one process per connection's packets)"),
+        (config.registry.path is not None, "--registry (models loaded per worker)"),
+        (config.embeddings.model is not None, "--embedding-model (a second model engine)"),
+    ]
+    for refused_now, what in refused:
+        if refused_now:
+            raise ConfigError(f"--workers {worker_count(config)}: {what} is not supported yet")
+    spec = engine_spec(config.engine)
+    if spec.local_model and spec.front is None:
+        raise ConfigError(
+            f"--workers {worker_count(config)}: the {config.engine} engine cannot be shared by "
+            "several workers (it cannot run in an engine process of its own)"
+        )
+    if config.cluster.redis_url is None and _redis_server() is None:
+        raise ConfigError(
+            f"--workers {worker_count(config)}: the workers share sessions, quotas and stream "
+            "logs through Redis: pass --redis URL, or install redis-server (the Debian package "
+            "redis-server) for a private one"
+        )
+
+
+class Supervisor:
+    """Starts the workers (and what they share), keeps them running, stops them."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        check(config)
+        self.config = config
+        self.count = worker_count(config)
+        self.workers: dict[int, _Worker] = {}
+        self.ready: set[int] = set()
+        self.serves = ("", "")  # the model and engine the workers serve
+        self._dir = tempfile.mkdtemp(prefix="seedance-workers-")
+        self._redis: asyncio.subprocess.Process | None = None
+        self._engine: EngineProcess | None = None
+        self._stopping = False
+        self._signals = 0
+        self._changed = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def run(self) -> int:
+        install_uvloop()
+        try:
+            return asyncio.run(self._main())
+        finally:
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+    async def _main(self) -> int:
+        loop = self._loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop)
+        try:
+            holder = _bind(self.config.host, self.config.port)  # the port, chosen once
+        except OSError as exc:
+            logger.error("cannot listen on %s:%d: %s", self.config.host, self.config.port, exc)
+            return 1
+        port = holder.getsockname()[1]
+        try:
+            config = await self._shared(port)
+            for index in range(self.count):
+                self._start(config, index)
+            if not await self._all_ready():
+                return 1
+            self._announce(port)
+            while not (self._stopping and not self.workers):
+                self._changed.clear()
+                await self._changed.wait()
+            logger.info("every worker stopped")
+            return 0
+        except ConfigError as exc:
+            logger.error("%s", exc.message)
+            return 2
+        finally:
+            holder.close()
+            await self._stop_shared()
+
+    # ------------------------------------------------------------------ what the workers share
+
+    async def _shared(self, port: int) -> ServerConfig:
+        """Start the private Redis and the engine process as needed: the workers' settings."""
+        config = self.config.replace(workers=1, port=port)
+        if config.cluster.redis_url is None:
+            config = config.replace(redis_url=await self._start_redis())
+        endpoint = None
+        if engine_spec(config.engine).local_model or config.engine_process:
+            endpoint = f"ipc://{self._dir}/engine"
+            self._engine = engine = EngineProcess(config, endpoint)
+            await asyncio.to_thread(engine.start)  # the model loads once, here
+            assert self._loop is not None
+            engine.keep_alive(self._loop)
+        return dataclasses.replace(config, worker=WorkerSetup(0, self.count, self._dir, endpoint))
+
+    async def _start_redis(self) -> str:
+        path = Path(self._dir) / "redis.sock"
+        server = _redis_server()
+        assert server is not None
+        argv = [server, "--port", "0", "--unixsocket", str(path), "--unixsocketperm", "700"]
+        argv += ["--dir", self._dir, "--save", "", "--appendonly", "no", "--loglevel", "warning"]
+        argv += ["--logfile", str(Path(self._dir) / "redis.log")]
+        # A session of its own: a terminal's Ctrl-C (or timeout(1)) signals the group, and
+        # Redis must outlive the workers' drain. (Under systemd: KillMode=mixed.)
+        self._redis = proc = await asyncio.create_subprocess_exec(
+            *argv, stdin=subprocess.DEVNULL, start_new_session=True
+        )
+        deadline = time.monotonic() + 30
+        while not path.exists():
+            if proc.returncode is not None or time.monotonic() > deadline:
+                if proc.returncode is None:
+                    proc.kill()
+                log = (Path(self._dir) / "redis.log").read_text(errors="replace")
+                raise ConfigError(
+                    f"the private redis-server {exit_cause(await proc.wait())}: {log}"
+                )
+            await asyncio.sleep(0.02)
+        logger.info("workers share a private redis-server (pid %d) at %s", proc.pid, path)
+        return f"unix://{path}"
+
+    async def _stop_shared(self) -> None:
+        if self._engine is not None:
+            await asyncio.to_thread(self._engine.stop)
+        if self._redis is not None and self._redis.returncode is None:
+            self._redis.terminate()
+            await self._redis.wait()
+
+    # ------------------------------------------------------------------ the workers
+
+    def _start(self, config: ServerConfig, index: int, crashes: int = 0) -> None:
+        assert config.worker is not None and self._loop is not None
+        setup = dataclasses.replace(config.worker, index=index)
+        proc = children.spawn("seedance.server.workers", dataclasses.replace(config, worker=setup))
+        self.workers[index] = _Worker(index, proc, time.monotonic(), crashes)
+        self._worker_config = config
+        children.watch(proc, self._loop, lambda p: self._ended(index, p))
+        logger.info("worker %d started (pid %d)", index, proc.pid)
+
+    async def _all_ready(self) -> bool:
+        """Wait until every worker serves; false (and all stopped) if one ended first."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while len(self.ready) < self.count:
+            if self._stopping or time.monotonic() > deadline:
+                self._stop()
+                return False
+            for worker in self.workers.values():
+                serves = _serving(self._dir, worker.proc.pid)
+                if serves is not None:
+                    self.ready.add(worker.index)
+                    self.serves = serves
+            await asyncio.sleep(0.02)
+        return True
+
+    def _announce(self, port: int) -> None:
+        config = self.config
+        scheme = ("wss", "https") if config.tls.cert is not None else ("ws", "http")
+        host = f"[{config.host}]" if ":" in config.host else config.host
+        logger.info(
+            "Seedance %s serving model %s (engine %s) with %d workers: connect to "
+            "%s://%s:%d/v2/infer (health: %s://%s:%d/healthz)",
+            __version__,
+            *self.serves,
+            self.count,
+            scheme[0],
+            host,
+            port,
+            scheme[1],
+            host,
+            port,
+        )
+
+    def _ended(self, index: int, proc: Child) -> None:
+        worker = self.workers.get(index)
+        if worker is None or worker.proc is not proc:
+            return
+        del self.workers[index]
+        self._changed.set()
+        if self._engine is not None:
+            self._engine.forget(f"worker-{index}-{proc.pid}")
+        if self._stopping:
+            logger.info("worker %d (pid %d) %s", index, proc.pid, exit_cause(proc.returncode))
+            return
+        lived_s = time.monotonic() - worker.started_at
+        crashes = 1 if lived_s >= STABLE_S else worker.crashes + 1
+        delay = 0.0 if crashes == 1 else min(MAX_BACKOFF_S, 0.5 * 2 ** (crashes - 2))
+        logger.error(
+            "worker %d (pid %d) %s after %.1f s; its connections are lost (their clients "
+            "reconnect to another worker); starting it again in %.1f s",
+            index,
+            proc.pid,
+            exit_cause(proc.returncode),
+            lived_s,
+            delay,
+        )
+        assert self._loop is not None
+        self._loop.call_later(delay, self._start_again, index, crashes)
+
+    def _start_again(self, index: int, crashes: int) -> None:
+        if not self._stopping and index not in self.workers:
+            self._start(self._worker_config, index, crashes)
+
+    def _stop(self) -> None:
+        """SIGTERM or SIGINT: each step of a shutdown, passed to every worker."""
+        self._stopping = True
+        self._signals += 1
+        if self._signals == 1:
+            logger.info("stopping %d worker(s)", len(self.workers))
+        for worker in self.workers.values():
+            with contextlib.suppress(ProcessLookupError):
+                worker.proc.send_signal(signal.SIGUSR1)
+        self._changed.set()
+
+
+def _redis_server() -> str | None:
+    return shutil.which("redis-server") or shutil.which("redis-server", path="/usr/sbin:/sbin")
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` with ``SO_REUSEPORT``, not listening: what a worker
+    listens on, or (the supervisor's) what holds the port while the workers come and go."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    if family == socket.AF_INET6:
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+    sock.bind(address)
+    return sock
+
+
+def _serving(folder: str, pid: int) -> tuple[str, str] | None:
+    """What worker ``pid`` serves (its model and engine), once it serves."""
+    try:
+        model, engine = (Path(folder) / f"serving-{pid}").read_text().rsplit(" ", 1)
+    except (FileNotFoundError, ValueError):  # not yet, or half written
+        return None
+    return model, engine
+
+
+# --------------------------------------------------------------------------- a worker
+
+
+def serving(setup: WorkerSetup, model: str, engine: str) -> None:
+    """In a worker, once it serves: tell the supervisor (and what it serves)."""
+    (Path(setup.folder) / f"serving-{os.getpid()}").write_text(f"{model} {engine}")
+
+
+async def share_metrics(setup: WorkerSetup, render: Callable[[], bytes]) -> asyncio.Server:
+    """In a worker: hand this worker's metrics to the other workers (a Unix socket in the
+    supervisor's private folder; each connection gets the text and is closed)."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(render())
+        with contextlib.suppress(OSError):
+            await writer.drain()
+        writer.close()
+
+    path = Path(setup.folder) / f"metrics-{setup.index}.sock"
+    path.unlink(missing_ok=True)  # this worker's predecessor's
+    return await asyncio.start_unix_server(answer, path=str(path))
+
+
+async def all_metrics(setup: WorkerSetup, own: bytes) -> bytes:
+    """In a worker: ``/metrics`` for the whole server, every worker's added up (a counter, a
+    gauge, a histogram's buckets: summed; a start time: the earliest). A worker that does not
+    answer within a second (dead, starting again) is left out."""
+
+    async def fetch(path: Path) -> bytes:
+        reader, writer = await asyncio.open_unix_connection(str(path))
+        try:
+            return await reader.read()
+        finally:
+            writer.close()
+
+    folder = Path(setup.folder)
+    others = [folder / f"metrics-{i}.sock" for i in range(setup.count) if i != setup.index]
+    texts = [own]
+    for result in await asyncio.gather(
+        *(asyncio.wait_for(fetch(path), 1.0) for path in others), return_exceptions=True
+    ):
+        if isinstance(result, bytes):
+            texts.append(result)
+    return merge_metrics([text.decode() for text in texts])
+
+
+def merge_metrics(texts: list[str]) -> bytes:
+    """Prometheus text expositions added up into one (see :func:`all_metrics`)."""
+    families: dict[str, Metric] = {}
+    values: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]] = {}
+    for text in texts:
+        for family in text_string_to_metric_families(text):
+            if family.name not in families:
+                families[family.name] = Metric(
+                    family.name, family.documentation, family.type, family.unit
+                )
+                values[family.name] = {}
+            table = values[family.name]
+            for sample in family.samples:
+                key = (sample.name, tuple(sorted(sample.labels.items())))
+                earlier = table.get(key)
+                if earlier is None:
+                    table[key] = sample.value
+                elif sample.name.endswith(("_start_time_seconds", "_created")):
+                    table[key] = min(earlier, sample.value)
+                elif family.type in ("info", "stateset"):
+                    table[key] = max(earlier, sample.value)
+                else:
+                    table[key] = earlier + sample.value
+    for name, family in families.items():
+        for (sample_name, labels), value in values[name].items():
+            family.add_sample(sample_name, dict(labels), value)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(list(families.values())))
+    return generate_latest(registry)
+
+
+class _Families(Collector):
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> list[Metric]:
+        return self.families
+
+
+def main() -> int:
+    """A worker process's entry point."""
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+    config: ServerConfig = children.read_setup()
+    from seedance.observability.logs import configure_logging
+    from seedance.server.runner import build_server, raise_descriptors
+
+    assert config.worker is not None
+    configure_logging(config.log_level, f"worker={config.worker.index}")
+    raise_descriptors()
+    try:
+        server = build_server(config)
+    except ConfigError as exc:
+        logger.error("worker: %s", exc.message)
+        return 2
+
+    def supervisor_gone() -> None:
+        with contextlib.suppress(OSError):
+            while os.read(sys.stdin.fileno(), 4096):
+                pass
+        server.handle_exit(signal.SIGUSR1, None)
+
+    threading.Thread(target=supervisor_gone, name="supervisor", daemon=True).start()
+    server.run(sockets=[_bind(config.host, config.port)])
+    return 0 if server.started else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
