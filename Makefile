@@ -9,7 +9,7 @@ LITELLM_VERSION ?= 1.108.7
 GUIDELLM_VENV    ?= .venv-guidellm
 GUIDELLM_VERSION ?= 0.8.1
 
-.PHONY: serve cluster test test-bench test-fast bench bench-compare soak gpu-smoke lint clean
+.PHONY: serve cluster test test-bench test-workers test-fast bench bench-compare soak gpu-smoke lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -70,6 +70,11 @@ test: $(VENV)/.installed-test
 # servers and clients to cores of their own). CI runs both targets.
 test-bench: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -m bench $(PYTEST_ARGS)
+
+# The tests that start `seedance serve` again, each server with --workers 2 (what a test starts
+# that workers refuse, --audit-file say, is skipped with the reason). CI runs it too.
+test-workers: $(VENV)/.installed-test
+	SEEDANCE_TEST_WORKERS=2 $(BIN)/python -m pytest -n $(TEST_WORKERS) -m "subprocess and not bench" $(PYTEST_ARGS)
 
 # The logic without models, processes, long waits or benchmarks (markers in pyproject.toml).
 test-fast: $(VENV)/.installed-test

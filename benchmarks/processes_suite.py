@@ -1,22 +1,36 @@
-"""Suite 21 of ``make bench``: a node's processes. The engine in the server's process against
-the engine in a process of its own (``--engine-process``), side by side in one run:
+"""Suite 21 of ``make bench``: a node's processes, side by side in one run.
 
-- 21a: the embedded SmolLM2 on llama.cpp, 1 and 8 streams: tokens/s and TTFT (the engine
-  process must cost the model nothing);
+- 21a: the embedded SmolLM2 on llama.cpp, 1 and 8 streams, the engine in the server's process
+  against the engine in a process of its own (``--engine-process``): tokens/s and TTFT (the
+  engine process must cost the model nothing);
 - 21b: the synthetic engine unpaced, 64 streams: what carrying each token between the two
-  processes costs, in CPU microseconds (both processes' CPU time, against the server's alone).
+  processes costs, in CPU microseconds (both processes' CPU time, against the server's alone);
+- 21c-e: one worker against two (``--workers 2``, with the private Redis they share): fan-out at
+  1,000 streams, the design document's table at 500 clients, and gateway mode.
 
-Servers are not pinned (llama.cpp needs every core; the engine process is a second process
-that would share the server's core); the load generator shares the same cores.
+Servers are not pinned (llama.cpp needs every core; the engine process and the workers are
+more processes): the load generator, and gateway mode's upstream, share the same cores.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from benchmarks.harness import Contender, commands, cores, fmt, ratio, servers, verdict
+from benchmarks.harness import (
+    CLIENT_CORE,
+    Contender,
+    commands,
+    cores,
+    fan_out_loads,
+    fmt,
+    ratio,
+    seedance,
+    servers,
+    verdict,
+)
 from benchmarks.llama_suite import seedance_llama
 
 if TYPE_CHECKING:
@@ -42,6 +56,7 @@ def processes_suite(report: Report) -> None:
     )
     _model(report)
     _ipc(report)
+    _workers(report)
 
 
 def _model(report: Report) -> None:
@@ -160,4 +175,121 @@ def _ipc(report: Report) -> None:
                 "",
             ]
         )
+    )
+
+
+def _unpinned(contender: Contender) -> Contender:
+    return dataclasses.replace(contender, pinned=False)
+
+
+def _workers(report: Report) -> None:
+    """21c-e: one worker against two, on three loads."""
+    seconds = "4" if report.quick else "8"
+    _, fan_out = fan_out_loads(report.quick)[1]  # 1,000 streams
+    rows: list[str] = []
+    ok = True
+    for title, contenders, load, figure in (
+        (
+            "21c fan-out, 1,000 streams",
+            [
+                _unpinned(seedance("one worker", "one")),
+                _unpinned(seedance("two workers", "two", "--workers", "2")),
+            ],
+            ("1,000 streams of 128 tokens", fan_out),
+            ("delivered tokens/s", ("summary", "delivered_tokens_per_s")),
+        ),
+        (
+            "21d design table, 500 clients",
+            [
+                _unpinned(seedance("one worker", "one")),
+                _unpinned(seedance("two workers", "two", "--workers", "2")),
+            ],
+            (
+                "500 clients, 16-token replies",
+                ["-c", "500", "-d", seconds, "--max-tokens", "16", "--prompt-tokens", "32"],
+            ),
+            ("requests/s", ("summary", "requests_per_s")),
+        ),
+    ):
+        cells = _one_against_two(report, title, contenders, load)
+        one, two = (cells[(load[0], key)].median(*figure[1]) for key in ("one", "two"))
+        p99 = [cells[(load[0], key)].median("summary", "e2el", "p99_ms") for key in ("one", "two")]
+        met = two >= 1.3 * one and (not title.startswith("21d") or p99[1] <= p99[0])
+        ok &= met
+        rows.append(
+            f"| {load[0]} | {figure[0]} | {fmt(one, 0)} / {fmt(two, 0)} ({ratio(two, one)}) "
+            f"| {fmt(p99[0], 1)} / {fmt(p99[1], 1)} | {'met' if met else 'not met'} |"
+        )
+    rows.append(_gateway(report, seconds))
+    report.goals.append(
+        (
+            "21c-d. two workers: at least 1.3x one worker's fan-out tokens/s and requests/s at "
+            "500 clients (p99 no worse)",
+            "",
+            ok,
+        )
+    )
+    report.sections.append(
+        "\n".join(
+            [
+                "### 21c-e. One worker against two",
+                "",
+                f"`seedance serve` against `seedance serve --workers 2` on {cores()} cores, "
+                "nothing pinned: the workers, their private `redis-server` (the store of the "
+                "sessions, quotas and stream logs they share), the load generator and, for "
+                "gateway mode, the upstream, all share the cores. One worker keeps everything "
+                "in its memory. Cells: **one worker / two workers (ratio)**. Goal: at least "
+                "1.3x with two workers, the p99 latency no worse: " + verdict(ok) + ".",
+                "",
+                "| load | figure | one / two workers | E2E latency p99 ms | goal |",
+                "|---|---|---|---|---|",
+                *rows,
+                "",
+            ]
+        )
+    )
+
+
+def _one_against_two(
+    report: Report, title: str, contenders: list[Contender], load: Load
+) -> dict[tuple[str, str], Cell]:
+    with servers(contenders) as running:
+        return report.alternate(running, [load], title)
+
+
+def _gateway(report: Report, seconds: str) -> str:
+    """21e: gateway mode in front of a fast synthetic OpenAI upstream, one worker or two."""
+    upstream = Contender(
+        "upstream",
+        "synthetic upstream",
+        [sys.executable, "-m", "benchmarks.peers.openai_sse", "--port", "{port}"],
+        "/v1",
+        core=CLIENT_CORE,
+        pinned=False,
+    )
+    with servers([upstream]) as up:
+        base = up["upstream"].url
+        exe = str(Path(sys.executable).with_name("seedance"))
+        argv = [exe, "serve", "--engine", "openai", "--upstream", base, "--port", "{port}"]
+        argv += ["--log-level", "warning", "--max-waiting", "20000"]
+        contenders = [
+            Contender("one", "gateway, one worker", argv, "/v1", pinned=False),
+            Contender(
+                "two", "gateway, two workers", [*argv, "--workers", "2"], "/v1", pinned=False
+            ),
+        ]
+        load: Load = (
+            "gateway mode, 32 users",
+            [
+                *("-c", "32", "-d", seconds, "--max-tokens", "16", "--warmup", "64"),
+                "--model",
+                "synthetic",
+            ],
+        )
+        cells = _one_against_two(report, "21e gateway mode", contenders, load)
+    one, two = (cells[(load[0], key)].median("summary", "requests_per_s") for key in ("one", "two"))
+    p99 = [cells[(load[0], key)].median("summary", "e2el", "p99_ms") for key in ("one", "two")]
+    return (
+        f"| {load[0]} | requests/s | {fmt(one, 0)} / {fmt(two, 0)} ({ratio(two, one)}) "
+        f"| {fmt(p99[0], 1)} / {fmt(p99[1], 1)} | {'met' if two >= 1.3 * one else 'not met'} |"
     )

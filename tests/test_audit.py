@@ -23,7 +23,13 @@ from seedance.observability.audit.kinds import Request
 from seedance.observability.audit.records import digest
 from seedance.observability.audit.verify import verify
 from seedance.tenants.keys import add_key
-from tests.support.servers import SEEDANCE, RunningServer, ServerProcess, serve_fails
+from tests.support.servers import (
+    SEEDANCE,
+    RunningServer,
+    ServerProcess,
+    one_process_only,
+    serve_fails,
+)
 from tests.support.ws import generate, open_session, raw_connect, tokens_text, wait_closed
 
 
@@ -234,6 +240,7 @@ def test_rotation_keeps_one_chain(tmp_path: Path) -> None:
 
 
 @pytest.mark.subprocess
+@one_process_only("--audit-file is one process's")
 def test_no_acknowledged_record_is_lost_on_sigkill(
     tmp_path: Path, server_process: Callable[..., ServerProcess]
 ) -> None:
@@ -268,6 +275,7 @@ def test_no_acknowledged_record_is_lost_on_sigkill(
 
 
 @pytest.mark.subprocess
+@one_process_only("--audit-file is one process's")
 def test_every_acknowledged_record_is_signed_before_a_sigkill(
     tmp_path: Path, server_process: Callable[..., ServerProcess]
 ) -> None:

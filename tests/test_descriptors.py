@@ -15,7 +15,7 @@ import pytest
 from websockets.asyncio.client import connect as ws_connect
 
 from seedance.client import connect
-from tests.support.servers import ServerProcess
+from tests.support.servers import ServerProcess, one_process_only
 
 LIMIT = 256
 
@@ -47,6 +47,7 @@ def test_serve_raises_its_soft_limit_toward_the_hard_one(
 
 
 @pytest.mark.slow
+@one_process_only("each worker has descriptors of its own, the flood is spread over them")
 async def test_a_flood_of_silent_sockets_at_a_low_limit_locks_no_client_out(
     server_process: Callable[..., ServerProcess], many_descriptors: None
 ) -> None:

@@ -84,7 +84,9 @@ async def test_a_crash_under_load_ends_no_connection_and_no_reply(
         await ws.close()
     name = signal.Signals(sig).name
     assert f"the engine process (pid {first}) was killed by {name}" in server.output
-    assert "8 request(s) of this server were running in the engine process" in server.output
+    # With --workers (SEEDANCE_TEST_WORKERS), each worker counts its own.
+    running = re.findall(r"(\d+) request\(s\) of this server were running", server.output)
+    assert sum(int(n) for n in running) == 8
     if sig == signal.SIGSEGV:  # the engine process's own stacks, as it died
         assert "Fatal Python error: Segmentation fault" in server.output
     assert engine_pid(server, after=first)
@@ -107,7 +109,9 @@ async def test_without_a_wait_running_replies_end_retryable(
         error = frames[-1]
         assert error["type"] == "error" and error["request_id"] == "cut"
         assert error["error"]["code"] == "engine_error" and error["error"]["retryable"] is True
-        assert "was killed by SIGKILL" in error["error"]["message"]
+        message = error["error"]["message"]
+        # A worker of --workers N attached to the engine process sees it go, not why.
+        assert "was killed by SIGKILL" in message or "went away" in message, message
         await server.logged("the engine process is back")
         again = await generate(ws, prompt="again", max_tokens=5)  # the same connection
     assert again[-1]["type"] == "done"

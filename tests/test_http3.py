@@ -26,7 +26,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from seedance.client import connect
 from tests.support.certs import Authority, Issued
 from tests.support.h3 import WebTransportClosed, WebTransportSession, h3_connection
-from tests.support.servers import RunningServer, ServerProcess
+from tests.support.servers import RunningServer, ServerProcess, one_process_only
 
 CHAT: dict[str, Any] = {
     "model": "synthetic",
@@ -208,6 +208,7 @@ async def test_a_session_that_only_reads_is_kept_open_by_quic_pings(
         assert (await frames(session))[-1]["type"] == "done"
 
 
+@one_process_only("--http3 is one process's")
 async def test_shutdown_ends_a_webtransport_reply_whole_then_closes_1001(
     server_process: Callable[..., ServerProcess],
 ) -> None:

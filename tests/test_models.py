@@ -30,7 +30,7 @@ from seedance.models.registry import (
 )
 from seedance.models.signing import TrustedKey, keygen, load_trusted
 from seedance.tenants.keys import add_key
-from tests.support.servers import RunningServer, ServerProcess, serve_fails
+from tests.support.servers import RunningServer, ServerProcess, one_process_only, serve_fails
 from tests.test_metrics import scrape, value
 
 
@@ -459,6 +459,7 @@ async def test_a_server_serves_several_registry_models_and_reloads_each(
 
 
 @pytest.mark.subprocess
+@one_process_only("--registry is one process's")
 async def test_readiness_fails_while_a_server_drains(
     tmp_path: Path, keys: dict[str, Path], server_process: Callable[..., ServerProcess]
 ) -> None:

@@ -22,7 +22,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from seedance.client import connect
 from seedance.config_loader import load_access
-from tests.support.servers import SEEDANCE, RunningServer, ServerProcess
+from tests.support.servers import SEEDANCE, RunningServer, ServerProcess, one_process_only
 from tests.support.ws import open_session
 from tests.test_resume import Reading, read, resume
 
@@ -219,6 +219,7 @@ async def test_a_link_of_two_copies_sends_every_packet_twice_both_ways(
     assert any(isinstance(c._transport, Repeating) for c in listener.connections)
 
 
+@one_process_only("the far gateway needs --http3, one process's")
 async def test_a_far_gateway_restarted_behind_a_kept_link_is_reached_again(
     make_server: Callable[..., RunningServer],
     server_process: Callable[..., ServerProcess],

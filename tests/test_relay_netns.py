@@ -14,7 +14,7 @@ import pytest
 
 from seedance.client import connect
 from tests.support.netns import EDGE_ADDRESS, FAR_ADDRESS, FAR_ON_LINK, Regions, need_namespaces
-from tests.support.servers import ServerProcess
+from tests.support.servers import ServerProcess, one_process_only
 
 pytest.importorskip("aioquic", reason="the relay needs aioquic, which needs Python 3.11")
 
@@ -45,6 +45,7 @@ def start(
     return far_server, edge
 
 
+@one_process_only("the far gateway needs --http3, one process's")
 async def test_a_reply_relayed_across_a_lossy_link_is_the_far_gateways_own(
     server_process: Callable[..., ServerProcess], regions: Regions, tmp_path: Path
 ) -> None:
@@ -67,6 +68,7 @@ async def test_a_reply_relayed_across_a_lossy_link_is_the_far_gateways_own(
     assert edge.output.count("relay link to") == 1  # one QUIC connection for all of them
 
 
+@one_process_only("the far gateway needs --http3, one process's")
 async def test_a_reply_goes_on_whole_across_a_cut_of_the_cable(
     server_process: Callable[..., ServerProcess], regions: Regions, tmp_path: Path
 ) -> None:

@@ -67,6 +67,19 @@ async def parent_gone() -> None:
         loop.remove_reader(fd)
 
 
+def die_with_parent(parent: int) -> None:
+    """In a child: be killed (SIGKILL) when the parent dies, where the system can (Linux's
+    ``PR_SET_PDEATHSIG``), as one process's threads die with it; exit at once if the parent
+    is already gone."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        os._exit(1)
+
+
 def exit_cause(returncode: int) -> str:
     """How a process ended, in words: ``was killed by SIGKILL``, ``exited with status 2``."""
     if returncode < 0:

@@ -146,6 +146,7 @@ class WorkerSetup:
 
     index: int
     count: int  # of the workers
+    supervisor: int  # its pid
     #: The supervisor's folder (its private Redis, the engine process's socket, the workers'
     #: word that they serve).
     folder: str

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
 import uvicorn
 
 from seedance.config import OPTIONS, PLAIN_FIELDS, ServerConfig
@@ -143,6 +144,16 @@ def slow_engine(tokens_per_s: float = 50.0, ttft_ms: float = 0.0, **kwargs: Any)
     return SyntheticEngine(tokens_per_s=tokens_per_s, ttft_ms=ttft_ms, **kwargs)
 
 
+#: ``SEEDANCE_TEST_WORKERS=2``: every ``seedance serve`` a test starts runs that many workers
+#: (``make test-workers``: the subprocess tests against ``--workers 2``).
+TEST_WORKERS = os.environ.get("SEEDANCE_TEST_WORKERS", "")
+
+
+def one_process_only(why: str) -> pytest.MarkDecorator:
+    """Skip a test under ``SEEDANCE_TEST_WORKERS``: what it starts is refused with workers."""
+    return pytest.mark.skipif(bool(TEST_WORKERS), reason=f"--workers: {why}")
+
+
 class ServerProcess:
     """``seedance serve`` in a subprocess (for signals and the CLI)."""
 
@@ -155,6 +166,16 @@ class ServerProcess:
     ) -> None:
         """``preexec`` runs in the child before it starts (a lower resource limit, say);
         ``prefix`` comes before the command (``ip netns exec NS``)."""
+        if TEST_WORKERS and "--workers" not in args:
+            args = ("--workers", TEST_WORKERS, *args)
+
+        # A group of its own: SIGSTOP and SIGCONT reach all of a node's processes (a frozen
+        # machine), its workers and engine process included.
+        def in_a_group() -> None:
+            os.setpgrp()
+            if preexec is not None:
+                preexec()
+
         self.proc = subprocess.Popen(
             [*prefix, SEEDANCE, "serve", "--port", "0", *args],
             stdout=subprocess.PIPE,
@@ -162,7 +183,7 @@ class ServerProcess:
             text=True,
             # The synthetic engine unless a test names another (the default loads a model).
             env={**os.environ, "SEEDANCE_ENGINE": "synthetic", **(env or {})},
-            preexec_fn=preexec,
+            preexec_fn=in_a_group,
         )
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -197,7 +218,10 @@ class ServerProcess:
         return "".join(self.lines)
 
     def signal(self, sig: int = signal.SIGTERM) -> None:
-        self.proc.send_signal(sig)
+        if sig in (signal.SIGSTOP, signal.SIGCONT):  # the whole node freezes, or wakes
+            os.killpg(self.proc.pid, sig)
+        else:
+            self.proc.send_signal(sig)
 
     async def logged(self, text: str, timeout_s: float = 10) -> None:
         """Return once the server's output has a line with ``text``."""

@@ -298,9 +298,6 @@ class Outbound:
         if self._held:  # the window's frames first: a reply's last tokens and its end, say
             self.release_held(then=frame)
             return
-        self._put(frame)
-
-    def _put(self, frame: OutFrame) -> None:
         if not self._queue and self._direct is not None and self._direct.writable.is_set():
             self._write_now(frame)
             return
@@ -337,10 +334,11 @@ class Outbound:
         else:
             self._soon = None
             frames = (soon, frame) if seal is None else (seal(soon), seal(frame))
-        if self._batch is not None:  # release_held: one write for all
-            self._batch.extend(frames)
-        else:
+        batch = self._batch
+        if batch is None:
             self._direct.write_frames(frames)  # false: closing, and the frames are moot
+        else:  # release_held: one write for all
+            batch.extend(frames)
 
     def token_stream(self, request_id: str) -> TokenStream:
         """The token frames of request ``request_id`` on this connection (its :meth:`TokenStream.
@@ -374,7 +372,7 @@ class Outbound:
                     self.pending_bytes -= stream.size  # counted again if it is queued
                     self._send_stream(stream)
             if then is not None:
-                self._put(then)
+                self.put(then)  # nothing is held now
         finally:
             self._batch = None
         if batch:

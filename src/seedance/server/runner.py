@@ -118,29 +118,14 @@ class SeedanceServer(uvicorn.Server):
         # out of the collector's scans, so a full collection costs in proportion to traffic.
         gc.freeze()
         worker = self.state.config.worker
-        if started and worker is not None:  # the supervisor says where to connect
-            from seedance.server.workers import serving, share_metrics
+        if started:
+            if worker is not None:  # the supervisor says where to connect
+                from seedance.server.workers import share_metrics
 
-            self._metrics_server = await share_metrics(worker, self.state.metrics.render)
-            default = self.state.models[self.state.models.default]
-            logger.info("worker %d serving (pid %d)", worker.index, os.getpid())
-            serving(worker, default.name, default.engine.info.engine)
-        elif started:
-            ws, http = ("wss", "https") if self.tls is not None else ("ws", "http")
-            for host, port in self.bound_addresses():
-                logger.info(
-                    "Seedance %s serving model %s (engine %s): connect to %s://%s:%d/v2/infer "
-                    "(health: %s://%s:%d/healthz)",
-                    __version__,
-                    self.state.models.default,
-                    self.state.models[self.state.models.default].engine.info.engine,
-                    ws,
-                    host,
-                    port,
-                    http,
-                    host,
-                    port,
-                )
+                self._metrics_server = await share_metrics(worker, self.state.metrics.render)
+                logger.info("worker %d serving (pid %d)", worker.index, os.getpid())
+            else:
+                self._announce()
             if self.tls is not None:
                 logger.info("TLS: %s", self.tls.describe())
                 self.tls.start()
@@ -148,7 +133,29 @@ class SeedanceServer(uvicorn.Server):
                 await self._start_http3()
             access = self.state.access
             (logger.warning if access.open else logger.info)("access: %s", access.describe())
+            if worker is not None:
+                from seedance.server.workers import serving
+
+                default = self.state.models[self.state.models.default]
+                serving(worker, default.name, default.engine.info.engine)
         self.started = started
+
+    def _announce(self) -> None:
+        ws, http = ("wss", "https") if self.tls is not None else ("ws", "http")
+        for host, port in self.bound_addresses():
+            logger.info(
+                "Seedance %s serving model %s (engine %s): connect to %s://%s:%d/v2/infer "
+                "(health: %s://%s:%d/healthz)",
+                __version__,
+                self.state.models.default,
+                self.state.models[self.state.models.default].engine.info.engine,
+                ws,
+                host,
+                port,
+                http,
+                host,
+                port,
+            )
 
     async def _start_http3(self) -> None:
         """The QUIC listener on the TCP listener's port number, with its certificate (or a

@@ -24,7 +24,8 @@ The ``seedance serve`` process becomes the supervisor. It serves nothing itself:
   SIGUSR1 (a second one hurries them, a third ends them at once, as for one process); the
   workers ignore SIGTERM and SIGINT themselves, which a terminal's Ctrl-C or a service manager
   sends every process of the group. The supervisor waits for the workers' drains, then stops
-  the engine process and the private Redis.
+  the engine process and the private Redis. A supervisor killed outright (kill -9) takes the
+  workers and the private Redis with it (Linux), as one process's threads go with it.
 
 Each worker is ``python -m seedance.server.workers`` (:mod:`seedance.children`): its settings
 pickled on its standard input, which it watches (the supervisor gone: it drains and ends).
@@ -182,7 +183,8 @@ class Supervisor:
             await asyncio.to_thread(engine.start)  # the model loads once, here
             assert self._loop is not None
             engine.keep_alive(self._loop)
-        return dataclasses.replace(config, worker=WorkerSetup(0, self.count, self._dir, endpoint))
+        setup = WorkerSetup(0, self.count, os.getpid(), self._dir, endpoint)
+        return dataclasses.replace(config, worker=setup)
 
     async def _start_redis(self) -> str:
         path = Path(self._dir) / "redis.sock"
@@ -193,8 +195,12 @@ class Supervisor:
         argv += ["--logfile", str(Path(self._dir) / "redis.log")]
         # A session of its own: a terminal's Ctrl-C (or timeout(1)) signals the group, and
         # Redis must outlive the workers' drain. (Under systemd: KillMode=mixed.)
+        parent = os.getpid()
         self._redis = proc = await asyncio.create_subprocess_exec(
-            *argv, stdin=subprocess.DEVNULL, start_new_session=True
+            *argv,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=lambda: children.die_with_parent(parent),  # no thread runs yet
         )
         deadline = time.monotonic() + 30
         while not path.exists():
@@ -419,6 +425,9 @@ def main() -> int:
     """A worker process's entry point."""
     faulthandler.enable(file=sys.stderr, all_threads=True)
     config: ServerConfig = children.read_setup()
+    assert config.worker is not None
+    # The supervisor is the server: killed (kill -9, the OOM killer), the workers go with it.
+    children.die_with_parent(config.worker.supervisor)
     from seedance.observability.logs import configure_logging
     from seedance.server.runner import build_server, raise_descriptors
 
