@@ -612,10 +612,13 @@ def test_the_relay_suite_measures_both_relays_and_both_browser_transports(tmp_pa
 
 @pytest.mark.timeout(330)  # past quick_suite's own bound, which reports what ran
 @pytest.mark.model
-def test_the_processes_suite_sets_the_engine_process_beside_the_in_process_engine(
+def test_the_processes_suite_sets_an_engine_process_and_workers_beside_one_process(
     tmp_path: Path,
 ) -> None:
     report, progress = quick_suite(tmp_path, 21, timeout_s=300)
     assert "## 21. A node's processes" in report
     assert "| 8 streams | " in report and "The IPC's cost per token: **" in report
     assert "[21b engine process, IPC cost] 2/2: engine process, 64 streams" in progress
+    for row in ("| 1,000 streams of 128 tokens |", "| 500 clients,", "| gateway mode, 32 users |"):
+        assert row in report
+    assert "[21e gateway mode] 2/2: gateway, two workers" in progress
