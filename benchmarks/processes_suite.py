@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from benchmarks.harness import Cell, Load, Report
 
 STREAMS = (1, 8)
+_UNPACED = ("--synthetic-tokens-per-s", "0")
 
 
 def processes_suite(report: Report) -> None:
@@ -120,18 +121,11 @@ def _model(report: Report) -> None:
     )
 
 
-def _synthetic(label: str, key: str, *extra: str) -> Contender:
-    exe = str(Path(sys.executable).with_name("seedance"))
-    argv = [exe, "serve", "--port", "{port}", "--log-level", "warning", "--engine", "synthetic"]
-    argv += ["--synthetic-tokens-per-s", "0", *extra]
-    return Contender(key, label, argv, "/v2/infer", pinned=False)
-
-
 def _ipc(report: Report) -> None:
     seconds = 5 if report.quick else 15
     contenders = [
-        _synthetic("engine in the server's process", "inline"),
-        _synthetic("engine process", "remote", "--engine-process"),
+        _unpinned(seedance("engine in the server's process", "inline", *_UNPACED)),
+        _unpinned(seedance("engine process", "remote", *_UNPACED, "--engine-process")),
     ]
     loads: list[Load] = [
         (
