@@ -109,9 +109,7 @@ async def test_without_a_wait_running_replies_end_retryable(
         error = frames[-1]
         assert error["type"] == "error" and error["request_id"] == "cut"
         assert error["error"]["code"] == "engine_error" and error["error"]["retryable"] is True
-        message = error["error"]["message"]
-        # A worker of --workers N attached to the engine process sees it go, not why.
-        assert "was killed by SIGKILL" in message or "went away" in message, message
+        assert "was killed by SIGKILL" in error["error"]["message"]
         await server.logged("the engine process is back")
         again = await generate(ws, prompt="again", max_tokens=5)  # the same connection
     assert again[-1]["type"] == "done"

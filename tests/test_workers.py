@@ -232,3 +232,13 @@ def test_what_workers_cannot_do_yet_is_refused_at_startup(
     )
     assert done.returncode == 2, done.stderr
     assert "seedance serve: error: --workers 2: " in done.stderr and refused in done.stderr
+
+
+def test_without_redis_anywhere_workers_say_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    from seedance.config import ConfigError, ServerConfig
+    from seedance.server import workers as module
+
+    monkeypatch.setattr(module, "_redis_server", lambda: None)
+    with pytest.raises(ConfigError, match="pass --redis URL, or install redis-server"):
+        module.check(ServerConfig.of(engine="synthetic", workers=2))
+    module.check(ServerConfig.of(engine="synthetic", workers=2, redis_url="redis://h:6379/0"))

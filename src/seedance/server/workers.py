@@ -60,7 +60,7 @@ from prometheus_client.registry import Collector
 from seedance import __version__, children
 from seedance.children import Child, exit_cause
 from seedance.config import ConfigError, ServerConfig, WorkerSetup
-from seedance.engines.core.remote import EngineProcess
+from seedance.engines.core.remote import ENDED_FILE, EngineProcess
 from seedance.engines.local import machine_cores
 from seedance.engines.registry import engine_spec
 from seedance.eventloop import install_uvloop
@@ -180,6 +180,7 @@ class Supervisor:
         if engine_spec(config.engine).local_model or config.engine_process:
             endpoint = f"ipc://{self._dir}/engine"
             self._engine = engine = EngineProcess(config, endpoint)
+            engine.report = Path(self._dir) / ENDED_FILE
             await asyncio.to_thread(engine.start)  # the model loads once, here
             assert self._loop is not None
             engine.keep_alive(self._loop)

@@ -190,6 +190,6 @@ def main() -> int:
     config, endpoint = read_setup()
     from seedance.observability.logs import configure_logging
 
-    configure_logging(config.log_level)
+    configure_logging(config.log_level, "process=engine")
     install_uvloop()
     return asyncio.run(_serve(config, endpoint))

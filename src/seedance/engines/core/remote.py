@@ -21,6 +21,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 import zmq
@@ -58,6 +59,8 @@ STABLE_S: Final = 60.0
 _HELLO_EVERY_S: Final = 0.05
 #: How long a closing engine process may take before it is killed.
 _CLOSE_WAIT_S: Final = 10.0
+#: The file in the workers' folder that says how the last engine process ended.
+ENDED_FILE: Final = "engine-ended"
 #: What a request's queue receives when the engine process running it died.
 _LOST: Final = None
 
@@ -80,6 +83,9 @@ class EngineProcess:
         self._crashes = 0  # in a row, each within STABLE_S of its start
         self._stopping = False
         self._restart: asyncio.Task[None] | None = None
+        #: Where to write how a process ended (its pid, then the cause), for servers that
+        #: attached to it and see it go without seeing why (None: nobody attaches).
+        self.report: Path | None = None
 
     def start(self) -> wire.Ready:
         """Start the process and wait until it serves (its model loaded): its
@@ -130,6 +136,9 @@ class EngineProcess:
             lived_s,
             delay,
         )
+        if self.report is not None:  # for the workers attached to it
+            with contextlib.suppress(OSError):
+                self.report.write_text(f"{proc.pid} {self.cause}")
         self.on_down(self.cause)
         self._restart = asyncio.create_task(self._start_again(delay))
 
@@ -309,7 +318,7 @@ class RemoteEngine(Engine):
 
     def health(self) -> EngineHealth:
         if self.epoch is None:
-            return EngineHealth(False, f"the engine process {self._down}; it is restarting")
+            return EngineHealth(False, f"the engine process {self._why()}; it is restarting")
         return EngineHealth(self._stats.ok, self._stats.detail)
 
     def unfinished_requests(self) -> int | None:
@@ -351,8 +360,9 @@ class RemoteEngine(Engine):
                 if not ended and self.epoch == epoch:  # the consumer went away: stop it there
                     self._send(wire.Cancel(epoch, no))
             if crashed or wait_s == 0:
+                await self._learn_why()
                 raise EngineError(
-                    f"the engine process {self._down} while it generated request "
+                    f"the engine process {self._why()} while it generated request "
                     f"{request.request_id}; retry"
                 )
             crashed = True
@@ -382,7 +392,7 @@ class RemoteEngine(Engine):
         if self._closing:
             raise EngineError("the server is shutting down")
         if self.epoch is None:
-            raise EngineError(f"the engine process {self._down} and is not back yet; retry")
+            raise EngineError(f"the engine process {self._why()} and is not back yet; retry")
         return self.epoch
 
     async def _receive_forever(self) -> None:
@@ -439,6 +449,28 @@ class RemoteEngine(Engine):
         finally:
             socket.disable_monitor()
             monitor.close()
+
+    async def _learn_why(self, tries: int = 100) -> None:
+        """Give the supervisor a moment (2 s at most) to say how the engine process ended: it
+        learns it just after its workers see the process go (the file it writes is polled:
+        it comes from another process)."""
+        if self.process is not None:
+            return
+        for _ in range(tries):
+            if self._why() != self._down:
+                return
+            await asyncio.sleep(0.02)
+
+    def _why(self) -> str:
+        """How the last engine process ended. One the supervisor of the workers keeps alive
+        ended where only it could see how: it writes that down (:meth:`EngineProcess.report`)."""
+        worker = self.config.worker
+        if self.process is None and worker is not None:
+            with contextlib.suppress(OSError, ValueError):
+                pid, cause = (Path(worker.folder) / ENDED_FILE).read_text().split(" ", 1)
+                if int(pid) == self._lost_epoch:
+                    return cause
+        return self._down
 
     def _lost(self, cause: str) -> None:
         """The engine process died (on the event loop): what ran in it waits for the next."""
