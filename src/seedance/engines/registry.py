@@ -122,7 +122,13 @@ def create_engine(config: ServerConfig) -> Engine:
     if config.engine_process:
         from seedance.engines.core.remote import RemoteEngine
 
-        return RemoteEngine(config, spec, options)
+        front = spec.front
+        if front is None:
+            raise ConfigError(
+                f"--engine-process: the {config.engine} engine cannot run in a process of its "
+                "own (llamacpp and synthetic can)"
+            )
+        return RemoteEngine(config, lambda info: front(config, options, info))
     engine = spec.create(config, options)
     if not isinstance(engine, Engine):
         raise ConfigError(f"engine {config.engine!r} did not return an Engine")

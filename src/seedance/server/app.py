@@ -165,7 +165,7 @@ def create_app(
         body = state.metrics.render()
         worker = state.config.worker
         if worker is not None:  # one of --workers N: the whole server's, every worker's summed
-            from seedance.server.workers import all_metrics
+            from seedance.server.siblings import all_metrics
 
             body = await all_metrics(worker, body)
         return Response(body, headers={"content-type": METRICS_CONTENT_TYPE})

@@ -120,7 +120,7 @@ class SeedanceServer(uvicorn.Server):
         worker = self.state.config.worker
         if started:
             if worker is not None:  # the supervisor says where to connect
-                from seedance.server.workers import share_metrics
+                from seedance.server.siblings import share_metrics
 
                 self._metrics_server = await share_metrics(worker, self.state.metrics.render)
                 logger.info("worker %d serving (pid %d)", worker.index, os.getpid())
@@ -134,7 +134,7 @@ class SeedanceServer(uvicorn.Server):
             access = self.state.access
             (logger.warning if access.open else logger.info)("access: %s", access.describe())
             if worker is not None:
-                from seedance.server.workers import serving
+                from seedance.server.siblings import serving
 
                 default = self.state.models[self.state.models.default]
                 serving(worker, default.name, default.engine.info.engine)

@@ -27,8 +27,9 @@ The ``seedance serve`` process becomes the supervisor. It serves nothing itself:
   the engine process and the private Redis. A supervisor killed outright (kill -9) takes the
   workers and the private Redis with it (Linux), as one process's threads go with it.
 
-Each worker is ``python -m seedance.server.workers`` (:mod:`seedance.children`): its settings
-pickled on its standard input, which it watches (the supervisor gone: it drains and ends).
+Each worker is ``python -m seedance.server.worker`` (:mod:`seedance.children`): its settings
+pickled on its standard input. What the workers share with each other (the port, the word that
+they serve, their metrics) is :mod:`seedance.server.siblings`.
 """
 
 from __future__ import annotations
@@ -36,26 +37,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import faulthandler
 import logging
 import os
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
-
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.metrics_core import Metric
-from prometheus_client.parser import text_string_to_metric_families
-from prometheus_client.registry import Collector
 
 from seedance import __version__, children
 from seedance.children import Child, exit_cause
@@ -64,6 +56,7 @@ from seedance.engines.core.remote import ENDED_FILE, EngineProcess
 from seedance.engines.local import machine_cores
 from seedance.engines.registry import engine_spec
 from seedance.eventloop import install_uvloop
+from seedance.server.siblings import bind_shared, serving_what
 
 logger = logging.getLogger("seedance")
 
@@ -145,7 +138,7 @@ class Supervisor:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop)
         try:
-            holder = _bind(self.config.host, self.config.port)  # the port, chosen once
+            holder = bind_shared(self.config.host, self.config.port)  # the port, chosen once
         except OSError as exc:
             logger.error("cannot listen on %s:%d: %s", self.config.host, self.config.port, exc)
             return 1
@@ -228,7 +221,7 @@ class Supervisor:
     def _start(self, config: ServerConfig, index: int, crashes: int = 0) -> None:
         assert config.worker is not None and self._loop is not None
         setup = dataclasses.replace(config.worker, index=index)
-        proc = children.spawn("seedance.server.workers", dataclasses.replace(config, worker=setup))
+        proc = children.spawn("seedance.server.worker", dataclasses.replace(config, worker=setup))
         self.workers[index] = _Worker(index, proc, time.monotonic(), crashes)
         self._worker_config = config
         children.watch(proc, self._loop, lambda p: self._ended(index, p))
@@ -242,7 +235,7 @@ class Supervisor:
                 self._stop()
                 return False
             for worker in self.workers.values():
-                serves = _serving(self._dir, worker.proc.pid)
+                serves = serving_what(self._dir, worker.proc.pid)
                 if serves is not None:
                     self.ready.add(worker.index)
                     self.serves = serves
@@ -311,146 +304,3 @@ class Supervisor:
 
 def _redis_server() -> str | None:
     return shutil.which("redis-server") or shutil.which("redis-server", path="/usr/sbin:/sbin")
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    """A socket bound to ``host:port`` with ``SO_REUSEPORT``, not listening: what a worker
-    listens on, or (the supervisor's) what holds the port while the workers come and go."""
-    family, kind, proto, _, address = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    )[0]
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    if family == socket.AF_INET6:
-        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-    sock.bind(address)
-    return sock
-
-
-def _serving(folder: str, pid: int) -> tuple[str, str] | None:
-    """What worker ``pid`` serves (its model and engine), once it serves."""
-    try:
-        model, engine = (Path(folder) / f"serving-{pid}").read_text().rsplit(" ", 1)
-    except (FileNotFoundError, ValueError):  # not yet, or half written
-        return None
-    return model, engine
-
-
-# --------------------------------------------------------------------------- a worker
-
-
-def serving(setup: WorkerSetup, model: str, engine: str) -> None:
-    """In a worker, once it serves: tell the supervisor (and what it serves)."""
-    (Path(setup.folder) / f"serving-{os.getpid()}").write_text(f"{model} {engine}")
-
-
-async def share_metrics(setup: WorkerSetup, render: Callable[[], bytes]) -> asyncio.Server:
-    """In a worker: hand this worker's metrics to the other workers (a Unix socket in the
-    supervisor's private folder; each connection gets the text and is closed)."""
-
-    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        writer.write(render())
-        with contextlib.suppress(OSError):
-            await writer.drain()
-        writer.close()
-
-    path = Path(setup.folder) / f"metrics-{setup.index}.sock"
-    path.unlink(missing_ok=True)  # this worker's predecessor's
-    return await asyncio.start_unix_server(answer, path=str(path))
-
-
-async def all_metrics(setup: WorkerSetup, own: bytes) -> bytes:
-    """In a worker: ``/metrics`` for the whole server, every worker's added up (a counter, a
-    gauge, a histogram's buckets: summed; a start time: the earliest). A worker that does not
-    answer within a second (dead, starting again) is left out."""
-
-    async def fetch(path: Path) -> bytes:
-        reader, writer = await asyncio.open_unix_connection(str(path))
-        try:
-            return await reader.read()
-        finally:
-            writer.close()
-
-    folder = Path(setup.folder)
-    others = [folder / f"metrics-{i}.sock" for i in range(setup.count) if i != setup.index]
-    texts = [own]
-    for result in await asyncio.gather(
-        *(asyncio.wait_for(fetch(path), 1.0) for path in others), return_exceptions=True
-    ):
-        if isinstance(result, bytes):
-            texts.append(result)
-    return merge_metrics([text.decode() for text in texts])
-
-
-def merge_metrics(texts: list[str]) -> bytes:
-    """Prometheus text expositions added up into one (see :func:`all_metrics`)."""
-    families: dict[str, Metric] = {}
-    values: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]] = {}
-    for text in texts:
-        for family in text_string_to_metric_families(text):
-            if family.name not in families:
-                families[family.name] = Metric(
-                    family.name, family.documentation, family.type, family.unit
-                )
-                values[family.name] = {}
-            table = values[family.name]
-            for sample in family.samples:
-                key = (sample.name, tuple(sorted(sample.labels.items())))
-                earlier = table.get(key)
-                if earlier is None:
-                    table[key] = sample.value
-                elif sample.name.endswith(("_start_time_seconds", "_created")):
-                    table[key] = min(earlier, sample.value)
-                elif family.type in ("info", "stateset"):
-                    table[key] = max(earlier, sample.value)
-                else:
-                    table[key] = earlier + sample.value
-    for name, family in families.items():
-        for (sample_name, labels), value in values[name].items():
-            family.add_sample(sample_name, dict(labels), value)
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Families(list(families.values())))
-    return generate_latest(registry)
-
-
-class _Families(Collector):
-    def __init__(self, families: list[Metric]) -> None:
-        self.families = families
-
-    def collect(self) -> list[Metric]:
-        return self.families
-
-
-def main() -> int:
-    """A worker process's entry point."""
-    faulthandler.enable(file=sys.stderr, all_threads=True)
-    config: ServerConfig = children.read_setup()
-    assert config.worker is not None
-    # The supervisor is the server: killed (kill -9, the OOM killer), the workers go with it.
-    children.die_with_parent(config.worker.supervisor)
-    from seedance.observability.logs import configure_logging
-    from seedance.server.runner import build_server, raise_descriptors
-
-    assert config.worker is not None
-    configure_logging(config.log_level, f"worker={config.worker.index}")
-    raise_descriptors()
-    try:
-        server = build_server(config)
-    except ConfigError as exc:
-        logger.error("worker: %s", exc.message)
-        return 2
-
-    def supervisor_gone() -> None:
-        with contextlib.suppress(OSError):
-            while os.read(sys.stdin.fileno(), 4096):
-                pass
-        server.handle_exit(signal.SIGUSR1, None)
-
-    threading.Thread(target=supervisor_gone, name="supervisor", daemon=True).start()
-    server.run(sockets=[_bind(config.host, config.port)])
-    return 0 if server.started else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

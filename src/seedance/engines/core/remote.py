@@ -22,7 +22,7 @@ import tempfile
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Final
 
 import zmq
 import zmq.asyncio
@@ -47,7 +47,6 @@ from seedance.protocol.tools import CallFormat, Tools
 
 if TYPE_CHECKING:
     from seedance.config import ServerConfig
-    from seedance.engines.registry import EngineSpec
 
 logger = logging.getLogger(__name__)
 
@@ -189,12 +188,8 @@ class RemoteEngine(Engine):
     checks schemas and answers ``/tokenize`` here; the engine process does the rest.
     """
 
-    def __init__(self, config: ServerConfig, spec: EngineSpec[Any], options: Any) -> None:
-        if spec.front is None:
-            raise ConfigError(
-                f"--engine-process: the {config.engine} engine cannot run in a "
-                "process of its own (llamacpp and synthetic can)"
-            )
+    def __init__(self, config: ServerConfig, front: Callable[[ModelInfo], Engine]) -> None:
+        """``front(info)``: the engine's front for the model the engine process serves."""
         self.config = config
         self._dir: str | None = None
         #: The engine process this server started (None: it attaches to one at
@@ -211,7 +206,7 @@ class RemoteEngine(Engine):
         try:
             if self.process is not None:
                 ready = self.process.start()
-            self.front = spec.front(config, options, ready.info)
+            self.front = front(ready.info)
         except BaseException:
             self._forget_process()
             raise

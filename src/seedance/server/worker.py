@@ -1,0 +1,52 @@
+"""A worker process of ``seedance serve --workers N``: ``python -m seedance.server.worker``,
+started by the supervisor (:mod:`seedance.server.workers`)."""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import logging
+import os
+import signal
+import sys
+import threading
+
+from seedance import children
+from seedance.config import ConfigError, ServerConfig
+from seedance.server.siblings import bind_shared
+
+logger = logging.getLogger("seedance")
+
+
+def main() -> int:
+    """A worker process's entry point."""
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+    config: ServerConfig = children.read_setup()
+    assert config.worker is not None
+    # The supervisor is the server: killed (kill -9, the OOM killer), the workers go with it.
+    children.die_with_parent(config.worker.supervisor)
+    from seedance.observability.logs import configure_logging
+    from seedance.server.runner import build_server, raise_descriptors
+
+    assert config.worker is not None
+    configure_logging(config.log_level, f"worker={config.worker.index}")
+    raise_descriptors()
+    try:
+        server = build_server(config)
+    except ConfigError as exc:
+        logger.error("worker: %s", exc.message)
+        return 2
+
+    def supervisor_gone() -> None:
+        with contextlib.suppress(OSError):
+            while os.read(sys.stdin.fileno(), 4096):
+                pass
+        server.handle_exit(signal.SIGUSR1, None)
+
+    threading.Thread(target=supervisor_gone, name="supervisor", daemon=True).start()
+    server.run(sockets=[bind_shared(config.host, config.port)])
+    return 0 if server.started else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
