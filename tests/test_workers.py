@@ -234,6 +234,29 @@ def test_what_workers_cannot_do_yet_is_refused_at_startup(
     assert "seedance serve: error: --workers 2: " in done.stderr and refused in done.stderr
 
 
+def test_a_worker_that_cannot_start_stops_the_server_at_once(tmp_path: Any) -> None:
+    """A setting only a worker checks (a certificate file that is not PEM): the server ends
+    with status 2 and the worker's reason, instead of starting it again and again."""
+    import subprocess
+
+    tool("redis-server", "redis-server")
+    bad = tmp_path / "bad.pem"
+    bad.write_text("not a certificate")
+    done = subprocess.run(
+        [
+            *(SEEDANCE, "serve", "--engine", "synthetic", "--workers", "2", "--port", "0"),
+            *("--tls-cert", str(bad), "--tls-key", str(bad)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    assert f"--tls-cert: no PEM certificate in {bad}" in done.stderr
+    assert "while starting (its lines above say why): stopping" in done.stderr
+    assert "killed by" not in done.stderr  # the other worker ended as asked
+
+
 def test_without_redis_anywhere_workers_say_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:
     from seedance.config import ConfigError, ServerConfig
     from seedance.server import workers as module

@@ -21,6 +21,13 @@ logger = logging.getLogger("seedance")
 def main() -> int:
     """A worker process's entry point."""
     faulthandler.enable(file=sys.stderr, all_threads=True)
+    # Until the server runs (uvicorn's capture_signals then takes over): the supervisor's stop
+    # is an exit (nothing is served yet; one that came before this line closed the input, read
+    # once the server runs), and a SIGINT or SIGTERM to the whole group is the supervisor's to
+    # pass on.
+    signal.signal(signal.SIGUSR1, lambda sig, frame: os._exit(0))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     config: ServerConfig = children.read_setup()
     assert config.worker is not None
     # The supervisor is the server: killed (kill -9, the OOM killer), the workers go with it.
@@ -35,7 +42,8 @@ def main() -> int:
         server = build_server(config)
     except ConfigError as exc:
         logger.error("worker: %s", exc.message)
-        return 2
+        logging.shutdown()
+        os._exit(2)  # now: the supervisor's stop (SIGUSR1) may be on its way
 
     def supervisor_gone() -> None:
         with contextlib.suppress(OSError):

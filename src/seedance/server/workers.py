@@ -122,6 +122,8 @@ class Supervisor:
         self._redis: asyncio.subprocess.Process | None = None
         self._engine: EngineProcess | None = None
         self._stopping = False
+        self._failed: int | None = None  # how a worker that could not start ended
+        self._worker_config: ServerConfig | None = None
         self._signals = 0
         self._changed = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -137,6 +139,9 @@ class Supervisor:
         loop = self._loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop)
+        # Workers start with SIGUSR1 ignored (inherited), until they can take it: a stop while
+        # they start also ends their input, which they read once they serve.
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
         try:
             holder = bind_shared(self.config.host, self.config.port)  # the port, chosen once
         except OSError as exc:
@@ -148,11 +153,10 @@ class Supervisor:
             for index in range(self.count):
                 self._start(config, index)
             if not await self._all_ready():
-                return 1
+                await self._workers_gone()
+                return 2 if self._failed == 2 else 1  # 2: a worker's settings were refused
             self._announce(port)
-            while not (self._stopping and not self.workers):
-                self._changed.clear()
-                await self._changed.wait()
+            await self._workers_gone()
             logger.info("every worker stopped")
             return 0
         except ConfigError as exc:
@@ -227,11 +231,19 @@ class Supervisor:
         children.watch(proc, self._loop, lambda p: self._ended(index, p))
         logger.info("worker %d started (pid %d)", index, proc.pid)
 
+    async def _workers_gone(self) -> None:
+        while not (self._stopping and not self.workers):
+            self._changed.clear()
+            await self._changed.wait()
+
     async def _all_ready(self) -> bool:
         """Wait until every worker serves; false (and all stopped) if one ended first."""
         deadline = time.monotonic() + START_TIMEOUT_S
         while len(self.ready) < self.count:
-            if self._stopping or time.monotonic() > deadline:
+            if self._stopping:
+                return False
+            if time.monotonic() > deadline:
+                logger.error("the workers did not start within %.0f s", START_TIMEOUT_S)
                 self._stop()
                 return False
             for worker in self.workers.values():
@@ -271,6 +283,16 @@ class Supervisor:
         if self._stopping:
             logger.info("worker %d (pid %d) %s", index, proc.pid, exit_cause(proc.returncode))
             return
+        if len(self.ready) < self.count:  # still starting: what stops one stops them all
+            logger.error(
+                "worker %d (pid %d) %s while starting (its lines above say why): stopping",
+                index,
+                proc.pid,
+                exit_cause(proc.returncode),
+            )
+            self._failed = proc.returncode
+            self._stop()
+            return
         lived_s = time.monotonic() - worker.started_at
         crashes = 1 if lived_s >= STABLE_S else worker.crashes + 1
         delay = 0.0 if crashes == 1 else min(MAX_BACKOFF_S, 0.5 * 2 ** (crashes - 2))
@@ -288,6 +310,7 @@ class Supervisor:
 
     def _start_again(self, index: int, crashes: int) -> None:
         if not self._stopping and index not in self.workers:
+            assert self._worker_config is not None
             self._start(self._worker_config, index, crashes)
 
     def _stop(self) -> None:
@@ -299,6 +322,10 @@ class Supervisor:
         for worker in self.workers.values():
             with contextlib.suppress(ProcessLookupError):
                 worker.proc.send_signal(signal.SIGUSR1)
+            starting = len(self.ready) < self.count  # a worker may not take SIGUSR1 yet
+            if starting and worker.proc.stdin is not None:
+                with contextlib.suppress(OSError):
+                    worker.proc.stdin.close()
         self._changed.set()
 
 
