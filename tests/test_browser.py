@@ -180,7 +180,8 @@ async def test_the_sdk_embeds_and_reads_typed_output(
             const reply = session.generate("Is the sky blue?", {schema, logprobs: 2, max_tokens: 20});
             const chunks = [];
             for await (const chunk of reply) chunks.push(chunk.logprobs.length === chunk.n);
-            const counted = session.generate("Hi", {max_tokens: 8, tensors: ["token_ids"]});
+            const counted = session.generate("Hi", {max_tokens: 8, ignore_eos: true,
+                                                    tensors: ["token_ids"]});
             const sampled = [];
             const idChunks = [];
             for await (const chunk of counted) {
