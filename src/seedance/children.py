@@ -24,6 +24,11 @@ logger = logging.getLogger(__name__)
 
 Child = subprocess.Popen[bytes]
 
+#: The longest wait before a child that keeps dying is started again.
+MAX_BACKOFF_S = 30.0
+#: A child that lived this long starts its count of crashes afresh.
+STABLE_S = 60.0
+
 
 def spawn(module: str, setup: Any) -> Child:
     """Start ``python -m module`` and hand it ``setup``."""
@@ -78,6 +83,15 @@ def die_with_parent(parent: int) -> None:
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if os.getppid() != parent:
         os._exit(1)
+
+
+def restart_delay(crashes: int, lived_s: float) -> tuple[int, float]:
+    """A child died after ``lived_s``, the ``crashes``-th of a row before it: its crashes in a
+    row now, and how long to wait before starting it again (at once the first time, then 0.5 s
+    doubling up to :data:`MAX_BACKOFF_S`; a child that lived :data:`STABLE_S` starts a new
+    row)."""
+    crashes = 1 if lived_s >= STABLE_S else crashes + 1
+    return crashes, 0.0 if crashes == 1 else min(MAX_BACKOFF_S, 0.5 * 2 ** (crashes - 2))
 
 
 def exit_cause(returncode: int) -> str:

@@ -60,10 +60,6 @@ from seedance.server.siblings import bind_shared, serving_what
 
 logger = logging.getLogger("seedance")
 
-#: The longest wait before starting a crashing worker again.
-MAX_BACKOFF_S: Final = 30.0
-#: A worker that lived this long starts its crash count afresh.
-STABLE_S: Final = 60.0
 #: How long workers may take to start (a model engine's workers wait for its engine process).
 START_TIMEOUT_S: Final = 300.0
 
@@ -294,8 +290,7 @@ class Supervisor:
             self._stop()
             return
         lived_s = time.monotonic() - worker.started_at
-        crashes = 1 if lived_s >= STABLE_S else worker.crashes + 1
-        delay = 0.0 if crashes == 1 else min(MAX_BACKOFF_S, 0.5 * 2 ** (crashes - 2))
+        crashes, delay = children.restart_delay(worker.crashes, lived_s)
         logger.error(
             "worker %d (pid %d) %s after %.1f s; its connections are lost (their clients "
             "reconnect to another worker); starting it again in %.1f s",

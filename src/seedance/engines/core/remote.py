@@ -2,12 +2,12 @@
 
 When the engine process dies (a signal, an abort, an out-of-memory kill), every connection
 stays open: the server logs the cause and what was running, ``/healthz`` answers 503, and the
-process is started again (at once the first time, then with a backoff doubling up to
-:data:`MAX_BACKOFF_S` while it keeps dying, the count forgotten after :data:`STABLE_S` of
-life). Each running request waits for it at most ``--engine-restart-wait`` seconds and then
-goes on from its last token: the reply so far becomes the prompt's continuation, and the new
-tokens are a new sample after it. A request that meets a second crash, or a restart that takes
-longer than the wait, ends with ``engine_error`` (retryable). New requests wait the same way.
+process is started again (at once the first time, then with a backoff while it keeps dying:
+:func:`seedance.children.restart_delay`). Each running request waits for it at most
+``--engine-restart-wait`` seconds and then goes on from its last token: the reply so far
+becomes the prompt's continuation, and the new tokens are a new sample after it. A request
+that meets a second crash, or a restart that takes longer than the wait, ends with
+``engine_error`` (retryable). New requests wait the same way.
 """
 
 from __future__ import annotations
@@ -50,10 +50,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: The longest wait before starting a crashing engine process again.
-MAX_BACKOFF_S: Final = 30.0
-#: An engine process that lived this long starts its crash count afresh.
-STABLE_S: Final = 60.0
 #: How often the server says hello to an engine process that has not answered yet.
 _HELLO_EVERY_S: Final = 0.05
 #: How long a closing engine process may take before it is killed.
@@ -73,13 +69,11 @@ class EngineProcess:
         self.endpoint = endpoint
         self.proc: Child | None = None
         self.started_at = 0.0
-        #: How the last process ended (empty: none has).
-        self.cause = ""
         #: Told on the event loop when the process died (its cause), and when a new one was
         #: started (not yet serving: say hello).
         self.on_down: Callable[[str], None] = lambda cause: None
         self.on_up: Callable[[], None] = lambda: None
-        self._crashes = 0  # in a row, each within STABLE_S of its start
+        self._crashes = 0  # in a row (children.restart_delay)
         self._stopping = False
         self._restart: asyncio.Task[None] | None = None
         #: Where to write how a process ended (its pid, then the cause), for servers that
@@ -125,20 +119,19 @@ class EngineProcess:
         if self._stopping or proc is not self.proc:
             return
         lived_s = time.monotonic() - self.started_at
-        self._crashes = 1 if lived_s >= STABLE_S else self._crashes + 1
-        delay = 0.0 if self._crashes == 1 else min(MAX_BACKOFF_S, 0.5 * 2 ** (self._crashes - 2))
-        self.cause = exit_cause(proc.returncode)
+        self._crashes, delay = children.restart_delay(self._crashes, lived_s)
+        cause = exit_cause(proc.returncode)
         logger.error(
             "the engine process (pid %d) %s after %.1f s; starting it again in %.1f s",
             proc.pid,
-            self.cause,
+            cause,
             lived_s,
             delay,
         )
         if self.report is not None:  # for the workers attached to it
             with contextlib.suppress(OSError):
-                self.report.write_text(f"{proc.pid} {self.cause}")
-        self.on_down(self.cause)
+                self.report.write_text(f"{proc.pid} {cause}")
+        self.on_down(cause)
         self._restart = asyncio.create_task(self._start_again(delay))
 
     async def _start_again(self, delay_s: float) -> None:
@@ -192,8 +185,8 @@ class RemoteEngine(Engine):
         """``front(info)``: the engine's front for the model the engine process serves."""
         self.config = config
         self._dir: str | None = None
-        #: The engine process this server started (None: it attaches to one at
-        #: the one the supervisor of the workers keeps alive).
+        #: The engine process this server started (None: it attaches to the one the
+        #: supervisor of the workers keeps alive).
         self.process: EngineProcess | None = None
         worker = config.worker
         if worker is not None and worker.engine_endpoint is not None:
