@@ -13,6 +13,7 @@ Engines are found by name through the ``seedance.engines`` entry point group (se
 from __future__ import annotations
 
 import abc
+import dataclasses
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -133,6 +134,20 @@ class GenerationRequest:
     #: the request on under their name (the relay binds them into its token).
     tenant: str = ""
     session_id: str | None = None
+
+    def continued(self, text: str, tokens: int) -> GenerationRequest | None:
+        """This request again, going on after ``text`` (``tokens`` of the reply made
+        already, by a node that died or an engine process that did): it becomes the prompt's
+        continuation and counts against ``max_tokens``. None: ``max_tokens`` is spent."""
+        params = self.params
+        if tokens >= params.max_tokens:
+            return None
+        return dataclasses.replace(
+            self,
+            params=dataclasses.replace(params, max_tokens=params.max_tokens - tokens),
+            continuation=self.continuation + text,
+            continuation_tokens=self.continuation_tokens + tokens,
+        )
 
 
 @dataclass(slots=True)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import itertools
 import logging
 import shutil
@@ -354,7 +353,7 @@ class RemoteEngine(Engine):
                     f"{request.request_id}; retry"
                 )
             crashed = True
-            attempt = _continued(request, texts, tokens)
+            attempt = request.continued("".join(texts), tokens)
             logger.info(
                 "request %s waits for the engine process and goes on after %d token(s)",
                 request.request_id,
@@ -476,19 +475,3 @@ class RemoteEngine(Engine):
             )
         for queue in self._runs.values():
             queue.put_nowait(_LOST)
-
-
-def _continued(
-    request: GenerationRequest, texts: list[str], tokens: int
-) -> GenerationRequest | None:
-    """``request`` again from where it was: the reply so far is the prompt's continuation
-    (None: it had all its tokens)."""
-    params = request.params
-    if tokens >= params.max_tokens:
-        return None
-    return dataclasses.replace(
-        request,
-        params=dataclasses.replace(params, max_tokens=params.max_tokens - tokens),
-        continuation=request.continuation + "".join(texts),
-        continuation_tokens=request.continuation_tokens + tokens,
-    )

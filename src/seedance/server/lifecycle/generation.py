@@ -17,7 +17,6 @@ resumable leaving ends it with nothing more.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from concurrent.futures import Future
@@ -414,11 +413,6 @@ class Generation:
         clock = time.monotonic
         params = SamplingParams.of(message, prompt.unset, self.tools)
         requester = self.requester
-        already = self.completion_tokens  # a generation taken over: the reply so far
-        if already:
-            if already >= params.max_tokens:
-                return "length"
-            params = dataclasses.replace(params, max_tokens=params.max_tokens - already)
         request = GenerationRequest(
             request_id=self.request_id,
             messages=prompt.messages,
@@ -427,14 +421,18 @@ class Generation:
             priority=message.priority,
             qos_class=self.qos.service_class if self.qos is not None else None,
             raw=prompt.raw,
-            continuation="".join(log.texts) if already else "",
-            continuation_tokens=already,
             prompt_ids=None if message.prompt_ids is None else tuple(message.prompt_ids),
             traceparent=self.trace.traceparent,
             tracestate=self.trace.tracestate,
             tenant=requester.tenant,
             session_id=None if requester.session is None else requester.session.session_id,
         )
+        already = self.completion_tokens  # a generation taken over: the reply so far
+        if already:
+            continued = request.continued("".join(log.texts), already)
+            if continued is None:
+                return "length"
+            request = continued
         stream = requester.model.engine.generate(request)
         if self.modules is not None and self.modules.filters:
             stream = self.modules.filter(stream)
