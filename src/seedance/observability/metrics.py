@@ -206,6 +206,13 @@ class Metrics:
         return generate_latest(self.registry)
 
 
+def render_families(families: Iterable[Metric]) -> bytes:
+    """Metric families made elsewhere (another process's, added up), in the text format."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Live(lambda: families))
+    return generate_latest(registry)
+
+
 class _Live(Collector):
     def __init__(self, collect: Callable[[], Iterable[Metric]]) -> None:
         self._collect = collect

@@ -11,12 +11,11 @@ import socket
 from collections.abc import Callable
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
-from prometheus_client.registry import Collector
 
 from seedance.config import WorkerSetup
+from seedance.observability.metrics import render_families
 
 
 def bind_shared(host: str, port: int) -> socket.socket:
@@ -112,14 +111,4 @@ def merge_metrics(texts: list[str]) -> bytes:
     for name, family in families.items():
         for (sample_name, labels), value in values[name].items():
             family.add_sample(sample_name, dict(labels), value)
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Families(list(families.values())))
-    return generate_latest(registry)
-
-
-class _Families(Collector):
-    def __init__(self, families: list[Metric]) -> None:
-        self.families = families
-
-    def collect(self) -> list[Metric]:
-        return self.families
+    return render_families(families.values())
