@@ -201,9 +201,8 @@ def _serve(args: argparse.Namespace) -> int:
         configure_logging(config.log_level)
         from seedance.server.workers import Supervisor, worker_count
 
-        if worker_count(config) > 1:
-            supervisor = Supervisor(config)
-        else:
+        supervisor = Supervisor(config) if worker_count(config) > 1 else None
+        if supervisor is None:
             from seedance.server.runner import build_server, raise_descriptors
 
             raise_descriptors()
@@ -211,7 +210,7 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"seedance {args.command}: error: {exc.message}", file=sys.stderr)
         return 2
-    if worker_count(config) > 1:
+    if supervisor is not None:
         return supervisor.run()
     try:
         server.run()

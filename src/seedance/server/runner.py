@@ -141,21 +141,9 @@ class SeedanceServer(uvicorn.Server):
         self.started = started
 
     def _announce(self) -> None:
-        ws, http = ("wss", "https") if self.tls is not None else ("ws", "http")
+        default = self.state.models[self.state.models.default]
         for host, port in self.bound_addresses():
-            logger.info(
-                "Seedance %s serving model %s (engine %s): connect to %s://%s:%d/v2/infer "
-                "(health: %s://%s:%d/healthz)",
-                __version__,
-                self.state.models.default,
-                self.state.models[self.state.models.default].engine.info.engine,
-                ws,
-                host,
-                port,
-                http,
-                host,
-                port,
-            )
+            announce(default.name, default.engine.info.engine, self.tls is not None, host, port)
 
     async def _start_http3(self) -> None:
         """The QUIC listener on the TCP listener's port number, with its certificate (or a
@@ -283,6 +271,27 @@ class SeedanceServer(uvicorn.Server):
                 task.cancel()
         if not self.force_exit:
             await self.lifespan.shutdown()
+
+
+def announce(model: str, engine: str, tls: bool, host: str, port: int, workers: int = 1) -> None:
+    """The line that says where to connect (``connect to ws://HOST:PORT/v2/infer``: people
+    and scripts read it), for one process or the supervisor of ``workers``."""
+    ws, http = ("wss", "https") if tls else ("ws", "http")
+    how = f" with {workers} workers" if workers > 1 else ""
+    logger.info(
+        "Seedance %s serving model %s (engine %s)%s: connect to %s://%s:%d/v2/infer "
+        "(health: %s://%s:%d/healthz)",
+        __version__,
+        model,
+        engine,
+        how,
+        ws,
+        host,
+        port,
+        http,
+        host,
+        port,
+    )
 
 
 def build_server(config: ServerConfig, app: Starlette | None = None) -> SeedanceServer:

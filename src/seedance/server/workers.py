@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from seedance import __version__, children
+from seedance import children
 from seedance.children import Child, exit_cause
 from seedance.config import ConfigError, ServerConfig, WorkerSetup
 from seedance.engines.core.remote import ENDED_FILE, EngineProcess
@@ -251,22 +251,10 @@ class Supervisor:
         return True
 
     def _announce(self, port: int) -> None:
-        config = self.config
-        scheme = ("wss", "https") if config.tls.cert is not None else ("ws", "http")
-        host = f"[{config.host}]" if ":" in config.host else config.host
-        logger.info(
-            "Seedance %s serving model %s (engine %s) with %d workers: connect to "
-            "%s://%s:%d/v2/infer (health: %s://%s:%d/healthz)",
-            __version__,
-            *self.serves,
-            self.count,
-            scheme[0],
-            host,
-            port,
-            scheme[1],
-            host,
-            port,
-        )
+        from seedance.server.runner import announce  # uvicorn's and the app's modules
+
+        host, tls = self.config.host, self.config.tls.cert is not None
+        announce(*self.serves, tls, f"[{host}]" if ":" in host else host, port, self.count)
 
     def _ended(self, index: int, proc: Child) -> None:
         worker = self.workers.get(index)
