@@ -359,8 +359,8 @@ class Outbound:
     def release_held(self, then: OutFrame | None = None) -> None:
         """Send the frames the merge window holds (in the order they were held), then
         ``then``: in one write, where the socket takes them now (measured at 1,000 streams of
-        128 tokens: a reply's end no longer costs a write of its own, 1.09 writes a frame to
-        1.02)."""
+        128 tokens: a reply's end no longer costs a write of its own, 1.087 writes a frame to
+        1.033)."""
         held, self._held = self._held, []
         if not self._open:
             return
