@@ -35,7 +35,6 @@ def main() -> int:
     from seedance.observability.logs import configure_logging
     from seedance.server.runner import build_server, raise_descriptors
 
-    assert config.worker is not None
     configure_logging(config.log_level, f"worker={config.worker.index}")
     raise_descriptors()
     try:
