@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.servers import SEEDANCE, RunningServer, ServerProcess
+from tests.support.servers import SEEDANCE, TEST_WORKERS, RunningServer, ServerProcess
 from tests.support.waits import eventually
 from tests.support.ws import (
     assert_seq_contiguous,
@@ -110,7 +110,11 @@ async def test_without_a_wait_running_replies_end_retryable(
         assert error["type"] == "error" and error["request_id"] == "cut"
         assert error["error"]["code"] == "engine_error" and error["error"]["retryable"] is True
         assert "was killed by SIGKILL" in error["error"]["message"]
-        await server.logged("the engine process is back")
+        # Back for every server process attached to it (each worker of SEEDANCE_TEST_WORKERS).
+        attached = int(TEST_WORKERS or 1)
+        await eventually(
+            lambda: server.output.count("the engine process is back") >= attached, 10, "back"
+        )
         again = await generate(ws, prompt="again", max_tokens=5)  # the same connection
     assert again[-1]["type"] == "done"
 
