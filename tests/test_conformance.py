@@ -45,7 +45,8 @@ def _engines() -> list[Any]:
         pytest.param("llamacpp in its own process", marks=pytest.mark.model),
     ]
     if importlib.util.find_spec("torch") and importlib.util.find_spec("transformers"):
-        kinds.append(pytest.param("transformers", marks=[pytest.mark.model, pytest.mark.slow]))
+        for kind in ("transformers", "transformers in its own process"):
+            kinds.append(pytest.param(kind, marks=[pytest.mark.model, pytest.mark.slow]))
     if os.environ.get("SEEDANCE_VLLM_MODEL") and importlib.util.find_spec("vllm"):
         kinds.append(pytest.param("vllm", marks=pytest.mark.model))
     extra = os.environ.get("SEEDANCE_CONFORMANCE_ENGINES", "")
@@ -61,6 +62,8 @@ def _config(kind: str) -> ServerConfig:
         return server_config(**SYNTHETIC)
     if kind == "llamacpp":
         return server_config(engine="llamacpp", parallel=4, n_ctx=4 * 1024)
+    if kind == "transformers":  # as the transformers_server fixture's
+        return server_config(engine="transformers", device="cpu", parallel=4, n_ctx=4 * 1024)
     if kind == "vllm":
         model = os.environ["SEEDANCE_VLLM_MODEL"]
         return server_config(engine="vllm", model_path=model, gpu_memory_utilization=0.5)

@@ -10,6 +10,7 @@ import os
 import re
 import signal
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -17,10 +18,13 @@ import pytest
 from websockets.asyncio.client import ClientConnection
 from websockets.exceptions import ConnectionClosed
 
+from seedance.keyfiles import load_public
+from seedance.observability.audit.verify import verify
 from tests.support.servers import SEEDANCE, ServerProcess
 from tests.support.tools import tool
 from tests.support.waits import eventually
 from tests.support.ws import collect, generate, open_session, wait_closed
+from tests.test_audit import signing_key
 from tests.test_resume import PROMPT, Reading, read, resume
 
 pytestmark = pytest.mark.subprocess
@@ -210,12 +214,47 @@ async def test_the_workers_share_one_engine_process(
     assert server.output.count("engine process started") == 2
 
 
+async def test_the_workers_write_one_audit_chain(
+    workers: Callable[..., ServerProcess], tmp_path: Path
+) -> None:
+    """Both workers append to one signed audit log, one chain in order; a worker killed in the
+    middle leaves a chain the other worker and its replacement continue; the log verifies,
+    sealed, with every request in it."""
+    log, key = tmp_path / "audit.log", signing_key(tmp_path)
+    server = workers("--audit-file", str(log), "--audit-signing-key", str(key))
+    connections = await on_each_worker(server)
+
+    async def requests(ws: ClientConnection, index: int, first: int) -> None:
+        for i in range(first, first + 15):
+            frames = await generate(ws, prompt="p", max_tokens=3, request_id=f"w{index}-{i}")
+            assert frames[-1]["type"] == "done"
+
+    await asyncio.gather(*(requests(ws, index, 0) for index, (ws, _) in connections.items()))
+    dead_pid = worker_pid(server, 0)
+    os.kill(dead_pid, signal.SIGKILL)
+    await eventually(lambda: worker_pid(server, 0) != dead_pid, 10, "a new worker")
+    await server.logged(f"worker 0 serving (pid {worker_pid(server, 0)})")
+    await requests(connections[1][0], 1, 15)
+    again = await on_each_worker(server)  # the new worker 0 writes too
+    await requests(again[0][0], 0, 15)
+    for ws, _ in [*connections.values(), *again.values()]:
+        await ws.close()
+    server.signal(signal.SIGTERM)
+    assert server.wait() == 0
+
+    verdict = verify(log, load_public(key))
+    assert verdict.ok and verdict.message.endswith("sealed"), verdict.message
+    written = [json.loads(line) for line in log.read_text().splitlines()]
+    requests_written = {r["request_id"] for r in written if r["kind"] == "request"}
+    assert {f"w{w}-{i}" for w in (0, 1) for i in range(30)} <= requests_written
+    assert sum(r["kind"] == "start" for r in written) == 3  # two workers, one started again
+
+
 @pytest.mark.parametrize(
     ("flag", "refused"),
     [
-        (("--audit-file", "audit.log"), "--audit-file"),
         (("--http3",), "--http3"),
-        (("--engine", "transformers"), "the transformers engine cannot be shared"),
+        (("--engine", "vllm"), "the vllm engine cannot be shared"),
     ],
 )
 def test_what_workers_cannot_do_yet_is_refused_at_startup(

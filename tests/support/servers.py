@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import pickle
 import re
 import signal
 import socket
@@ -58,7 +59,13 @@ def server_config(**fields: Any) -> ServerConfig:
 
 
 class RunningServer:
-    """A server on 127.0.0.1 with an ephemeral port, served from a background thread."""
+    """A server on 127.0.0.1 with an ephemeral port, served from a background thread.
+
+    Under ``SEEDANCE_TEST_WORKERS=N`` (``make test-workers``) the same settings and engines are
+    served by ``--workers N`` instead, from a supervisor in a subprocess
+    (:mod:`tests.support.supervise`): every test sees the same sockets and URLs. What only one
+    process has (its state, its engine object, its connections) is then not here: a test that
+    reads it is marked :func:`one_process_only`."""
 
     def __init__(
         self,
@@ -67,10 +74,21 @@ class RunningServer:
         tracing: Tracing | None = None,
     ) -> None:
         self.config = dataclasses.replace(config, host="127.0.0.1", port=0)
+        self._process: ServerProcess | None = None
+        if TEST_WORKERS:
+            assert tracing is None, "tracing is one process's: mark the test one_process_only"
+            self._setup = (dataclasses.replace(self.config, workers=int(TEST_WORKERS)), engines)
+            return
         self.app = create_app(self.config, engines=engines, tracing=tracing)
-        self.state: ServerState = self.app.state.seedance
+        self._state: ServerState = self.app.state.seedance
         self.server: SeedanceServer = build_server(self.config, self.app)
         self._thread = threading.Thread(target=self.server.run, name="test-server", daemon=True)
+
+    @property
+    def state(self) -> ServerState:
+        if self._process is not None:
+            raise AttributeError("the workers' state is theirs: mark the test one_process_only")
+        return self._state
 
     @property
     def engine(self) -> Any:
@@ -88,6 +106,17 @@ class RunningServer:
         return limits
 
     def start(self) -> RunningServer:
+        if TEST_WORKERS:
+            self._process = ServerProcess(setup=self._setup)
+            self.port = self._process.port
+        else:
+            self._start_thread()
+        self.url = f"ws://127.0.0.1:{self.port}"
+        self.infer_url = f"{self.url}/v2/infer"
+        self.http_url = f"http://127.0.0.1:{self.port}"
+        return self
+
+    def _start_thread(self) -> None:
         self._thread.start()
         deadline = time.monotonic() + 10
         while not self.server.started:
@@ -95,12 +124,15 @@ class RunningServer:
                 raise RuntimeError("test server did not start")
             time.sleep(0.01)
         _, self.port = self.server.bound_addresses()[0]
-        self.url = f"ws://127.0.0.1:{self.port}"
-        self.infer_url = f"{self.url}/v2/infer"
-        self.http_url = f"http://127.0.0.1:{self.port}"
-        return self
 
     def stop(self) -> None:
+        if self._process is not None:
+            self._process.signal(signal.SIGTERM)
+            try:
+                self._process.wait(timeout=30)
+            finally:
+                self._process.stop()
+            return
         self.server.should_exit = True
         self._thread.join(timeout=30)
 
@@ -163,9 +195,11 @@ class ServerProcess:
         env: dict[str, str] | None = None,
         preexec: Callable[[], None] | None = None,
         prefix: Sequence[str] = (),
+        setup: Any = None,
     ) -> None:
         """``preexec`` runs in the child before it starts (a lower resource limit, say);
-        ``prefix`` comes before the command (``ip netns exec NS``)."""
+        ``prefix`` comes before the command (``ip netns exec NS``). ``setup``: not the
+        command line but :mod:`tests.support.supervise` with these (settings, engines)."""
         if TEST_WORKERS and "--workers" not in args:
             args = ("--workers", TEST_WORKERS, *args)
 
@@ -176,8 +210,12 @@ class ServerProcess:
             if preexec is not None:
                 preexec()
 
+        command = [SEEDANCE, "serve", "--port", "0", *args]
+        if setup is not None:
+            command = [sys.executable, "-m", "tests.support.supervise"]
         self.proc = subprocess.Popen(
-            [*prefix, SEEDANCE, "serve", "--port", "0", *args],
+            [*prefix, *command],
+            stdin=subprocess.PIPE if setup is not None else None,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -185,10 +223,16 @@ class ServerProcess:
             env={**os.environ, "SEEDANCE_ENGINE": "synthetic", **(env or {})},
             preexec_fn=in_a_group,
         )
+        if setup is not None:  # as seedance.children hands it over; the input stays open
+            assert self.proc.stdin is not None
+            data = pickle.dumps(setup)
+            self.proc.stdin.buffer.write(len(data).to_bytes(8, "big") + data)
+            self.proc.stdin.flush()
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
-        deadline = time.monotonic() + 20
+        # A model engine's engine process loads the model before the workers start.
+        deadline = time.monotonic() + (20 if setup is None else 120)
         while True:
             match = next(
                 (

@@ -39,9 +39,15 @@ import llguidance
 import numpy as np
 import numpy.typing as npt
 
-from seedance.engines.base import EngineHealth, GenerationRequest, SamplingParams, TokenDelta
+from seedance.engines.base import (
+    EngineHealth,
+    GenerationRequest,
+    ModelInfo,
+    SamplingParams,
+    TokenDelta,
+)
 from seedance.engines.grammar import Grammars, Masks, check_schema
-from seedance.engines.prompts import PromptedEngine
+from seedance.engines.prompts import PromptedEngine, Prompts
 from seedance.engines.stops import StopMatcher
 from seedance.eventloop import LightQueue
 from seedance.protocol.errors import EngineError
@@ -479,3 +485,23 @@ class BatchedEngine(PromptedEngine):
         if continuation and not matcher.consume_tokens(self.prompts.encode(continuation, False)):
             raise EngineError(f"the reply so far does not fit its schema: {matcher.get_error()}")
         return matcher
+
+
+class BatchedFront(PromptedEngine):
+    """A :class:`BatchedEngine` as a server's process needs it when the model runs in the
+    engine process (``EngineSpec.front``): its prompts and tokenizer alone. It generates
+    nothing; the engine process binds replies to schemas, so it takes every valid one."""
+
+    logprobs = BatchedEngine.logprobs
+    token_ids = BatchedEngine.token_ids
+
+    def __init__(self, info: ModelInfo, prompts: Prompts) -> None:
+        self._info = info
+        self._use_prompts(prompts)
+
+    def check_schema(self, schema: OutputSchema, field: str) -> None:
+        check_schema(schema, field)
+
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
+        raise EngineError(f"the {self.info.engine} front does not generate: its process does")
+        yield  # type: ignore[unreachable]  # an async generator

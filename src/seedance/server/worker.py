@@ -10,9 +10,13 @@ import os
 import signal
 import sys
 import threading
+from typing import TYPE_CHECKING
 
 from seedance import children
 from seedance.config import ConfigError, ServerConfig
+
+if TYPE_CHECKING:
+    from seedance.engines.base import Engine
 from seedance.server.siblings import bind_shared
 
 logger = logging.getLogger("seedance")
@@ -28,17 +32,20 @@ def main() -> int:
     signal.signal(signal.SIGUSR1, lambda sig, frame: os._exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    config: ServerConfig = children.read_setup()
+    config: ServerConfig
+    engines: list[Engine] | None
+    config, engines = children.read_setup()
     assert config.worker is not None
     # The supervisor is the server: killed (kill -9, the OOM killer), the workers go with it.
     children.die_with_parent(config.worker.supervisor)
     from seedance.observability.logs import configure_logging
+    from seedance.server.app import create_app
     from seedance.server.runner import build_server, raise_descriptors
 
     configure_logging(config.log_level, f"worker={config.worker.index}")
     raise_descriptors()
     try:
-        server = build_server(config)
+        server = build_server(config, create_app(config, engines=engines) if engines else None)
     except ConfigError as exc:
         logger.error("worker: %s", exc.message)
         logging.shutdown()

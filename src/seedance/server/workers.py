@@ -12,10 +12,14 @@ The ``seedance serve`` process becomes the supervisor. It serves nothing itself:
   private ``redis-server`` on a Unix socket in a temporary folder (no port, nothing saved) and
   stops it last. A second implementation of those stores for workers alone would be a second
   place for each rule (fencing, quotas, resume across processes) to go wrong.
+- **The audit log.** One file and one chain in order: each worker appends to it under a lock,
+  continuing from the last record whichever worker wrote it
+  (:class:`~seedance.observability.audit.AuditLog`, ``shared``).
 - **The engine.** An engine that loads a model (``EngineSpec.local_model``: ``llamacpp``)
   runs once, in an engine process the supervisor starts and starts again when it dies
   (:class:`~seedance.engines.core.remote.EngineProcess`); each worker attaches to it. Other
-  engines (``synthetic``, gateway mode) run in each worker.
+  engines (``synthetic``, gateway mode) run in each worker, as does an embedding model
+  (``--embedding-model``: small, each worker's on its share of the cores).
 - **A worker that dies** (a signal, an out-of-memory kill) loses its own connections, nothing
   else: the supervisor logs how it ended, tells the engine process to drop its requests, and
   starts it again (at once, then with a backoff while it keeps dying). Its clients reconnect
@@ -28,8 +32,10 @@ The ``seedance serve`` process becomes the supervisor. It serves nothing itself:
   workers and the private Redis with it (Linux), as one process's threads go with it.
 
 Each worker is ``python -m seedance.server.worker`` (:mod:`seedance.children`): its settings
-pickled on its standard input. What the workers share with each other (the port, the word that
-they serve, their metrics) is :mod:`seedance.server.siblings`.
+pickled on its standard input, with a copy of the engines a program gave the supervisor, if it
+gave any (as :func:`~seedance.server.app.create_app` takes them). What the workers share with
+each other (the port, the word that they serve, their metrics) is
+:mod:`seedance.server.siblings`.
 """
 
 from __future__ import annotations
@@ -45,9 +51,10 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from seedance import children
 from seedance.children import Child, exit_cause
@@ -57,6 +64,9 @@ from seedance.engines.local import machine_cores
 from seedance.engines.registry import engine_spec
 from seedance.eventloop import install_uvloop
 from seedance.server.siblings import bind_shared, serving_what
+
+if TYPE_CHECKING:
+    from seedance.engines.base import Engine
 
 logger = logging.getLogger("seedance")
 
@@ -77,21 +87,20 @@ def worker_count(config: ServerConfig) -> int:
     return config.workers or machine_cores()
 
 
-def check(config: ServerConfig) -> None:
-    """Refuse what several workers cannot do yet, before anything starts."""
+def check(config: ServerConfig, own_engines: bool = False) -> None:
+    """Refuse what several workers cannot do yet, before anything starts (``own_engines``:
+    the workers serve engines a program made, not ``config.engine``)."""
     if not hasattr(socket, "SO_REUSEPORT"):
         raise ConfigError(f"--workers {worker_count(config)}: this system has no SO_REUSEPORT")
     refused = [
-        (config.audit.file is not None, "--audit-file (one audit chain for several processes)"),
         (config.tls.http3, "--http3 (QUIC needs one process per connection's packets)"),
         (config.registry.path is not None, "--registry (models loaded per worker)"),
-        (config.embeddings.model is not None, "--embedding-model (a second model engine)"),
     ]
     for refused_now, what in refused:
         if refused_now:
             raise ConfigError(f"--workers {worker_count(config)}: {what} is not supported yet")
     spec = engine_spec(config.engine)
-    if spec.local_model and spec.front is None:
+    if spec.local_model and spec.front is None and not own_engines:
         raise ConfigError(
             f"--workers {worker_count(config)}: the {config.engine} engine cannot be shared by "
             "several workers (it cannot run in an engine process of its own)"
@@ -107,9 +116,12 @@ def check(config: ServerConfig) -> None:
 class Supervisor:
     """Starts the workers (and what they share), keeps them running, stops them."""
 
-    def __init__(self, config: ServerConfig) -> None:
-        check(config)
+    def __init__(self, config: ServerConfig, engines: Sequence[Engine] | None = None) -> None:
+        """``engines``: engines made by a program, not by ``config``: each worker serves a
+        copy of them (pickled), and no engine process starts."""
+        check(config, engines is not None)
         self.config = config
+        self.engines = list(engines) if engines is not None else None
         self.count = worker_count(config)
         self.workers: dict[int, _Worker] = {}
         self.ready: set[int] = set()
@@ -167,10 +179,13 @@ class Supervisor:
     async def _shared(self, port: int) -> ServerConfig:
         """Start the private Redis and the engine process as needed: the workers' settings."""
         config = self.config.replace(workers=1, port=port)
+        if config.embeddings.threads == 0:  # each worker runs its own: a share of the cores
+            config = config.replace(embedding_threads=max(1, machine_cores() // self.count))
         if config.cluster.redis_url is None:
             config = config.replace(redis_url=await self._start_redis())
         endpoint = None
-        if engine_spec(config.engine).local_model or config.engine_process:
+        own_engines = self.engines is not None
+        if not own_engines and (engine_spec(config.engine).local_model or config.engine_process):
             endpoint = f"ipc://{self._dir}/engine"
             self._engine = engine = EngineProcess(config, endpoint)
             engine.report = Path(self._dir) / ENDED_FILE
@@ -221,7 +236,8 @@ class Supervisor:
     def _start(self, config: ServerConfig, index: int, crashes: int = 0) -> None:
         assert config.worker is not None and self._loop is not None
         setup = dataclasses.replace(config.worker, index=index)
-        proc = children.spawn("seedance.server.worker", dataclasses.replace(config, worker=setup))
+        config = dataclasses.replace(config, worker=setup)
+        proc = children.spawn("seedance.server.worker", (config, self.engines))
         self.workers[index] = _Worker(index, proc, time.monotonic(), crashes)
         self._worker_config = config
         children.watch(proc, self._loop, lambda p: self._ended(index, p))

@@ -18,6 +18,8 @@ from seedance.settings import Option
 
 if TYPE_CHECKING:
     from seedance.config import ServerConfig
+    from seedance.engines.base import ModelInfo
+    from seedance.engines.batching import BatchedFront
     from seedance.engines.hf.engine import TransformersEngine
 
 
@@ -70,11 +72,27 @@ def create_engine(config: ServerConfig, options: TransformersOptions) -> Transfo
     )
 
 
+def create_front(
+    config: ServerConfig, options: TransformersOptions, info: ModelInfo
+) -> BatchedFront:
+    """The tokenizer of the model the engine process serves (``--engine-process``)."""
+    from seedance.engines.batching import BatchedFront
+    from seedance.engines.hf.loader import load_tokenizer, require_torch, tokenizer_prompts
+    from seedance.engines.local import chat_template_source, model_source
+
+    require_torch()
+    path, _ = model_source(config.model_path, config.model)
+    template = chat_template_source(options.chat_template)
+    prompts = tokenizer_prompts(load_tokenizer(path), info.context_length, template)
+    return BatchedFront(info, prompts)
+
+
 ENGINE = EngineSpec(
     create_engine,
     TransformersOptions,
     OPTIONS,
     "PyTorch models through Hugging Face transformers, on the CPU or a CUDA GPU "
     "(pip install 'seedance[transformers]').",
+    front=create_front,
     local_model=True,
 )

@@ -7,8 +7,10 @@ is fetched from a hub: a model that is not on disk is an error.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
@@ -67,7 +69,7 @@ def load(path: Path, device_name: str, threads: int, *, causal: bool = True) -> 
     """The model and tokenizer at ``path`` on ``device_name``: a causal LM, or with
     ``causal=False`` the bare transformer (an embedding model's)."""
     import torch
-    from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModel, AutoModelForCausalLM
 
     device = resolve_device(device_name)
     if device.type == "cpu":
@@ -75,27 +77,46 @@ def load(path: Path, device_name: str, threads: int, *, causal: bool = True) -> 
         dtype = torch.float32
     else:
         dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if not path.exists():
-        raise ConfigError(f"model not found: {path} (give a model folder or a GGUF file)")
-    if path.is_dir():
-        folder, extra = path, {}
-    else:
-        folder, extra = path.parent, {"gguf_file": path.name}
-    where = f"{path} on {device}"
-    logger.info("loading %s with transformers (%s)", where, dtype)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **extra)
+    folder, extra = _files(path)
+    logger.info("loading %s on %s with transformers (%s)", path, device, dtype)
+    tokenizer = load_tokenizer(path)
+    with _loading(path):
         kind = AutoModelForCausalLM if causal else AutoModel
         model: Any = kind.from_pretrained(
             folder, local_files_only=True, dtype=dtype, attn_implementation="sdpa", **extra
         )
+    model = model.to(device).eval()
+    return Loaded(model=model, tokenizer=tokenizer, device=device, dtype=dtype)
+
+
+def load_tokenizer(path: Path) -> Any:
+    """The tokenizer of the model at ``path`` (a folder or a GGUF file)."""
+    from transformers import AutoTokenizer
+
+    folder, extra = _files(path)
+    with _loading(path):
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True, **extra)
+
+
+def _files(path: Path) -> tuple[Path, dict[str, str]]:
+    """The folder transformers loads from, and the GGUF file in it if ``path`` names one."""
+    if not path.exists():
+        raise ConfigError(f"model not found: {path} (give a model folder or a GGUF file)")
+    if path.is_dir():
+        return path, {}
+    return path.parent, {"gguf_file": path.name}
+
+
+@contextlib.contextmanager
+def _loading(path: Path) -> Iterator[None]:
+    """transformers' errors while loading ``path`` as one-line :class:`ConfigError`."""
+    try:
+        yield
     except ImportError as exc:  # gguf or accelerate missing
         raise ConfigError(f"cannot load {path}: {exc}; install with: {INSTALL_HINT}") from None
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(f"transformers cannot load {path}: {first}") from None
-    model = model.to(device).eval()
-    return Loaded(model=model, tokenizer=tokenizer, device=device, dtype=dtype)
 
 
 def _byte_level_alphabet() -> dict[str, int]:

@@ -4,24 +4,21 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from llguidance import LLTokenizer
 from llguidance.llamacpp import lltokenizer_from_vocab
 
-from seedance.engines.base import GenerationRequest, ModelInfo, SamplingParams, TokenDelta
-from seedance.engines.batching import BatchedEngine
-from seedance.engines.grammar import check_schema
+from seedance.engines.base import ModelInfo, SamplingParams
+from seedance.engines.batching import BatchedEngine, BatchedFront
 from seedance.engines.llamacpp.cpu import resolve_repack
 from seedance.engines.llamacpp.native import ContextShape, LlamaContext, LlamaModel, on_abort
 from seedance.engines.llamacpp.scheduler import Job, Scheduler
 from seedance.engines.local import context_per_sequence, machine_cores
-from seedance.engines.prompts import PromptedEngine, Prompts
+from seedance.engines.prompts import Prompts
 from seedance.engines.template import ChatTemplate
-from seedance.protocol.errors import EngineError
-from seedance.protocol.schemas import OutputSchema
 
 logger = logging.getLogger(__name__)
 
@@ -98,24 +95,13 @@ class LlamaCppEngine(BatchedEngine):
         return Job(prompt, params, limit, seed, sink, self.model)
 
 
-class LlamaCppFront(PromptedEngine):
+class LlamaCppFront(BatchedFront):
     """The ``llamacpp`` engine as the server needs it when the model runs in the engine
     process (``--engine-process``): the GGUF's vocabulary and chat template alone."""
 
-    logprobs = True
-    token_ids = True
-
     def __init__(self, *, model_path: Path, info: ModelInfo, chat_template: str | None) -> None:
         self.model = LlamaModel(model_path, vocab_only=True)
-        self._info = info
-        self._use_prompts(model_prompts(self.model, chat_template, info.context_length))
-
-    def check_schema(self, schema: OutputSchema, field: str) -> None:
-        check_schema(schema, field)  # the engine process binds replies: every valid schema
-
-    async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
-        raise EngineError("the llamacpp front does not generate: the engine process does")
-        yield  # type: ignore[unreachable]  # an async generator
+        super().__init__(info, model_prompts(self.model, chat_template, info.context_length))
 
     async def close(self) -> None:
         self.model.close()

@@ -15,8 +15,9 @@ if TYPE_CHECKING:
 __all__ = ["AuditLog", "AuditSettings", "audit_log"]
 
 
-def audit_log(config: AuditConfig) -> AuditLog | None:
-    """The log the ``[audit]`` section asks for (None without ``--audit-file``)."""
+def audit_log(config: AuditConfig, *, shared: bool = False) -> AuditLog | None:
+    """The log the ``[audit]`` section asks for (None without ``--audit-file``); ``shared``:
+    written by several processes (the workers of ``--workers N``)."""
     if not config.file:
         return None
     key = None
@@ -35,6 +36,7 @@ def audit_log(config: AuditConfig) -> AuditLog | None:
         rotate_bytes=config.rotate_bytes or None,
         rotate_interval_s=config.rotate_interval_s or None,
         required=config.required,
+        shared=shared,
     )
     try:  # a chain that cannot be continued stops the server now, with one line
         last_record(settings.path)

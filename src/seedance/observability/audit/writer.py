@@ -9,7 +9,16 @@ nothing waits.
 
 The writer also signs a checkpoint now and then (with a key), seals the log when the server
 stops, rotates the file by size or age (the chain runs on across files), and picks the chain up
-again from the file's last record when the server starts. When a write fails (a full disk, a
+again from the file's last record when the server starts.
+
+With ``shared`` (the workers of ``seedance serve --workers N``), several processes append to
+the one file, and it stays one chain in order: each write takes the lock file ``.NAME.lock``
+(``flock``), continues from the file's last record when another process wrote since (cutting
+off a line a killed process left incomplete, never acknowledged), and follows a rotation
+another process made. Each process writes its own start record and seals when it stops; the
+last seal ends the log.
+
+When a write fails (a full disk, a
 file that cannot be opened), the log says so on ``/healthz`` and in the server log, and with
 ``audit_required`` the server refuses new requests until a retry succeeds.
 """
@@ -17,13 +26,14 @@ file that cannot be opened), the log says so on ``/healthz`` and in the server l
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import queue
 import stat
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -63,6 +73,7 @@ class AuditSettings:
     rotate_bytes: int | None = None
     rotate_interval_s: float | None = None
     required: bool = True
+    shared: bool = False  # several processes write the file (each write locks .NAME.lock)
 
 
 class DamagedLog(ValueError):
@@ -117,6 +128,9 @@ class AuditLog:
         self._dirty = False
         self._opened_at = clock()
         self._chained = False  # the chain was picked up from the file
+        self._lock_fd = -1  # shared: the lock file, and how deep this thread holds it
+        self._held = 0
+        self._end = 0  # shared: the file's size after this process's last write
 
     # ------------------------------------------------------------------ event loop side
 
@@ -124,7 +138,11 @@ class AuditLog:
         """Open the file and write from a thread of its own. A file that cannot be opened
         leaves the log failed (and retried), not the server stopped."""
         try:
-            self._open(recover=True)
+            if self.settings.shared:
+                lock = self.settings.path.with_name(f".{self.settings.path.name}.lock")
+                self._lock_fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            with self._turn():
+                self._open(recover=True)
         except OSError as exc:
             self._fail(exc)
         self._thread = threading.Thread(target=self._run, name="audit-writer", daemon=True)
@@ -162,11 +180,12 @@ class AuditLog:
                         future.set_exception(OSError(self.error))
                 continue
             try:
-                self._write_batch(batch)
-                self._maintain()
-                if stop:
-                    self._append(self._checkpoint("seal"))
-                    self._sync()
+                with self._turn():
+                    self._write_batch(batch)
+                    self._maintain()
+                    if stop:
+                        self._append(self._checkpoint("seal"))
+                        self._sync()
             except OSError as exc:
                 self._fail(exc)
                 for _, future in batch:
@@ -175,6 +194,9 @@ class AuditLog:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
 
     def _take(self) -> tuple[list[tuple[AuditRecord, Future[None] | None]], bool]:
         """What is queued (waiting at most until an fsync, checkpoint or retry is due)."""
@@ -307,8 +329,51 @@ class AuditLog:
                     os.ftruncate(self._fd, size)
             raise
         self._seq, self._prev = seq, prev  # only once the bytes are written
+        if self.settings.shared:
+            self._end = os.fstat(self._fd).st_size
         self._since_checkpoint = 0 if signed else self._since_checkpoint + len(records)
         self._dirty = True
+
+    @contextlib.contextmanager
+    def _turn(self) -> Iterator[None]:
+        """Shared: hold the lock file while writing, the chain caught up with the file."""
+        if self._lock_fd < 0:
+            yield
+            return
+        if not self._held:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+        self._held += 1
+        try:
+            if self._held == 1 and self._fd >= 0:
+                self._catch_up()
+            yield
+        finally:
+            self._held -= 1
+            if not self._held:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    def _catch_up(self) -> None:
+        """Continue from what other processes wrote since this one's last write: their last
+        record, in the file another may have rotated to."""
+        path = self.settings.path
+        if os.fstat(self._fd).st_ino != os.stat(path).st_ino:  # rotated by another process
+            os.close(self._fd)
+            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            self._opened_at = self.clock()
+            self._end = -1  # a new file: its size says nothing of this process's writes
+        if os.fstat(self._fd).st_size == self._end:
+            return
+        last, partial = last_record(path)
+        if partial:
+            os.ftruncate(self._fd, os.fstat(self._fd).st_size - partial)
+            logger.warning(
+                "audit log %s: cut off an incomplete record another process left (%d bytes)",
+                path,
+                partial,
+            )
+        if last is not None:
+            self._seq, self._prev = int(last["seq"]) + 1, str(last["hash"])
+        self._end = os.fstat(self._fd).st_size
 
     def _regular(self) -> bool:
         return stat.S_ISREG(os.fstat(self._fd).st_mode)
@@ -327,6 +392,7 @@ class AuditLog:
             start = self._recover_chain(path, start)
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         self._opened_at = self.clock()
+        self._end = os.fstat(self._fd).st_size
         if recover:
             self._chained = True
             self._append(start)
@@ -358,10 +424,11 @@ class AuditLog:
     def _recover(self) -> bool:
         """After a failure: try again to write (a record of the failure itself)."""
         try:
-            if self._fd < 0:
-                self._open(recover=not self._chained)
-            self._append(WriterRecovered(error=self.error))
-            self._sync()
+            with self._turn():
+                if self._fd < 0:
+                    self._open(recover=not self._chained)
+                self._append(WriterRecovered(error=self.error))
+                self._sync()
         except OSError as exc:
             self._fail(exc)
             return False
