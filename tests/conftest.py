@@ -16,6 +16,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from seedance.engines.base import Engine
 from seedance.observability.tracing import Tracing
+from tests.support.redis import RedisServer
 from tests.support.servers import THREADS, RunningServer, ServerProcess, server_config
 
 # The llamacpp engine caches its CPU probe's decision (--repack auto) here, not in the user's
@@ -68,6 +69,14 @@ def smollm() -> Iterator[RunningServer]:
     server = RunningServer(server_config(engine="llamacpp", parallel=2, n_ctx=4096), None).start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A ``redis-server`` of the test's own (skipped where it is not installed)."""
+    server = RedisServer(tmp_path).start()
+    yield server
+    server.stop(kill=True)
 
 
 @pytest.fixture

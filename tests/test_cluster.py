@@ -14,7 +14,7 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,13 @@ from seedance.netutil import free_port
 from seedance.tenants.keys import add_key
 from tests.support.otlp import http_receiver
 from tests.support.redis import RedisServer
-from tests.support.servers import SEEDANCE, RunningServer, ServerProcess, slow_engine
+from tests.support.servers import (
+    SEEDANCE,
+    RunningServer,
+    ServerProcess,
+    one_process_only,
+    slow_engine,
+)
 from tests.support.tools import tool
 from tests.support.waits import eventually
 from tests.support.ws import (
@@ -46,13 +52,6 @@ from tests.test_lifecycle import BODY, content, dropped_at, sse
 from tests.test_resume import PROMPT, Reading, read, resume, undisturbed
 
 CHAT = {"model": "synthetic", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path).start()
-    yield server
-    server.stop(kill=True)
 
 
 def auth(key: str) -> dict[str, str]:
@@ -163,6 +162,7 @@ async def test_one_generation_per_session_across_nodes(
         assert (await generate(a, prompt="x", max_tokens=2))[-1]["type"] == "done"
 
 
+@one_process_only("reads the node's state in its process")
 async def test_redis_down_refuses_at_once_and_healthz_says_why(
     redis_server: RedisServer, make_server: Callable[..., RunningServer]
 ) -> None:
@@ -339,6 +339,7 @@ async def test_a_stream_resumes_on_another_node(
 
 
 @pytest.mark.parametrize("aof", [True, False], ids=["aof-always", "no-persistence"])
+@one_process_only("reads the node's state in its process")
 async def test_a_redis_restart_keeps_the_logs_or_says_they_are_lost(
     tmp_path: Path, make_server: Callable[..., RunningServer], aof: bool
 ) -> None:
@@ -688,5 +689,9 @@ async def test_responses_continue_and_resume_on_another_node(
     assert numbers == sorted(set(numbers)) and seen[-1].type == "response.incomplete"
     text = "".join(e.delta for e in seen if e.type == "response.output_text.delta")
     assert text == seen[-1].response.output_text and seen[-1].response.usage.output_tokens == 100
+    # Deleted on one node, it is gone from every node.
+    assert (await one.responses.delete(opening.id)) is None
+    with pytest.raises(openai.NotFoundError, match=f"no response {opening.id}"):
+        await other.responses.retrieve(opening.id)
     await one.close()
     await other.close()

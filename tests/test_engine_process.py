@@ -15,7 +15,13 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.servers import SEEDANCE, TEST_WORKERS, RunningServer, ServerProcess
+from tests.support.servers import (
+    SEEDANCE,
+    TEST_WORKERS,
+    RunningServer,
+    ServerProcess,
+    one_process_only,
+)
 from tests.support.waits import eventually
 from tests.support.ws import (
     assert_seq_contiguous,
@@ -119,6 +125,7 @@ async def test_without_a_wait_running_replies_end_retryable(
     assert again[-1]["type"] == "done"
 
 
+@one_process_only("reads the engine process's report through the server's engine")
 async def test_a_cancel_reaches_the_engine(make_server: Callable[..., RunningServer]) -> None:
     """The engine process stops what the server cancels: its own count of requests drops."""
     server = make_server(engine_process=True, tokens_per_s=20)
@@ -126,11 +133,11 @@ async def test_a_cancel_reaches_the_engine(make_server: Callable[..., RunningSer
     ws, _ = await open_session(server.url)
     async with ws:
         await ws.send(json.dumps({"prompt": "long", "max_tokens": 1000, "request_id": "c"}))
-        await eventually(lambda: engine.unfinished_requests() == 1, 5, "running in the engine")
+        await eventually(lambda: engine.reported.unfinished == 1, 5, "running in the engine")
         await ws.send(json.dumps({"type": "cancel", "request_id": "c"}))
         frames = await collect(ws)
         assert frames[-1]["finish_reason"] == "cancelled"
-        await eventually(lambda: engine.unfinished_requests() == 0, 5, "gone from the engine")
+        await eventually(lambda: engine.reported.unfinished == 0, 5, "gone from the engine")
 
 
 def test_an_engine_that_cannot_load_is_a_startup_error(tmp_path: Any) -> None:

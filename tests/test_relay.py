@@ -22,6 +22,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from seedance.client import connect
 from seedance.config_loader import load_access
+from tests.support.redis import RedisServer
 from tests.support.servers import SEEDANCE, RunningServer, ServerProcess, one_process_only
 from tests.support.ws import open_session
 from tests.test_resume import Reading, read, resume
@@ -38,6 +39,7 @@ def region(tmp_path: Path) -> Region:
     return Region(tmp_path)
 
 
+@one_process_only("reads (or cuts) the edge's relay link in its process")
 async def test_a_relayed_reply_is_the_far_gateways_own_over_one_quic_connection(
     make_server: Callable[..., RunningServer], region: Region
 ) -> None:
@@ -54,6 +56,7 @@ async def test_a_relayed_reply_is_the_far_gateways_own_over_one_quic_connection(
     assert peer.link.connects == 1  # one connection, a stream per request
 
 
+@one_process_only("reads (or cuts) the edge's relay link in its process")
 async def test_a_link_cut_mid_reply_is_opened_again_and_the_reply_resumed_whole(
     make_server: Callable[..., RunningServer], region: Region
 ) -> None:
@@ -119,6 +122,19 @@ async def test_a_replayed_an_unsigned_and_a_long_lived_token_are_refused(
     )
     answer = await post(far, region, forged)
     assert answer.status_code == 401 and "(bad_signature)" in answer.json()["error"]["message"]
+
+
+async def test_a_token_taken_by_one_node_of_a_cluster_is_refused_by_another(
+    make_server: Callable[..., RunningServer], region: Region, redis_server: RedisServer
+) -> None:
+    """Two far gateways behind one address share Redis: a replayed token is refused by
+    whichever node it reaches, as by the node that took it."""
+    first, second = (region.far(make_server, redis_url=redis_server.url) for _ in range(2))
+    token = region.token()
+    assert (await post(first, region, token)).status_code == 200
+    replayed = await post(second, region, token)
+    assert replayed.status_code == 401 and "(replayed)" in replayed.json()["error"]["message"]
+    assert (await post(second, region, region.token())).status_code == 200
 
 
 def test_a_token_longer_than_90_s_is_refused() -> None:
@@ -200,6 +216,7 @@ def test_seedance_relay_is_serve_with_the_relay_engine() -> None:
     )
 
 
+@one_process_only("reads (or cuts) the edge's relay link in its process")
 async def test_a_link_of_two_copies_sends_every_packet_twice_both_ways(
     make_server: Callable[..., RunningServer], region: Region
 ) -> None:
@@ -219,7 +236,7 @@ async def test_a_link_of_two_copies_sends_every_packet_twice_both_ways(
     assert any(isinstance(c._transport, Repeating) for c in listener.connections)
 
 
-@one_process_only("the far gateway needs --http3, one process's")
+@one_process_only("reads (or cuts) the edge's relay link in its process")
 async def test_a_far_gateway_restarted_behind_a_kept_link_is_reached_again(
     make_server: Callable[..., RunningServer],
     server_process: Callable[..., ServerProcess],

@@ -253,7 +253,7 @@ async def test_the_workers_write_one_audit_chain(
 @pytest.mark.parametrize(
     ("flag", "refused"),
     [
-        (("--http3",), "--http3"),
+        (("--model-registry", "models"), "--registry"),
         (("--engine", "vllm"), "the vllm engine cannot be shared"),
     ],
 )

@@ -50,6 +50,7 @@ from seedance.settings import (
 )
 
 if TYPE_CHECKING:
+    from seedance.server.http3 import LocalCertificate
     from seedance.tenants.config import AccessConfig
 
 __all__ = [
@@ -152,6 +153,12 @@ class WorkerSetup:
     folder: str
     #: The engine process the workers share (None: each worker runs its own engine).
     engine_endpoint: str | None = None
+    #: ``--http3`` without ``--tls-cert``: the self-signed certificate the supervisor made
+    #: for the first worker's QUIC listener, which every worker names for WebTransport.
+    http3_certificate: LocalCertificate | None = None
+    #: The workers share a private ``redis-server`` (no ``--redis``): no node but them, so a
+    #: stop lets their streams finish as one process does, instead of moving their readers.
+    private_redis: bool = False
 
     @property
     def name(self) -> str:

@@ -34,6 +34,7 @@ from aioquic.h3.events import DatagramReceived, DataReceived, H3Event, Headers, 
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.events import ConnectionTerminated, QuicEvent, StreamDataReceived, StreamReset
+from cryptography import x509
 
 TEXT = 0x00
 BINARY = 0x01
@@ -382,6 +383,13 @@ class H3Client:
         assert self._transport is not None
         host, port = self._transport.get_extra_info("sockname")[:2]
         return str(host), int(port)
+
+    @property
+    def peer_certificate(self) -> x509.Certificate:
+        """The certificate the server presented."""
+        certificate = self._quic.tls._peer_certificate  # aioquic keeps it, unexposed
+        assert certificate is not None
+        return certificate
 
     def transport(self) -> httpx.AsyncBaseTransport:
         """An httpx transport for ``httpx.AsyncClient(transport=...)`` over this connection."""

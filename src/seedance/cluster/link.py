@@ -43,6 +43,8 @@ MAX_CONNECTIONS: Final = 32
 MAX_BLOCKING_CONNECTIONS: Final = 256
 #: Every key of Seedance starts with this.
 PREFIX: Final = "sd:"
+#: How long a listener waits before it subscribes again after Redis went away.
+RESUBSCRIBE_S: Final = 0.5
 
 
 def session_key(tenant: str, session_id: str, what: str) -> str:
@@ -140,6 +142,38 @@ class ClusterLink:
         task = asyncio.ensure_future(work)
         task.set_name(name)
         self._tasks.append(task)
+
+    def listen(
+        self,
+        channel: str,
+        received: Callable[[bytes], None],
+        subscribed: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        """Hand each message published on ``channel`` to ``received``, until the link closes;
+        a subscription lost with Redis is made again (and ``subscribed`` awaited each time it
+        is made: what was published while nobody listened is read there)."""
+        self.spawn(self._listen_forever(channel, received, subscribed), f"cluster-{channel}")
+
+    async def _listen_forever(
+        self,
+        channel: str,
+        received: Callable[[bytes], None],
+        subscribed: Callable[[], Awaitable[None]] | None,
+    ) -> None:
+        while True:
+            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(channel)
+                if subscribed is not None:
+                    await subscribed()
+                async for message in pubsub.listen():
+                    if message.get("type") == "message":
+                        received(message["data"])
+            except (RedisError, OSError) as exc:
+                logger.debug("%s: subscription lost (%s); subscribing again", channel, exc)
+            finally:
+                await pubsub.aclose()  # type: ignore[no-untyped-call]
+            await asyncio.sleep(RESUBSCRIBE_S)
 
     async def close(self) -> None:
         for task in self._tasks:

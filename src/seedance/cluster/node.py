@@ -5,8 +5,9 @@ from __future__ import annotations
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from seedance.cluster.atrest import AtRest
+from seedance.cluster.cancels import Cancels
 from seedance.cluster.claims import Claims
-from seedance.cluster.link import ClusterLink
+from seedance.cluster.link import PREFIX, ClusterLink
 from seedance.cluster.revocations import Revocations
 from seedance.cluster.sessions import RedisSessionStore
 from seedance.cluster.streams import RedisStreamStore
@@ -23,6 +24,7 @@ class ClusterNode:
             at_rest = AtRest.from_identity(identity)
         self.sessions = RedisSessionStore(self.link, ttl_s=config.session_ttl_s, at_rest=at_rest)
         self.revocations = Revocations(self.link)
+        self.cancels = Cancels(self.link)
         self.streams = RedisStreamStore(
             self.link,
             window_s=config.resume.window_s,
@@ -40,9 +42,21 @@ class ClusterNode:
         self.claims.start()
         self.streams.start()
         await self.revocations.start()
+        self.cancels.start()
 
     async def close(self) -> None:
         await self.link.close()
+
+    async def first_use(self, name: str, until: float) -> bool:
+        """Whether no node took ``name`` before (kept until ``until``, a Unix time): a relay
+        token, taken once by whichever node or worker it reaches. ``overloaded`` while Redis
+        does not answer."""
+        self.link.check()
+        ms = int(until * 1000)
+        (fresh,) = await self.link.exchange(
+            lambda pipe: pipe.set(PREFIX + name, 1, nx=True, pxat=ms)
+        )
+        return bool(fresh)
 
     def check(self) -> None:
         """Refuse a new request while Redis does not answer (``overloaded``, retryable)."""

@@ -15,13 +15,11 @@ from typing import Final
 
 from redis.exceptions import RedisError
 
-from seedance.cluster.link import PREFIX, ClusterLink
+from seedance.cluster.link import PREFIX, RESUBSCRIBE_S, ClusterLink
 
 logger = logging.getLogger(__name__)
 
 CHANNEL: Final = PREFIX + "revoked"
-#: How long the listener waits before it subscribes again after Redis went away.
-RESUBSCRIBE_S: Final = 0.5
 
 
 class Revocations:
@@ -40,7 +38,8 @@ class Revocations:
             await self._catch_up()
         except (RedisError, OSError) as exc:  # the listener catches up once Redis answers
             logger.warning("revocations not read from Redis at start: %s", exc)
-        self.link.spawn(self._listen_forever(), "cluster-revocations")
+        # Each time it subscribes, it reads what was revoked while it did not listen.
+        self.link.listen(CHANNEL, lambda key_id: self._received({key_id.decode()}), self._catch_up)
 
     async def _catch_up(self) -> None:
         known = await self.link.redis.smembers(CHANNEL)
@@ -66,25 +65,6 @@ class Revocations:
             except (RedisError, OSError) as exc:
                 logger.warning("revocation of %s not yet told to the cluster: %s", key_ids, exc)
                 await asyncio.sleep(RESUBSCRIBE_S)
-
-    async def _listen_forever(self) -> None:
-        while True:
-            try:
-                await self._listen()
-            except (RedisError, OSError) as exc:
-                logger.debug("revocations: subscription lost (%s); subscribing again", exc)
-            await asyncio.sleep(RESUBSCRIBE_S)
-
-    async def _listen(self) -> None:
-        pubsub = self.link.redis.pubsub(ignore_subscribe_messages=True)
-        try:
-            await pubsub.subscribe(CHANNEL)
-            await self._catch_up()  # what was revoked while this node was not listening
-            async for message in pubsub.listen():
-                if message.get("type") == "message":
-                    self._received({message["data"].decode()})
-        finally:
-            await pubsub.aclose()  # type: ignore[no-untyped-call]
 
     def _received(self, key_ids: set[str]) -> None:
         if key_ids and self.apply is not None:

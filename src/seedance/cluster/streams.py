@@ -136,10 +136,12 @@ def log_keys(tenant: str, session_id: str, request_id: str) -> list[str]:
 class _Plan:
     """One exchange of one log: what it sends, and where the log stands once it is acked."""
 
-    __slots__ = ("args", "end", "entries", "header", "light", "seq", "start")
+    __slots__ = ("args", "end", "entries", "groups", "header", "light", "seq", "start")
 
     def __init__(self) -> None:
         self.args: list[Any] = []
+        #: The token entries it sends: (first, after) of the log's texts, and their tokens.
+        self.groups: list[tuple[int, int, int]] = []
         self.entries = 0
         self.seq = 0
         self.start: StartFrame | None = None
@@ -261,13 +263,18 @@ class ReplicatedLog(StreamLog):
         if self._pending_start is not None and self.start is None:
             plan.start = self._pending_start
             args += [START_ID, seal(encode_frame(self._pending_start), self.keys[1]), ""]
-        # Everything logged since the last exchange is one entry: readers are handed it as
-        # one delta, so no cursor can fall inside it.
+        # Each group of what was logged since the last exchange is one entry: readers are
+        # handed it as one delta, so no cursor can fall inside it.
         texts = self.texts
         entries, seq = len(texts), len(texts) + self.extra
         if entries > self.sent:
-            text = seal("".join(texts[self.sent :]), self.keys[1])
-            args += [f"{self.sent_seq}-{TOKEN}", text, seq - self.sent_seq]
+            at = self.sent_seq
+            for first, after in self._groups(entries):
+                count = after - first + sum(self.multi.get(i, 1) - 1 for i in range(first, after))
+                text = seal("".join(texts[first:after]), self.keys[1])
+                args += [f"{at}-{TOKEN}", text, count]
+                plan.groups.append((first, after, count))
+                at += count
             self.tokens_at = now
         plan.entries, plan.seq = entries, seq
         if self.end_pending is not None:
@@ -286,6 +293,17 @@ class ReplicatedLog(StreamLog):
             self.ttl_at = now
         self.sent, self.sent_seq = plan.entries, plan.seq
         return plan
+
+    def _groups(self, entries: int) -> list[tuple[int, int]]:
+        """The logged entries ``sent`` up to ``entries``, grouped as readers get them: each
+        alone without frame merging (``--merge-window-ms 0``); with it, the reply's first token
+        alone (it travels at once, as it does from one process), the rest together."""
+        sent = self.sent
+        if self.replicator.merger is None:
+            return [(i, i + 1) for i in range(sent, entries)]
+        if sent == 0 and entries > 1:
+            return [(0, 1), (1, entries)]
+        return [(sent, entries)]
 
     def script_args(self, plan: _Plan) -> list[Any]:
         if plan.light:
@@ -310,11 +328,10 @@ class ReplicatedLog(StreamLog):
         if plan.start is not None:
             self._pending_start = None
             super().open(plan.start)
-        first, self.acked = self.acked, plan.entries
-        count = plan.seq - self.acked_seq
-        self.acked_seq = plan.seq
-        if count and self.stream and self._deliver is not None:
-            self._deliver("".join(self.texts[first : plan.entries]), count)
+        self.acked, self.acked_seq = plan.entries, plan.seq
+        if self.stream and self._deliver is not None:
+            for first, after, count in plan.groups:
+                self._deliver("".join(self.texts[first:after]), count)
         if plan.end and self._ended is not None and not self._ended.done():
             self._ended.set_result(True)
 
@@ -517,6 +534,15 @@ class RedisStreamStore(MemoryStreamStore):
         except HistoryLost:
             return None
 
+    async def forget(self, tenant: str, session_id: str) -> None:
+        """The session was deleted: its log goes, here and in Redis (no node finds it)."""
+        await super().forget(tenant, session_id)
+        current = session_key(tenant, session_id, "current")
+        (request_id,) = await self.link.exchange(lambda pipe: pipe.get(current))
+        if request_id is not None:
+            _, stream, gen, _, _ = log_keys(tenant, session_id, request_id.decode())
+            await self.link.exchange(lambda pipe: pipe.delete(stream, gen, current))
+
     async def find(
         self, tenant: str, session_id: str, request_id: str, epoch: str | None
     ) -> StreamLog:
@@ -529,10 +555,20 @@ class RedisStreamStore(MemoryStreamStore):
                     f"now keeps epoch {current}); send the request again",
                     request_id=request_id,
                 )
-        log = self._logs.get((tenant, session_id))
+        key = (tenant, session_id)
+        log = self._logs.get(key)
         if log is not None and log.request_id == request_id:
-            return log
+            if log.running or await self._kept(log):
+                return log
+            self._drop(key, log)  # its session was deleted on another node
         return await self._mirror(tenant, session_id, request_id)
+
+    async def _kept(self, log: StreamLog) -> bool:
+        """Whether Redis still has the ended ``log`` (another node may have deleted it)."""
+        assert isinstance(log, ReplicatedLog)
+        gen = log.keys[2]
+        (kept,) = await self.link.exchange(lambda pipe: pipe.exists(gen))
+        return bool(kept)
 
     async def _mirror(self, tenant: str, session_id: str, request_id: str) -> ReplicatedLog:
         """The log of ``request_id`` as Redis has it, followed live while it runs."""

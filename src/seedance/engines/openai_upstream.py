@@ -274,6 +274,9 @@ class OpenAIUpstreamEngine(Engine):
             "temperature": params.temperature,
             "top_p": params.top_p,
             "stream": True,
+            # The upstream's count of tokens: a chunk may carry several (vLLM's
+            # stream_interval, a Seedance that merges frames).
+            "stream_options": {"include_usage": True},
         }
         if request.raw:
             path = "/completions"
@@ -343,10 +346,13 @@ class OpenAIUpstreamEngine(Engine):
                     await self._refuse(response)
                 finish: FinishReason | None = None
                 calls = _Calls()
+                counted = reported = 0  # tokens yielded, and the upstream's own count
                 async for data in sse_data(response.content):
                     chunk = decode_stream_chunk(data)
                     if chunk.error is not None:
                         raise UpstreamFailure(f"error event: {chunk.error.get('message', '')}")
+                    if chunk.usage is not None:
+                        reported = chunk.usage.completion_tokens
                     for choice in chunk.choices:
                         text = calls.text(choice)
                         if choice.finish_reason is not None:
@@ -355,15 +361,19 @@ class OpenAIUpstreamEngine(Engine):
                         if not text:
                             continue
                         if logprobs is None:
+                            counted += 1
                             yield TokenDelta(text, 1)
                             continue
                         entries = choice.logprobs.entries() if choice.logprobs else []
                         if not entries:
                             raise EngineError("the upstream sent no log probabilities")
+                        counted += len(entries)
                         yield TokenDelta(text, len(entries), logprobs=entries)
                 if finish is None:
                     raise UpstreamFailure("the stream ended without a finish reason")
-                yield TokenDelta("", 0, finish)
+                # Chunks of several tokens each: the rest of the upstream's count, so that
+                # the usage and the token frames' seq are the upstream's tokens.
+                yield TokenDelta("", max(0, reported - counted), finish)
         except (aiohttp.ClientError, asyncio.TimeoutError, msgspec.DecodeError) as exc:
             raise UpstreamFailure(f"{type(exc).__name__}: {exc}") from None
 

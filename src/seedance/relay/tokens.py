@@ -83,7 +83,8 @@ def mint(
 @dataclass
 class Verifier:
     """Checks tokens for the gateway ``node_id``, signed by the ``issuers`` it trusts (node id:
-    public key), each token once."""
+    public key): :meth:`verify`; and each token once, where this process alone takes them
+    (:meth:`first_use`; nodes of a cluster and workers ask Redis instead)."""
 
     node_id: str
     issuers: Mapping[str, Ed25519PublicKey]
@@ -128,20 +129,23 @@ class Verifier:
             raise RelayRefused("too_long", f"a relay token lives at most {MAX_LIFETIME_S:g} s")
         if claims["exp"] + LEEWAY_S < now:  # jwt checks with its own clock; ours may be a test's
             raise RelayRefused("expired", "the token has expired")
-        jti = str(claims["jti"])
-        self._forget(now)
-        if jti in self._seen:
-            raise RelayRefused("replayed", f"token {jti} was used already")
-        self._seen[jti] = float(claims["exp"]) + LEEWAY_S
         session = claims.get("session")
         return RelayClaims(
             str(issuer),
             str(claims["aud"]),
             str(claims["tenant"]),
             None if session is None else str(session),
-            jti,
+            str(claims["jti"]),
             float(claims["exp"]),
         )
+
+    def first_use(self, claims: RelayClaims) -> None:
+        """Take a verified token, once: ``replayed`` when it was taken before (and is not
+        expired yet, which :meth:`verify` refuses anyway)."""
+        self._forget(self.clock())
+        if claims.jti in self._seen:
+            raise replayed(claims)
+        self._seen[claims.jti] = claims.expires + LEEWAY_S
 
     def _forget(self, now: float) -> None:
         """Tokens past their expiry, oldest first (refused as expired now, no longer kept as
@@ -151,3 +155,7 @@ class Verifier:
             if expires >= now:
                 return
             del self._seen[jti]
+
+
+def replayed(claims: RelayClaims) -> RelayRefused:
+    return RelayRefused("replayed", f"token {claims.jti} was used already")

@@ -493,6 +493,13 @@ class Connection:
             generation = self._running()
             if generation is not None and message.request_id in (None, generation.request_id):
                 generation.cancel(silent=False)
+            elif generation is None:  # one this connection reads, running elsewhere
+                reading = self._reading
+                request_id = message.request_id or (reading and reading.log.request_id)
+                if request_id:
+                    self.services.generations.cancel(
+                        self.tenant, self.session.session_id, request_id
+                    )
         elif isinstance(message, Embed):
             task = asyncio.create_task(self._embed(message))
             self._embeddings.add(task)
@@ -525,7 +532,7 @@ class Connection:
         if generation is not None:
             generation.cancel(silent=True)
         services = self.services
-        services.streams.forget(self.tenant, self.session.session_id)
+        await services.streams.forget(self.tenant, self.session.session_id)
         await services.sessions.delete(self.session)
         logger.info("session %s ended by client (conn %s)", self.session.session_id, self.id)
         self.close(CLOSE_NORMAL, "session ended")

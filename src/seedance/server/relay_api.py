@@ -5,10 +5,11 @@ An edge gateway in another region (``seedance serve --engine relay``,
 one QUIC connection per region, with a relay token (:mod:`seedance.relay.tokens`) in
 ``Authorization: Bearer``. The token is checked before anything else: signed by an edge this
 node trusts (``--relay-trust``), for this node (``aud``: its ``--node-id``), alive, at most 90 s
-long, never seen before; anything else is refused with its reason (401, ``unauthorized``) and
-audited like every refusal. The request then runs as the token's tenant (a tenant of this node
-where it has tenants), through the one request core: admission, quotas, the audit, the stream
-log.
+long, never seen before (by this process, or with ``--redis`` and ``--workers`` by any node or
+worker of the cluster: a ``SET NX`` that lasts until the token expires); anything else is
+refused with its reason (401, ``unauthorized``) and audited like every refusal. The request
+then runs as the token's tenant (a tenant of this node where it has tenants), through the one
+request core: admission, quotas, the audit, the stream log.
 
 The body is the ``/v2/infer`` protocol's ``generate`` frame, with ``messages`` the whole
 context the edge built and ``model`` a model served here; or ``{"resume": REQUEST_ID,
@@ -32,7 +33,7 @@ from seedance.protocol.errors import InvalidRequest, SeedanceError, Unauthorized
 from seedance.protocol.messages import ErrorFrame, Generate
 from seedance.relay.copies import HEADER, MAX_COPIES
 from seedance.relay.keys import trusted
-from seedance.relay.tokens import RelayClaims, RelayRefused, Verifier
+from seedance.relay.tokens import LEEWAY_S, RelayClaims, RelayRefused, Verifier, replayed
 from seedance.server.http_call import HttpCall, Receive, Scope, Send
 from seedance.server.lifecycle.admit import admit, prepare
 from seedance.server.lifecycle.reader import Reading
@@ -119,8 +120,22 @@ class RelayEndpoint:
         except RelayRefused as exc:
             raise Unauthorized(str(exc)) from None
 
+    async def _first_use(self, claims: RelayClaims) -> None:
+        """Take the token, once: in this process, or across the cluster's nodes and workers
+        (a replay may reach any of them)."""
+        cluster = self.services.cluster
+        if cluster is None:
+            assert self.verifier is not None
+            self.verifier.first_use(claims)
+        elif not await cluster.first_use(f"relay-token:{claims.jti}", claims.expires + LEEWAY_S):
+            raise replayed(claims)
+
     async def _run(self, call: HttpCall, claims: RelayClaims, raw: bytes) -> None:
         try:
+            try:
+                await self._first_use(claims)
+            except RelayRefused as exc:
+                raise Unauthorized(str(exc)) from None
             try:
                 body = msgspec.json.decode(raw, type=_Body)
             except msgspec.DecodeError as exc:

@@ -215,7 +215,7 @@ class ResponseCall:
         elif request.background:  # answered at once; it runs on without a reader
             await self.events.whole(rendered(log).response())
         else:
-            await self.whole(log, generation)
+            await self.whole(log, None)
 
     async def read(self, query: Mapping[str, str]) -> None:
         log = await self._find()
@@ -242,7 +242,7 @@ class ResponseCall:
         session, created = await services.sessions.attach(TenantId(tenant), session_id)
         await services.sessions.delete(session)
         log = await _logged(services, tenant, self.response_id)
-        services.streams.forget(tenant, self.response_id)
+        await services.streams.forget(tenant, self.response_id)
         if created and log is None:
             raise self._not_found()
         self.outcome = "deleted"
@@ -251,7 +251,6 @@ class ResponseCall:
     async def cancel(self) -> None:
         """Stop a background response; answers the response as it ended."""
         log = await self._find()
-        generation = self._running()
         if log.running:
             assert log.meta is not None
             if not log.meta.get("background"):
@@ -259,11 +258,8 @@ class ResponseCall:
                     f"response {self.response_id} is not a background response: only those "
                     "can be cancelled (a foreground one stops when its client disconnects)"
                 )
-            if generation is None:
-                raise InvalidRequest(
-                    f"response {self.response_id} runs on another node; cancel it there"
-                )
-            generation.cancel(silent=False)
+            tenant, response_id = self.principal.name, self.response_id
+            self.services.generations.cancel(tenant, response_id, response_id)
             await self.whole(log, None)
             self.outcome = "cancelled"
             return
@@ -464,6 +460,8 @@ async def _logged(services: Services, tenant: str, response_id: str) -> StreamLo
         return None
     if log.meta is None or log.meta.get("api") != API:
         return None
+    if not log.running and not log.meta.get("store", True):
+        return None  # ended and not stored (a cluster's Redis keeps its log a while longer)
     return log
 
 

@@ -147,42 +147,54 @@ class SeedanceServer(uvicorn.Server):
 
     async def _start_http3(self) -> None:
         """The QUIC listener on the TCP listener's port number, with its certificate (or a
-        short-lived one of its own), reloaded with it."""
+        short-lived one of its own), reloaded with it; and the headers and the answer of
+        ``/v2/webtransport`` that say where it is.
+
+        Of several workers only the first listens (the packets of one QUIC connection must
+        reach one process, and the kernel spreads UDP datagrams by address, which a client
+        that moves changes); every worker says where it is, with the certificate the
+        supervisor made for them all."""
         from seedance.server import http3  # aioquic: only where it is asked for
 
         config, app = self.state.config, self.app
+        worker = config.worker
         limit = config.max_frame_bytes
-        if self.tls is not None:
-            files = self.tls.files
-            self.http3 = listener = http3.Http3Listener(app, files.cert, files.key, limit)
-            self.tls.on_reload.append(lambda files: listener.load(files.cert, files.key))
-        else:
-            local = http3.LocalCertificate.make(config.host)
-            self.http3 = http3.Http3Listener(app, local.cert, local.key, limit)
-            self.http3_certificate = local
+        port = self.bound_addresses()[0][1]
+        if worker is not None:
+            self.http3_certificate = worker.http3_certificate
+        elif self.tls is None:
+            self.http3_certificate = http3.LocalCertificate.make(config.host)
+        local = self.http3_certificate
+        if local is not None and (worker is None or worker.index == 0):
             logger.info(
                 "HTTP/3: a self-signed ECDSA certificate valid 13 days, SHA-256 %s (for "
                 "WebTransport's serverCertificateHashes)",
                 local.sha256,
             )
-        port = self.bound_addresses()[0][1]
-        try:
-            await self.http3.start(config.host, port)
-        except OSError as exc:  # as uvicorn does when its own port is taken
-            logger.error("HTTP/3: cannot listen on UDP port %d: %s", port, exc.strerror or exc)
-            raise SystemExit(1) from None
+        if worker is None or worker.index == 0:
+            if self.tls is not None:
+                files = self.tls.files
+                self.http3 = listener = http3.Http3Listener(app, files.cert, files.key, limit)
+                self.tls.on_reload.append(lambda files: listener.load(files.cert, files.key))
+            else:
+                assert local is not None
+                self.http3 = http3.Http3Listener(app, local.cert, local.key, limit)
+            try:
+                await self.http3.start(config.host, port)
+            except OSError as exc:  # as uvicorn does when its own port is taken
+                logger.error("HTTP/3: cannot listen on UDP port %d: %s", port, exc.strerror or exc)
+                raise SystemExit(1) from None
+            logger.info("HTTP/3 and WebTransport on UDP port %d", port)
         name, value = http3.alt_svc(port)
         advertised = [(name.encode(), value.encode())]
         self.config.encoded_headers += advertised  # HTTP/1.1 answers name the listener
         self.server_state.default_headers += advertised
-        made = self.http3_certificate
         self.state.webtransport = {
             "offered": True,
             "path": "/v2/infer",
             "port": port,
-            "certificate_sha256": None if made is None else made.sha256,
+            "certificate_sha256": None if local is None else local.sha256,
         }
-        logger.info("HTTP/3 and WebTransport on UDP port %d", port)
 
     def bound_addresses(self) -> list[tuple[str, int]]:
         addresses = []
@@ -294,13 +306,18 @@ def announce(model: str, engine: str, tls: bool, host: str, port: int, workers: 
     )
 
 
-def build_server(config: ServerConfig, app: Starlette | None = None) -> SeedanceServer:
-    """The server for ``config``, serving ``app`` (default: ``create_app(config)``);
-    :class:`ConfigError` when its TLS files do not load."""
+def require_aioquic(config: ServerConfig) -> None:
+    """:class:`ConfigError` when ``--http3`` is asked for and aioquic is not installed."""
     if config.tls.http3 and importlib.util.find_spec("aioquic") is None:
         raise ConfigError(
             "--http3 needs aioquic, which needs Python 3.11 or later (pip install aioquic)"
         )
+
+
+def build_server(config: ServerConfig, app: Starlette | None = None) -> SeedanceServer:
+    """The server for ``config``, serving ``app`` (default: ``create_app(config)``);
+    :class:`ConfigError` when its TLS files do not load."""
+    require_aioquic(config)
     tls = ServerTls.of(config.tls)
     app = app or create_app(config)
     state: ServerState = app.state.seedance

@@ -10,6 +10,7 @@ import os
 import socket
 from collections.abc import Callable
 from pathlib import Path
+from typing import Final
 
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
@@ -64,7 +65,8 @@ async def share_metrics(setup: WorkerSetup, render: Callable[[], bytes]) -> asyn
 
 async def all_metrics(setup: WorkerSetup, own: bytes) -> bytes:
     """In a worker: ``/metrics`` for the whole server, every worker's added up (a counter, a
-    gauge, a histogram's buckets: summed; a start time: the earliest). A worker that does not
+    gauge, a histogram's buckets: summed; a start time: the earliest; a gauge of
+    :data:`SEEN_ALIKE`: once). A worker that does not
     answer within a second (dead, starting again) is left out."""
 
     async def fetch(path: Path) -> bytes:
@@ -83,6 +85,18 @@ async def all_metrics(setup: WorkerSetup, own: bytes) -> bytes:
         if isinstance(result, bytes):
             texts.append(result)
     return merge_metrics([text.decode() for text in texts])
+
+
+#: Gauges that every worker reads off the same thing, taken once instead of added up: the
+#: shared engine process's KV cache (server/gauges.py), a device's memory
+#: (observability/gpu.py), and the certificate's expiry (server/tls.py: the earliest, in case
+#: one worker has not reloaded it yet).
+SEEN_ALIKE: Final = {
+    "seedance_kv_cache_usage_ratio": max,
+    "seedance_gpu_memory_used_bytes": max,
+    "seedance_gpu_memory_total_bytes": max,
+    "seedance_tls_certificate_expiry_timestamp_seconds": min,
+}
 
 
 def merge_metrics(texts: list[str]) -> bytes:
@@ -106,6 +120,8 @@ def merge_metrics(texts: list[str]) -> bytes:
                     table[key] = min(earlier, sample.value)
                 elif family.type in ("info", "stateset"):
                     table[key] = max(earlier, sample.value)
+                elif family.name in SEEN_ALIKE:
+                    table[key] = SEEN_ALIKE[family.name](earlier, sample.value)
                 else:
                     table[key] = earlier + sample.value
     for name, family in families.items():

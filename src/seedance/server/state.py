@@ -98,7 +98,12 @@ class ServerState:
         self.peers = Peers()
         self.access = Access(config)
         self.shutdown = Shutdown(
-            self.models, self.generations, self.peers, clustered=cluster is not None
+            self.models,
+            self.generations,
+            self.peers,
+            # Readers move to other nodes on a stop; workers alone on a private Redis have none.
+            clustered=cluster is not None
+            and not (config.worker is not None and config.worker.private_redis),
         )
         self.confidential: Confidential | None = None
         if identity is not None:
@@ -148,6 +153,8 @@ class ServerState:
         self.access.on_subjects_dropped = revocations.subjects_dropped
         if cluster is not None:
             cluster.revocations.apply = revocations.revoked_elsewhere
+            cluster.cancels.apply = self.generations.cancel_here
+            self.generations.elsewhere = cluster.cancels.send
             cluster.streams.take_over = functools.partial(take_over, self.services)
             cluster.streams.replicator.merger = self.merger  # logs go at the frames' pace
         gpu = open_gpu_memory()

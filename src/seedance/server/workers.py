@@ -20,6 +20,11 @@ The ``seedance serve`` process becomes the supervisor. It serves nothing itself:
   (:class:`~seedance.engines.core.remote.EngineProcess`); each worker attaches to it. Other
   engines (``synthetic``, gateway mode) run in each worker, as does an embedding model
   (``--embedding-model``: small, each worker's on its share of the cores).
+- **HTTP/3** (``--http3``): the first worker alone listens on QUIC, since the datagrams of one
+  QUIC connection must reach one process and the kernel spreads UDP datagrams by address,
+  which a client that moves changes; every worker advertises it (``Alt-Svc``,
+  ``/v2/webtransport``), with the self-signed certificate made here when there is no
+  ``--tls-cert``.
 - **A worker that dies** (a signal, an out-of-memory kill) loses its own connections, nothing
   else: the supervisor logs how it ended, tells the engine process to drop its requests, and
   starts it again (at once, then with a backoff while it keeps dying). Its clients reconnect
@@ -92,13 +97,11 @@ def check(config: ServerConfig, own_engines: bool = False) -> None:
     the workers serve engines a program made, not ``config.engine``)."""
     if not hasattr(socket, "SO_REUSEPORT"):
         raise ConfigError(f"--workers {worker_count(config)}: this system has no SO_REUSEPORT")
-    refused = [
-        (config.tls.http3, "--http3 (QUIC needs one process per connection's packets)"),
-        (config.registry.path is not None, "--registry (models loaded per worker)"),
-    ]
-    for refused_now, what in refused:
-        if refused_now:
-            raise ConfigError(f"--workers {worker_count(config)}: {what} is not supported yet")
+    if config.registry.path is not None:
+        raise ConfigError(
+            f"--workers {worker_count(config)}: --registry (models loaded per worker) is not "
+            "supported yet"
+        )
     spec = engine_spec(config.engine)
     if spec.local_model and spec.front is None and not own_engines:
         raise ConfigError(
@@ -192,7 +195,16 @@ class Supervisor:
             await asyncio.to_thread(engine.start)  # the model loads once, here
             assert self._loop is not None
             engine.keep_alive(self._loop)
-        setup = WorkerSetup(0, self.count, os.getpid(), self._dir, endpoint)
+        local = None
+        if config.tls.http3 and config.tls.cert is None:  # one certificate, for every worker
+            from seedance.server.runner import require_aioquic
+
+            require_aioquic(config)
+            from seedance.server.http3 import LocalCertificate
+
+            local = LocalCertificate.make(config.host)
+        private = self._redis is not None
+        setup = WorkerSetup(0, self.count, os.getpid(), self._dir, endpoint, local, private)
         return dataclasses.replace(config, worker=setup)
 
     async def _start_redis(self) -> str:

@@ -58,7 +58,7 @@ class StreamStore(Protocol):
     async def epoch_of(self, tenant: str, session_id: str) -> str:
         """The epoch a client's cursor into this session's logs must name."""
 
-    def forget(self, tenant: str, session_id: str) -> None:
+    async def forget(self, tenant: str, session_id: str) -> None:
         """The session was deleted: its log goes with it."""
 
 
@@ -168,7 +168,7 @@ class MemoryStreamStore:
             return None
         return log
 
-    def forget(self, tenant: str, session_id: str) -> None:
+    async def forget(self, tenant: str, session_id: str) -> None:
         key = (tenant, session_id)
         log = self._logs.get(key)
         if log is not None:

@@ -308,8 +308,15 @@ class RemoteEngine(Engine):
             return EngineHealth(False, f"the engine process {self._why()}; it is restarting")
         return EngineHealth(self._stats.ok, self._stats.detail)
 
+    @property
+    def reported(self) -> wire.Stats:
+        """The engine process's last report of itself (all its clients' requests)."""
+        return self._stats
+
     def unfinished_requests(self) -> int | None:
-        return self._stats.unfinished if self.epoch is not None else len(self._runs)
+        """This process's requests in the engine process (workers that share it add up to
+        all of its own)."""
+        return len(self._runs)
 
     def kv_cache_usage(self) -> float | None:
         return self._stats.kv_cache_usage

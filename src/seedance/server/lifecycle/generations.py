@@ -10,7 +10,7 @@ choose the same).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from seedance.streams.log import StreamLog
@@ -30,6 +30,9 @@ class Generations:
     def __init__(self, streams: StreamStore) -> None:
         self.streams = streams
         self._running: dict[tuple[str, str], Generation] = {}
+        #: Asks the node that runs a generation to cancel it (cluster mode: set by the server
+        #: to publish the cancel; None: every generation runs here).
+        self.elsewhere: Callable[[str, str, str], None] | None = None
 
     def open_log(self, requester: Requester, request_id: RequestId, message: Generate) -> StreamLog:
         """A new generation's log (the session's previous one is replaced)."""
@@ -68,6 +71,20 @@ class Generations:
         """The generation of ``tenant`` running on the session ``log_key`` (or, without a
         session, the request of that id)."""
         return self._running.get((tenant, log_key))
+
+    def cancel(self, tenant: str, log_key: str, request_id: str) -> None:
+        """Cancel ``request_id`` of ``tenant`` on the session ``log_key`` wherever it runs: here,
+        or on the node (or worker) that runs it."""
+        if not self.cancel_here(tenant, log_key, request_id) and self.elsewhere is not None:
+            self.elsewhere(tenant, log_key, request_id)
+
+    def cancel_here(self, tenant: str, log_key: str, request_id: str) -> bool:
+        """Cancel ``request_id`` if it runs here; whether it did."""
+        generation = self.get(tenant, log_key)
+        if generation is None or generation.request_id != request_id:
+            return False
+        generation.cancel(silent=False)
+        return True
 
     def running_on(self, session: Session) -> Generation | None:
         """The generation running on ``session`` (started on any connection)."""
