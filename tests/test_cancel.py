@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.support.servers import slow_engine
+from tests.support.servers import one_process_only, slow_engine
 from tests.support.waits import eventually
 from tests.support.ws import collect, generate, open_session, recv_json
 
@@ -22,6 +22,7 @@ async def settle(engine, seconds: float = 0.3) -> int:  # type: ignore[no-untype
 
 
 @pytest.mark.slow
+@one_process_only("reads the engine the test made, which each worker copies")
 async def test_cancel_stops_the_engine_and_keeps_nothing(make_server) -> None:  # type: ignore[no-untyped-def]
     engine = slow_engine(200)
     server = make_server(engines=[engine])
@@ -71,6 +72,7 @@ async def test_cancel_a_whole_reply_returns_the_partial_text(make_server) -> Non
 
 
 @pytest.mark.slow
+@one_process_only("reads the engine the test made, which each worker copies")
 async def test_disconnect_stops_the_engine(make_server) -> None:  # type: ignore[no-untyped-def]
     engine = slow_engine(200)
     server = make_server(engines=[engine])
@@ -88,6 +90,7 @@ async def test_disconnect_stops_the_engine(make_server) -> None:  # type: ignore
 
 
 @pytest.mark.slow
+@one_process_only("reads the server's requests in its process")
 async def test_cancel_while_queued(make_server) -> None:  # type: ignore[no-untyped-def]
     engine = slow_engine(100)
     server = make_server(engines=[engine], max_running=1)

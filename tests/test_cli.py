@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from seedance.client import connect_sync
-from tests.support.servers import SEEDANCE, RunningServer, slow_engine
+from tests.support.servers import SEEDANCE, RunningServer, one_process_only, slow_engine
 
 
 def run(
@@ -100,6 +100,7 @@ class Interactive:
 
 
 @pytest.mark.subprocess
+@one_process_only("reads the server's requests in its process")
 def test_ctrl_c_cancels_the_reply_not_the_program(make_server) -> None:  # type: ignore[no-untyped-def]
     server = make_server(engines=[slow_engine(40)])
     chat = Interactive("--url", server.url, "--max-tokens", "60")

@@ -8,7 +8,7 @@ import resource
 import pytest
 
 from seedance.client import connect
-from tests.support.servers import RunningServer
+from tests.support.servers import RunningServer, one_process_only
 
 STREAMS = 500
 TOKENS = 20
@@ -39,6 +39,7 @@ async def one_stream(url: str, i: int, start: asyncio.Event) -> tuple[str, int, 
 
 
 @pytest.mark.slow
+@one_process_only("reads the server's sessions in its process")
 async def test_500_concurrent_sessions(server: RunningServer) -> None:
     start = asyncio.Event()
     tasks = [asyncio.create_task(one_stream(server.url, i, start)) for i in range(STREAMS)]

@@ -27,7 +27,7 @@ import pytest
 from seedance.client import connect
 from seedance.config import ServerConfig
 from seedance.config_loader import load_config
-from tests.support.servers import RunningServer, server_config
+from tests.support.servers import RunningServer, one_process_only, server_config
 from tests.support.waits import eventually
 from tests.support.ws import assert_contiguous, read
 
@@ -135,6 +135,7 @@ async def test_a_seed_gives_the_same_reply_again(served: RunningServer) -> None:
     assert a.text == b.text
 
 
+@one_process_only("reads the engine in the server's process")
 async def test_a_cancel_ends_the_reply_and_frees_the_engine(served: RunningServer) -> None:
     async with connect(served.url) as session:
         long = session.generate(PROMPT, temperature=0.7, seed=2, max_tokens=1000, reset=True)

@@ -33,7 +33,7 @@ from seedance.protocol.errors import EncryptionFailed, Forbidden, InvalidRequest
 from seedance.protocol.tensors import Tensor, encode_tensor
 from tests.support.certs import Authority
 from tests.support.redis import RedisServer
-from tests.support.servers import SEEDANCE, RunningServer, slow_engine
+from tests.support.servers import SEEDANCE, RunningServer, one_process_only, slow_engine
 from tests.support.tools import tool, wait_listening
 from tests.support.ws import raw_connect
 from tests.support.wsrelay import Relay
@@ -428,6 +428,7 @@ async def test_rotations_are_audited_and_verified(
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # about 30 s on 2 cores
+@one_process_only("reads the server's key channel in its process")
 async def test_a_million_frames_across_rotations_and_a_resume(
     make_server: Callable[..., RunningServer], identity: tuple[str, str]
 ) -> None:

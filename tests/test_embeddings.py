@@ -20,7 +20,7 @@ from seedance.client import connect
 from seedance.protocol.e2e import ClientHandshake, load_pinned
 from seedance.protocol.errors import InvalidRequest
 from seedance.protocol.tensors import Tensor, encode_tensor
-from tests.support.servers import RunningServer, server_config
+from tests.support.servers import RunningServer, one_process_only, server_config
 from tests.support.vectors import cosine
 from tests.support.waits import eventually
 from tests.support.ws import generate, open_session, recv_json, wait_closed
@@ -90,6 +90,7 @@ async def test_token_ids_embed_as_their_text(served: RunningServer, reference: A
     assert len(several.data) == 2 and one.usage.prompt_tokens == len(ids)
 
 
+@one_process_only("reads the embedding engine's passes in its process")
 async def test_concurrent_requests_share_forward_passes(served: RunningServer) -> None:
     engine = served.state.models[MODEL].engine
     api = client(served)
@@ -104,6 +105,7 @@ async def test_concurrent_requests_share_forward_passes(served: RunningServer) -
     assert engine.passes - before < 8  # 256 inputs in fewer passes than requests
 
 
+@one_process_only("reads the embedding engine's passes in its process")
 async def test_a_request_larger_than_a_pass_is_split(served: RunningServer, reference: Any) -> None:
     engine = served.state.models[MODEL].engine
     before = engine.passes

@@ -11,7 +11,7 @@ import pytest
 from seedance.engines.base import GenerationRequest, TokenDelta
 from seedance.engines.synthetic import SyntheticEngine
 from seedance.protocol.messages import ChatMessage
-from tests.support.servers import RunningServer, slow_engine
+from tests.support.servers import RunningServer, one_process_only, slow_engine
 from tests.support.waits import eventually
 from tests.support.ws import (
     assert_seq_contiguous,
@@ -128,6 +128,7 @@ async def test_invalid_session_id_is_refused(server: RunningServer) -> None:
     assert "session_id" in error_of(frames[0], "invalid_request")["message"]
 
 
+@one_process_only("reads the server's admission in its process")
 async def test_overloaded_when_the_queue_is_full(make_server) -> None:  # type: ignore[no-untyped-def]
     server = make_server(engines=[slow_engine(100)], max_running=1, max_waiting=1)
     admission = server.state.models[server.state.models.default].admission

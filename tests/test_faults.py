@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from tests.support.rawclient import RawClient
-from tests.support.servers import RunningServer, slow_engine
+from tests.support.servers import RunningServer, one_process_only, slow_engine
 from tests.support.waits import eventually
 from tests.support.ws import assert_seq_contiguous, collect, open_session
 
@@ -110,6 +110,7 @@ def _http_streaming(server: RunningServer) -> socket.socket:
 
 @pytest.mark.parametrize("point", list(POINTS))
 @pytest.mark.slow
+@one_process_only("reads the server's state (or stalls its loop) in its process")
 def test_a_client_vanishing_at_any_point_leaves_nothing_behind(
     make_server: Any, point: str
 ) -> None:
@@ -126,6 +127,7 @@ def test_a_client_vanishing_at_any_point_leaves_nothing_behind(
 
 
 @pytest.mark.slow
+@one_process_only("reads the server's state (or stalls its loop) in its process")
 async def test_an_event_loop_stalled_for_a_second_loses_no_token(make_server: Any) -> None:
     server: RunningServer = make_server(engines=[slow_engine(tokens_per_s=50)])
     loop = server.server.servers[0].get_loop()

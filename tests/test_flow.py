@@ -13,7 +13,7 @@ from websockets.frames import Close, Frame, Opcode
 from seedance.engines.synthetic import SyntheticEngine
 from seedance.server.outbound import Outbound
 from tests.support.rawclient import RawClient
-from tests.support.servers import RunningServer
+from tests.support.servers import RunningServer, one_process_only
 from tests.support.ws import open_session, raw_connect, recv_json, wait_closed
 
 
@@ -42,6 +42,7 @@ async def test_json_ping(server: RunningServer) -> None:
 
 
 @pytest.mark.slow
+@one_process_only("reads the server's connections in its process")
 async def test_server_pings_after_silence_and_pongs_keep_it_open(make_server) -> None:  # type: ignore[no-untyped-def]
     """A client that speaks the binary heartbeat (it sent one) is pinged in binary."""
     server = make_server(heartbeat_interval_s=0.2, idle_timeout_s=0.6)
@@ -100,6 +101,7 @@ async def wait_until(predicate, timeout: float = 10.0) -> None:  # type: ignore[
 
 
 @pytest.mark.slow
+@one_process_only("reads the server's connections in its process")
 async def test_slow_reader_stays_bounded_then_is_cut_off(make_server) -> None:  # type: ignore[no-untyped-def]
     # More tokens than the kernel's socket buffers can absorb (up to 4 MiB on Linux).
     engine = SyntheticEngine(context_length=300_000, max_output_tokens=200_000)
@@ -127,6 +129,7 @@ async def test_slow_reader_stays_bounded_then_is_cut_off(make_server) -> None:  
 
 
 @pytest.mark.slow
+@one_process_only("reads the server's connections in its process")
 async def test_a_writer_failure_is_logged_and_closes_the_connection_1011(
     make_server,  # type: ignore[no-untyped-def]
     monkeypatch: pytest.MonkeyPatch,
@@ -182,6 +185,7 @@ def encoded(opcode: Opcode, payload: bytes) -> bytes:
     return Frame(opcode, payload).serialize(mask=True)
 
 
+@one_process_only("reads the server's connections in its process")
 async def test_ping_flood_without_reading_is_cut_off(make_server) -> None:  # type: ignore[no-untyped-def]
     server = make_server(max_pending_bytes=256 * 1024)
     client = RawClient(server.port, rcvbuf=4096)
@@ -196,6 +200,7 @@ async def test_ping_flood_without_reading_is_cut_off(make_server) -> None:  # ty
 
 
 @pytest.mark.slow
+@one_process_only("reads the server's connections in its process")
 async def test_heartbeat_flood_without_reading_is_cut_off(make_server) -> None:  # type: ignore[no-untyped-def]
     server = make_server(max_pending_bytes=256 * 1024)
     client = RawClient(server.port, rcvbuf=4096)

@@ -36,7 +36,7 @@ from seedance.engines.synthetic import SyntheticEngine
 from seedance.netutil import free_port
 from seedance.protocol.errors import SeedanceError
 from seedance.protocol.qos import QoS
-from tests.support.servers import RunningServer, asgi_server
+from tests.support.servers import RunningServer, asgi_server, one_process_only
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +138,7 @@ def synthetic_upstream(tokens_per_s: float = 0.0) -> Iterator[tuple[str, Synthet
 
 @pytest.mark.model
 @pytest.mark.subprocess
+@one_process_only("reads the gateway's upstreams in its process")
 async def test_seedance_in_front_of_llama_cpp_server(make_server, llama_upstream: str) -> None:  # type: ignore[no-untyped-def]
     server = gateway(make_server, llama_upstream)
     engine = upstream_engine(server)
@@ -156,6 +157,7 @@ async def test_seedance_in_front_of_llama_cpp_server(make_server, llama_upstream
 
 
 @pytest.mark.slow
+@one_process_only("each worker routes by its own requests in flight")
 async def test_fewest_in_flight_routing(make_server) -> None:  # type: ignore[no-untyped-def]
     with synthetic_upstream(50) as (a, engine_a), synthetic_upstream(50) as (b, engine_b):
         server = gateway(make_server, a, b)
@@ -170,6 +172,7 @@ async def test_fewest_in_flight_routing(make_server) -> None:  # type: ignore[no
 
 
 @pytest.mark.slow
+@one_process_only("reads the gateway's upstreams in its process")
 async def test_a_failing_upstream_is_retried_elsewhere_and_cooled_down(make_server) -> None:  # type: ignore[no-untyped-def]
     with asgi_server(faulty_app("error")) as bad, synthetic_upstream() as (good, engine_good):
         server = gateway(make_server, f"{bad}/v1", good, cooldown_s=0.5)
@@ -196,6 +199,7 @@ async def test_a_stalled_upstream_times_out_before_the_first_token(make_server) 
 
 
 @pytest.mark.slow
+@one_process_only("reads the gateway's upstreams in its process")
 async def test_a_stream_dropped_after_its_first_token_is_engine_error(make_server) -> None:  # type: ignore[no-untyped-def]
     with asgi_server(faulty_app("drop")) as dropping, synthetic_upstream() as (good, engine_good):
         server = gateway(make_server, f"{dropping}/v1", good)
@@ -214,6 +218,7 @@ async def test_a_stream_dropped_after_its_first_token_is_engine_error(make_serve
         assert not engine.upstreams[0].up
 
 
+@one_process_only("reads the gateway's upstreams in its process")
 async def test_an_upstream_400_is_the_request_fault(make_server) -> None:  # type: ignore[no-untyped-def]
     with asgi_server(faulty_app("refuse")) as refusing:
         server = gateway(make_server, f"{refusing}/v1")
@@ -237,6 +242,7 @@ async def test_cancel_aborts_the_upstream_request(make_server) -> None:  # type:
         assert upstream.stats.tokens_generated < 100
 
 
+@one_process_only("reads the gateway's upstreams in its process")
 async def test_every_upstream_down_fails_healthz(make_server) -> None:  # type: ignore[no-untyped-def]
     with asgi_server(faulty_app("error")) as bad:
         server = gateway(make_server, f"{bad}/v1", cooldown_s=60)
@@ -317,6 +323,7 @@ def test_an_upstreams_metrics_give_its_queue_and_kv_cache_use(server: RunningSer
     assert seedance.waiting == 0 and seedance.kv_use is None  # the synthetic engine has no KV
 
 
+@one_process_only("reads the gateway's upstreams in its process")
 async def test_the_gateway_sends_requests_where_the_first_token_comes_sooner(
     make_server: Callable[..., RunningServer],
 ) -> None:

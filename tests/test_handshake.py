@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.servers import RunningServer, ServerProcess
+from tests.support.servers import RunningServer, ServerProcess, one_process_only
 from tests.support.waits import eventually
 from tests.support.ws import open_session
 
@@ -83,6 +83,7 @@ async def test_the_next_request_on_a_kept_alive_connection_is_timed_too(make_ser
 
 
 @pytest.mark.slow
+@one_process_only("reads the server's handshake counts in its process")
 async def test_connections_still_sending_headers_are_capped_per_address(
     make_server: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -107,6 +108,7 @@ async def test_connections_still_sending_headers_are_capped_per_address(
         assert session["type"] == "session"
 
 
+@one_process_only("reads the server's handshake counts in its process")
 async def test_a_trusted_proxy_is_held_to_the_total_cap_only(make_server: Any) -> None:
     server: RunningServer = make_server(
         max_handshakes_per_address=2, max_handshakes=5, trusted_proxies=("127.0.0.0/8",)

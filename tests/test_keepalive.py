@@ -18,7 +18,7 @@ from websockets.frames import Opcode
 
 from seedance.server.keepalive import Action, Heartbeat, Keepalive
 from tests.support.rawclient import RawClient
-from tests.support.servers import RunningServer, slow_engine
+from tests.support.servers import RunningServer, one_process_only, slow_engine
 from tests.support.ws import open_session, recv_json
 
 
@@ -139,6 +139,7 @@ def test_a_client_that_only_reads_a_long_reply_gets_it_whole(
 
 
 @pytest.mark.slow
+@one_process_only("reads the server's connections in its process")
 async def test_a_library_client_stays_open_on_its_automatic_pongs(
     make_server: Callable[..., RunningServer],
 ) -> None:

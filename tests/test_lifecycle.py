@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from seedance.engines.synthetic import SyntheticEngine
-from tests.support.servers import RunningServer
+from tests.support.servers import RunningServer, one_process_only
 from tests.support.waits import eventually
 from tests.support.ws import collect, open_session
 
@@ -57,6 +57,7 @@ async def test_a_prompt_that_leaves_no_room_is_refused_on_both_transports(
     assert frames[-1]["finish_reason"] == "length"
 
 
+@one_process_only("reads the server's state in its process")
 async def test_draining_is_checked_first_on_both_transports(small: RunningServer) -> None:
     ws, _ = await open_session(small.url)  # open before: a draining server takes no new one
     async with ws:
@@ -144,6 +145,7 @@ async def test_an_sse_reply_resumes_with_last_event_id(make_server: Any) -> None
 
 
 @pytest.mark.slow
+@one_process_only("reads the server's state in its process")
 async def test_a_plain_sse_reply_has_no_ids_and_stops_when_the_client_leaves(
     make_server: Any,
 ) -> None:

@@ -23,7 +23,13 @@ from seedance.engines.llamacpp.engine import LlamaCppEngine
 from seedance.engines.local import default_model_path
 from seedance.protocol.errors import SeedanceError
 from seedance.protocol.messages import ChatMessage, RequestId
-from tests.support.servers import THREADS, RunningServer, serve_fails, server_config
+from tests.support.servers import (
+    THREADS,
+    RunningServer,
+    one_process_only,
+    serve_fails,
+    server_config,
+)
 from tests.support.ws import assert_contiguous, read
 
 pytestmark = pytest.mark.model
@@ -57,6 +63,7 @@ async def eventually(condition: Callable[[], bool], timeout_s: float = 10.0) -> 
         await asyncio.sleep(0.01)
 
 
+@one_process_only("reads the llama.cpp engine in the server's process")
 async def test_what_is_two_plus_two(llama: RunningServer) -> None:
     async with connect(llama.url) as session:
         assert session.model == "smollm2-135m"
@@ -74,6 +81,7 @@ async def test_what_is_two_plus_two(llama: RunningServer) -> None:
     assert done.usage.prompt_tokens == expected
 
 
+@one_process_only("reads the llama.cpp engine in the server's process")
 async def test_eight_concurrent_streams_equal_their_runs_alone(llama: RunningServer) -> None:
     topics = ["cats", "the sea", "trains", "rain", "a castle", "robots", "the moon", "bread"]
 
@@ -99,6 +107,7 @@ async def test_eight_concurrent_streams_equal_their_runs_alone(llama: RunningSer
     assert [t for t, _, _ in together] == [t for t, _, _ in alone]
 
 
+@one_process_only("reads the llama.cpp engine in the server's process")
 async def test_cancel_frees_the_sequence_for_a_new_request() -> None:
     server = llama_server(parallel=2, n_ctx=2 * N_CTX_SEQ)
     try:
@@ -136,6 +145,7 @@ async def test_cancel_frees_the_sequence_for_a_new_request() -> None:
         server.stop()
 
 
+@one_process_only("reads the llama.cpp engine in the server's process")
 async def test_new_requests_take_the_lowest_free_sequence() -> None:
     """Running sequences keep consecutive ids (llama.cpp decodes such a run in one pass), unless
     a free sequence holds a long prefix of the prompt."""
@@ -161,6 +171,7 @@ async def test_new_requests_take_the_lowest_free_sequence() -> None:
         server.stop()
 
 
+@one_process_only("reads the llama.cpp engine in the server's process")
 async def test_second_turn_prefills_only_the_new_tokens(llama: RunningServer) -> None:
     engine = engine_of(llama)
     async with connect(llama.url, session_id="kv-reuse") as session:
@@ -311,6 +322,7 @@ async def test_a_prompt_longer_than_the_context_is_context_overflow(llama: Runni
         assert done.text
 
 
+@one_process_only("reads the llama.cpp engine in the server's process")
 async def test_a_history_past_the_context_is_trimmed_from_the_oldest_turns() -> None:
     server = llama_server(parallel=1, n_ctx=256)
     try:
@@ -331,6 +343,7 @@ async def test_a_history_past_the_context_is_trimmed_from_the_oldest_turns() -> 
         server.stop()
 
 
+@one_process_only("reads the llama.cpp engine in the server's process")
 async def test_a_failed_decode_fails_only_its_request() -> None:
     server = llama_server(parallel=4, n_ctx=4 * N_CTX_SEQ)
     try:
@@ -369,6 +382,7 @@ def get_json(url: str) -> tuple[int, dict[str, Any]]:
         return exc.code, json.loads(exc.read())
 
 
+@one_process_only("reads the llama.cpp engine in the server's process")
 async def test_a_dead_decode_loop_fails_requests_and_healthz() -> None:
     server = llama_server(parallel=2, n_ctx=2 * N_CTX_SEQ)
     try:
@@ -443,6 +457,7 @@ async def test_restoring_a_saved_state_into_a_full_cache_keeps_both() -> None:
         await engine.close()
 
 
+@one_process_only("reads the llama.cpp engine in the server's process")
 async def test_the_openai_package_drives_the_real_model(llama: RunningServer) -> None:
     import openai
 

@@ -27,7 +27,7 @@ from seedance.engines.llamacpp.cpu import (
 from seedance.engines.llamacpp.engine import LlamaCppEngine
 from seedance.engines.local import default_model_path
 from seedance.protocol.errors import SeedanceError
-from tests.support.servers import RunningServer, ServerProcess, server_config
+from tests.support.servers import RunningServer, ServerProcess, one_process_only, server_config
 
 pytestmark = pytest.mark.model
 
@@ -46,6 +46,9 @@ def repacking_runs_here() -> bool:
 
 
 @pytest.mark.parametrize("mode", ["on", "off"])
+@one_process_only(
+    "the model runs in the engine process there (the tests of --engine-process cover it)"
+)
 async def test_each_forced_layout_serves_the_model(mode: str) -> None:
     config = server_config(engine="llamacpp", parallel=2, n_ctx=2048, repack=mode)
     if mode == "on" and not repacking_runs_here():  # AMX on a VM that does not enable it
@@ -173,6 +176,9 @@ def healthz(port: int) -> tuple[int, dict[str, str]]:
         return exc.code, json.load(exc)
 
 
+@one_process_only(
+    "the model runs in the engine process there (the tests of --engine-process cover it)"
+)
 async def test_an_abort_inside_llama_cpp_is_reported_before_the_process_goes(
     tmp_path: Path,
 ) -> None:
@@ -192,6 +198,9 @@ async def test_an_abort_inside_llama_cpp_is_reported_before_the_process_goes(
     assert "in _step" in log  # the decode thread's stack
 
 
+@one_process_only(
+    "the model runs in the engine process there (the tests of --engine-process cover it)"
+)
 async def test_a_fatal_signal_in_the_engine_leaves_the_threads_stacks_in_the_log(
     tmp_path: Path,
 ) -> None:

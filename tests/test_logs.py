@@ -12,7 +12,7 @@ import jwt
 import pytest
 
 from tests.support.rawclient import RawClient
-from tests.support.servers import RunningServer, ServerProcess
+from tests.support.servers import RunningServer, ServerProcess, one_process_only
 from tests.support.ws import open_session, recv_json
 
 
@@ -39,6 +39,7 @@ async def test_a_newline_in_a_jwt_claim_cannot_forge_a_log_line(
 
 
 @pytest.mark.slow
+@one_process_only("reads the server's connections in its process")
 def test_a_control_ping_flood_writes_one_warning(
     make_server: Any, caplog: pytest.LogCaptureFixture
 ) -> None:

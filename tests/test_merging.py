@@ -10,7 +10,7 @@ import uvicorn
 from seedance.config import ServerConfig
 from seedance.engines.synthetic import SyntheticEngine
 from seedance.server.app import create_app
-from tests.support.servers import slow_engine
+from tests.support.servers import one_process_only, slow_engine
 from tests.support.ws import (
     assert_seq_contiguous,
     generate,
@@ -78,6 +78,7 @@ async def test_concurrent_streams_on_one_connection_keep_their_order(make_server
             await other.close()
 
 
+@one_process_only("reads the server's state in its process")
 async def test_window_is_a_setting(make_server) -> None:  # type: ignore[no-untyped-def]
     server = make_server(engines=[SyntheticEngine()], merge_window_ms=50)
     assert server.state.merger is not None and server.state.merger.window_s == 0.05
@@ -112,6 +113,7 @@ async def test_plain_asgi_server_uses_the_queued_path() -> None:
         await task
 
 
+@one_process_only("reads the server's state in its process")
 async def test_messages_after_end_session_keep_their_order(server) -> None:  # type: ignore[no-untyped-def]
     # end_session is handled in the receive loop (it awaits the store); what follows it in
     # the same burst must not overtake it: the session is gone before the ping is answered.

@@ -11,7 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from seedance.client import connect
-from tests.support.servers import RunningServer, slow_engine
+from tests.support.servers import RunningServer, one_process_only, slow_engine
 from tests.support.waits import eventually
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -39,6 +39,7 @@ REQUEST = {**MODEL, "tenant": "default"}
 
 
 @pytest.mark.slow
+@one_process_only("reads the server's admission in its process")
 async def test_a_stream_moves_the_counters_and_histograms(server: RunningServer) -> None:
     before, _ = scrape(server)
     async with connect(server.url) as session:
@@ -71,6 +72,7 @@ async def test_a_stream_moves_the_counters_and_histograms(server: RunningServer)
 
 
 @pytest.mark.slow
+@one_process_only("reads the server's admission in its process")
 async def test_running_waiting_and_cancelled(make_server: Callable[..., RunningServer]) -> None:
     server = make_server(engines=[slow_engine(tokens_per_s=20)], max_running=1)
     async with connect(server.url) as a, connect(server.url) as b:

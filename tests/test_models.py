@@ -327,6 +327,7 @@ def test_a_refused_version_stops_the_start_with_its_reason(
 
 
 @pytest.mark.model
+@one_process_only("--model-registry is refused with workers")
 async def test_a_new_version_is_swapped_in_while_8_streams_run_on_the_old_one(
     tmp_path: Path, keys: dict[str, Path], make_server: Callable[..., RunningServer]
 ) -> None:
@@ -391,6 +392,7 @@ async def test_a_new_version_is_swapped_in_while_8_streams_run_on_the_old_one(
     assert {version for _, version in probes} == {"1.0.0", "1.1.0"}
 
 
+@one_process_only("--model-registry is refused with workers")
 async def test_a_canary_takes_its_share_of_sessions_sticky_then_is_promoted(
     tmp_path: Path, keys: dict[str, Path], make_server: Callable[..., RunningServer]
 ) -> None:
@@ -433,6 +435,7 @@ async def test_a_canary_takes_its_share_of_sessions_sticky_then_is_promoted(
     assert value(samples, ttft, model="tiny", version="1.1.0") == new
 
 
+@one_process_only("--model-registry is refused with workers")
 async def test_a_server_serves_several_registry_models_and_reloads_each(
     tmp_path: Path, keys: dict[str, Path], make_server: Callable[..., RunningServer]
 ) -> None:
@@ -525,6 +528,7 @@ async def test_the_watcher_refuses_a_bad_version_once_and_a_reload_does_not_wait
 # --------------------------------------------------------------------------- signed limits
 
 
+@one_process_only("--model-registry is refused with workers")
 async def test_signed_limits_refuse_on_every_api_naming_the_limit_and_the_version(
     tmp_path: Path, keys: dict[str, Path], make_server: Callable[..., RunningServer]
 ) -> None:

@@ -25,7 +25,7 @@ from seedance.models.signing import keygen
 from seedance.server.modules import ModuleTable
 from seedance.tenants.keys import add_key
 from seedance.wasm import WasmHost
-from tests.support.servers import RunningServer
+from tests.support.servers import RunningServer, one_process_only
 from tests.support.waits import eventually
 from tests.support.wasm import Builder
 from tests.support.ws import generate, open_session
@@ -309,6 +309,7 @@ async def test_a_reload_swaps_a_new_promoted_version_in_and_keeps_a_refused_one_
     assert events() == [("loaded", "1.1.0"), ("refused", "1.2.0")]
 
 
+@one_process_only("reads the server's models in its process")
 async def test_the_watcher_serves_a_newly_promoted_version(
     make_server: Callable[..., RunningServer], build: Builder, tmp_path: Path
 ) -> None:

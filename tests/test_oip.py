@@ -21,7 +21,7 @@ from tritonclient.utils import InferenceServerException
 
 from seedance.config_loader import load_access
 from seedance.tenants.keys import add_key
-from tests.support.servers import RunningServer, server_config
+from tests.support.servers import RunningServer, one_process_only, server_config
 from tests.support.vectors import cosine
 from tests.support.waits import eventually
 
@@ -241,6 +241,7 @@ def test_a_tenants_server_refuses_without_a_key_in_the_protocols_shape(
     assert keyed.as_numpy("finish_reason").tolist() == [b"length"]
 
 
+@one_process_only("reads the engine in the server's process")
 def test_the_embedded_model_answers_as_its_completions_do(
     make_server: Callable[..., RunningServer],
 ) -> None:

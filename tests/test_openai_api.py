@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from seedance.client import connect
-from tests.support.servers import RunningServer, slow_engine
+from tests.support.servers import RunningServer, one_process_only, slow_engine
 
 
 def client(server: RunningServer) -> openai.AsyncOpenAI:
@@ -124,6 +124,7 @@ async def test_errors_have_openai_shape_and_status(server: RunningServer) -> Non
 
 
 @pytest.mark.slow
+@one_process_only("reads the server's requests in its process")
 async def test_a_full_queue_is_503(make_server) -> None:  # type: ignore[no-untyped-def]
     server = make_server(engines=[slow_engine(20)], max_running=1, max_waiting=0)
     api = client(server)
@@ -139,6 +140,7 @@ async def test_a_full_queue_is_503(make_server) -> None:  # type: ignore[no-unty
 
 
 @pytest.mark.slow
+@one_process_only("reads the server's requests in its process")
 async def test_a_dropped_connection_aborts_the_generation(make_server) -> None:  # type: ignore[no-untyped-def]
     server = make_server(engines=[slow_engine(20)], max_running=1)
     engine = server.engine

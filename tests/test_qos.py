@@ -16,7 +16,7 @@ from seedance.observability.metrics import MAX_SLATAGS, Metrics
 from seedance.protocol.errors import InvalidRequest
 from seedance.protocol.qos import QoS, parse_qos
 from seedance.tenants.keys import add_key
-from tests.support.servers import RunningServer, slow_engine
+from tests.support.servers import RunningServer, one_process_only, slow_engine
 from tests.support.ws import collect, generate, open_session, raw_connect, recv_json
 from tests.test_metrics import scrape, value
 from tests.test_tenants import auth, refused, tenant_server, write_config
@@ -106,6 +106,7 @@ async def test_a_malformed_header_refuses_the_connection(server: RunningServer) 
     assert code == 1008
 
 
+@one_process_only("each worker has its own admission queue")
 async def test_a_class_orders_admission_within_the_tenants_range(
     tmp_path: Path, make_server: Callable[..., RunningServer]
 ) -> None:

@@ -22,7 +22,7 @@ from websockets.exceptions import ConnectionClosedError
 from seedance.config_loader import load_access
 from seedance.engines.synthetic import SyntheticEngine
 from seedance.tenants.keys import add_key
-from tests.support.servers import RunningServer, slow_engine
+from tests.support.servers import RunningServer, one_process_only, slow_engine
 from tests.support.waits import eventually
 from tests.test_responses import client
 from tests.test_tools import FLAT
@@ -383,6 +383,7 @@ async def test_browsers_authenticate_by_subprotocol(
         assert refused["type"] == "error" and refused["error"]["code"] == "unauthorized"
 
 
+@one_process_only("reads the server's connections in its process")
 async def test_a_revoked_key_shuts_its_realtime_and_responses_sockets(
     make_server: Callable[..., RunningServer], tmp_path: Path
 ) -> None:

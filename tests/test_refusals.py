@@ -20,7 +20,7 @@ from websockets.asyncio.client import connect as ws_connect
 
 from seedance.config_loader import load_access
 from seedance.tenants.keys import add_key
-from tests.support.servers import RunningServer
+from tests.support.servers import RunningServer, one_process_only
 from tests.support.waits import eventually
 from tests.support.ws import generate, open_session, raw_connect, wait_closed
 
@@ -73,6 +73,7 @@ def auth(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
+@one_process_only("reads the server's log records in the test's process")
 async def test_a_refused_websocket_connection_and_frame(
     audited: tuple[RunningServer, Path, str], caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -97,6 +98,7 @@ async def test_a_refused_websocket_connection_and_frame(
     assert record["session"] == "s1" and "request_id" not in record
 
 
+@one_process_only("reads the server's log records in the test's process")
 async def test_a_refused_openai_http_request(
     audited: tuple[RunningServer, Path, str], caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -118,6 +120,7 @@ async def test_a_refused_openai_http_request(
     assert record["tenant"] is None
 
 
+@one_process_only("reads the server's log records in the test's process")
 async def test_a_refused_responses_request_over_http(
     audited: tuple[RunningServer, Path, str], caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -132,6 +135,7 @@ async def test_a_refused_responses_request_over_http(
     logged(caplog, "/v1/responses", "invalid_request")
 
 
+@one_process_only("reads the server's log records in the test's process")
 async def test_a_refused_responses_websocket_and_response_create(
     audited: tuple[RunningServer, Path, str], caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -153,6 +157,7 @@ async def test_a_refused_responses_websocket_and_response_create(
     assert record["request_id"].startswith("resp_")
 
 
+@one_process_only("reads the server's log records in the test's process")
 async def test_a_refused_realtime_connection_and_response_create(
     audited: tuple[RunningServer, Path, str], caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -181,6 +186,7 @@ async def test_a_refused_realtime_connection_and_response_create(
     logged(caplog, "/v1/realtime", "invalid_request")
 
 
+@one_process_only("reads the server's log records in the test's process")
 async def test_a_refused_tokenize_call(
     audited: tuple[RunningServer, Path, str], caplog: pytest.LogCaptureFixture
 ) -> None:

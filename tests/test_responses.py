@@ -14,7 +14,7 @@ import pytest
 from openai.types import responses as types
 
 from seedance.engines.synthetic import SyntheticEngine
-from tests.support.servers import RunningServer, slow_engine
+from tests.support.servers import RunningServer, one_process_only, slow_engine
 from tests.test_openai_api import eventually
 
 
@@ -174,6 +174,7 @@ async def test_bad_requests_get_a_clear_error(
     assert message in error["message"] and error["type"] == "invalid_request_error"
 
 
+@one_process_only("reads the server's requests in its process")
 async def test_cancel_stops_a_background_response_and_only_that(
     make_server: Callable[..., RunningServer],
 ) -> None:
@@ -201,6 +202,7 @@ async def test_cancel_stops_a_background_response_and_only_that(
     await api.close()
 
 
+@one_process_only("reads the server's requests in its process")
 async def test_a_foreground_stream_stops_when_its_client_leaves(
     make_server: Callable[..., RunningServer],
 ) -> None:

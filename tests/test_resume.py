@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from websockets.asyncio.client import ClientConnection
 
-from tests.support.servers import RunningServer
+from tests.support.servers import RunningServer, one_process_only
 from tests.support.waits import eventually
 from tests.support.ws import collect, generate, open_session, recv_json, tokens_text, wait_closed
 
@@ -148,6 +148,7 @@ async def test_two_readers_get_the_whole_reply_and_either_can_cancel(make_server
 
 
 @pytest.mark.slow
+@one_process_only("reads the server's stream logs in its process")
 async def test_a_resumable_reply_runs_on_without_a_reader_and_can_be_read_after(
     make_server: Any,
 ) -> None:
@@ -171,6 +172,7 @@ async def test_a_resumable_reply_runs_on_without_a_reader_and_can_be_read_after(
 
 
 @pytest.mark.slow
+@one_process_only("reads the server's stream logs in its process")
 async def test_a_resumable_reply_without_a_reader_past_the_grace_ends_cancelled(
     make_server: Any,
 ) -> None:
@@ -192,6 +194,7 @@ async def test_a_resumable_reply_without_a_reader_past_the_grace_ends_cancelled(
 
 
 @pytest.mark.slow
+@one_process_only("reads the server's stream logs in its process")
 async def test_a_request_that_is_not_resumable_still_stops_on_disconnect(
     make_server: Any,
 ) -> None:
@@ -221,6 +224,7 @@ async def _history_lost(ws: ClientConnection, **resume: Any) -> dict[str, Any]:
     return body
 
 
+@one_process_only("--resume-max-bytes trims each process's kept streams; Redis keeps them")
 async def test_every_history_lost_reason(make_server: Any) -> None:
     server: RunningServer = make_server(resume_max_bytes=2000)
     ws, hello = await open_session(server.url, "session_id=s1")
@@ -258,6 +262,7 @@ async def test_every_history_lost_reason(make_server: Any) -> None:
         assert body["reason"] == "trimmed" and "2000 bytes" in body["message"]
 
 
+@one_process_only("reads the server's stream logs in its process")
 async def test_expired_after_the_window(make_server: Any) -> None:
     server: RunningServer = make_server(resume_window_s=0.05)
     ws, _ = await open_session(server.url, "session_id=w")

@@ -12,7 +12,7 @@ import pytest
 
 from seedance.config_loader import load_access
 from seedance.tenants.keys import add_key
-from tests.support.servers import RunningServer
+from tests.support.servers import RunningServer, one_process_only
 from tests.support.waits import eventually
 from tests.support.ws import generate, open_session, raw_connect, wait_closed
 
@@ -33,6 +33,7 @@ async def test_server_assigns_a_session_id(server: RunningServer) -> None:
         assert re.fullmatch(r"[A-Za-z0-9_.:-]{1,128}", hello["session_id"])
 
 
+@one_process_only("reads the server's sessions in its process")
 async def test_context_survives_a_new_connection(server: RunningServer) -> None:
     hello1, first = await one_turn(server, "conv", "hello there")
     hello2, second = await one_turn(server, "conv", "hello there")
@@ -71,6 +72,7 @@ async def test_messages_append_several_turns(server: RunningServer) -> None:
     assert hello["context_turns"] == 3
 
 
+@one_process_only("reads the server's sessions in its process")
 async def test_end_session_deletes_it_and_closes_1000(server: RunningServer) -> None:
     await one_turn(server, "ending", "remember this")
     ws, hello = await open_session(server.url, "session_id=ending")
@@ -85,6 +87,7 @@ async def test_end_session_deletes_it_and_closes_1000(server: RunningServer) -> 
 
 
 @pytest.mark.slow
+@one_process_only("reads the server's sessions in its process")
 async def test_expired_session_starts_empty(make_server) -> None:  # type: ignore[no-untyped-def]
     server = make_server(session_ttl_s=0.3)
     await one_turn(server, "short", "remember")
@@ -107,6 +110,7 @@ async def test_attached_session_does_not_expire(make_server) -> None:  # type: i
     assert second[0]["prompt_tokens"] > first[0]["prompt_tokens"]
 
 
+@one_process_only("reads the server's sessions in its process")
 async def test_session_cap_evicts_the_least_recently_used(make_server) -> None:  # type: ignore[no-untyped-def]
     server = make_server(max_sessions=2)
     await one_turn(server, "a", "x")
@@ -120,6 +124,9 @@ async def test_session_cap_evicts_the_least_recently_used(make_server) -> None: 
     assert hello["created"] is True
 
 
+@one_process_only(
+    "evicts idle sessions to fit; the cluster's store refuses instead (docs/cluster.md)"
+)
 async def test_session_cap_full_of_live_sessions_refuses(make_server) -> None:  # type: ignore[no-untyped-def]
     server = make_server(max_sessions=1)
     ws, _ = await open_session(server.url, "session_id=live")
@@ -130,6 +137,9 @@ async def test_session_cap_full_of_live_sessions_refuses(make_server) -> None:  
         assert frames[0]["error"]["code"] == "overloaded"
 
 
+@one_process_only(
+    "evicts idle sessions to fit; the cluster's store refuses instead (docs/cluster.md)"
+)
 async def test_session_history_has_a_byte_budget(make_server: Any) -> None:
     # Three 8,000-character turns do not fit 20,000 bytes: the idle session goes first; when
     # every session is in use, the request is refused and the connection stays open.
@@ -155,6 +165,9 @@ async def test_session_history_has_a_byte_budget(make_server: Any) -> None:
     assert server.state.sessions.bytes <= 20_000 + 2_000  # one reply may pass it for a moment
 
 
+@one_process_only(
+    "evicts idle sessions to fit; the cluster's store refuses instead (docs/cluster.md)"
+)
 async def test_a_tenants_session_history_has_a_byte_quota(tmp_path: Path, make_server: Any) -> None:
     path = tmp_path / "s.toml"
     path.write_text("[tenants.acme.quotas]\nsession_bytes = 12000\n")

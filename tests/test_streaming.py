@@ -12,7 +12,7 @@ import pytest
 
 from seedance import SERVER_NAME
 from seedance.engines.synthetic import SyntheticEngine
-from tests.support.servers import RunningServer
+from tests.support.servers import RunningServer, one_process_only
 from tests.support.ws import assert_seq_contiguous, collect, generate, open_session, tokens_text
 
 REFERENCE_CLIENT = """
@@ -27,6 +27,7 @@ socket.onmessage = (event) => {
 """
 
 
+@one_process_only("reads the server's stream store in its process")
 async def test_reference_exchange(server: RunningServer) -> None:
     ws, hello = await open_session(server.url, "session_id=abc123")
     async with ws:
@@ -131,6 +132,7 @@ def _node_with_websocket() -> list[str] | None:
 
 
 @pytest.mark.subprocess
+@one_process_only("reads the server's stream store in its process")
 def test_reference_javascript_client_unchanged(make_server, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     node = _node_with_websocket()
     if node is None:

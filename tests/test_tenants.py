@@ -20,7 +20,14 @@ import pytest
 
 from seedance.config_loader import load_access, load_config
 from seedance.tenants.keys import add_key
-from tests.support.servers import SEEDANCE, RunningServer, ServerProcess, serve_fails, slow_engine
+from tests.support.servers import (
+    SEEDANCE,
+    RunningServer,
+    ServerProcess,
+    one_process_only,
+    serve_fails,
+    slow_engine,
+)
 from tests.support.waits import eventually
 from tests.support.ws import collect, generate, open_session, raw_connect, recv_json, wait_closed
 
@@ -161,6 +168,7 @@ async def test_credentials_from_header_query_and_subprotocol(
     assert 'tenant="acme"' in metrics
 
 
+@one_process_only("each worker has its own admission queue and failed-credential counts")
 async def test_failed_credentials_are_rate_limited_per_address(
     make_server: Callable[..., RunningServer], two_tenants: tuple[Path, str, str]
 ) -> None:
@@ -306,6 +314,7 @@ async def test_origin_allow_list(
 # --------------------------------------------------------------------------- isolation
 
 
+@one_process_only("reads the server's sessions and admission in its process")
 async def test_a_tenant_never_sees_another_tenants_session(
     make_server: Callable[..., RunningServer], two_tenants: tuple[Path, str, str]
 ) -> None:
@@ -413,6 +422,7 @@ async def flood_of(
 
 
 @pytest.mark.slow
+@one_process_only("reads the server's sessions and admission in its process")
 async def test_one_tenants_flood_does_not_starve_another(
     make_server: Callable[..., RunningServer], two_tenants: tuple[Path, str, str]
 ) -> None:
@@ -436,6 +446,7 @@ async def test_one_tenants_flood_does_not_starve_another(
 
 
 @pytest.mark.slow
+@one_process_only("each worker has its own admission queue and failed-credential counts")
 async def test_the_queue_is_shared_fairly_when_full(
     make_server: Callable[..., RunningServer], two_tenants: tuple[Path, str, str]
 ) -> None:

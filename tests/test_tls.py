@@ -31,7 +31,13 @@ from seedance.server.tls import ServerTls, TlsFiles, server_context
 from seedance.tenants.auth import Authenticator, ClientCertificate
 from seedance.tenants.keys import add_key
 from tests.support.certs import Authority, Issued
-from tests.support.servers import SEEDANCE, RunningServer, ServerProcess, serve_fails
+from tests.support.servers import (
+    SEEDANCE,
+    RunningServer,
+    ServerProcess,
+    one_process_only,
+    serve_fails,
+)
 from tests.support.waits import eventually
 from tests.support.ws import raw_connect, recv_json, wait_closed
 
@@ -89,6 +95,7 @@ async def handshake(port: int, context: ssl.SSLContext) -> dict[str, Any]:
 # --------------------------------------------------------------------------- serving
 
 
+@one_process_only("reads the server's log records in the test's process")
 async def test_wss_and_https_are_served_on_one_port(
     make_server: Callable[..., RunningServer], pki: Pki, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -212,6 +219,7 @@ def expiry(issued: Issued) -> float:
     return certificate.not_valid_after_utc.timestamp()
 
 
+@one_process_only("reads the server's log records in the test's process")
 async def test_a_certificate_replaced_on_disk_is_served_without_a_restart(
     make_server: Callable[..., RunningServer], pki: Pki, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -306,6 +314,7 @@ def tenant_tls_server(
     return path, key, wss, https
 
 
+@one_process_only("reads the server's log records in the test's process")
 async def test_a_client_certificate_listed_by_a_tenant_stands_for_it(
     make_server: Callable[..., RunningServer],
     pki: Pki,

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from seedance.engines.local import default_model_path
-from tests.support.servers import RunningServer
+from tests.support.servers import RunningServer, one_process_only
 
 TEXT = "Héllo there, sea otters! <|im_start|> 12345 \u00e9t\u00e9"
 
@@ -66,6 +66,7 @@ def test_bad_tokenize_bodies_are_refused_by_name(
 
 
 @pytest.mark.model
+@one_process_only("reads the engine in the server's process")
 async def test_tokenize_is_llama_cpps_own_tokenizer(smollm: RunningServer, reference: Any) -> None:
     plain = post(smollm, "/tokenize", {"prompt": TEXT, "add_special_tokens": False}).json()
     # special-token text is read as the token, as vLLM's and llama-server's /tokenize read it
@@ -111,6 +112,7 @@ def test_detokenize_inverts_tokenize_with_pieces(smollm: RunningServer) -> None:
 
 
 @pytest.mark.model
+@one_process_only("reads the engine in the server's process")
 def test_a_token_outside_the_vocabulary_is_refused_by_index(smollm: RunningServer) -> None:
     vocab = smollm.engine.tokenizer().vocab_size
     answer = post(smollm, "/detokenize", {"tokens": [1, 2, vocab]})

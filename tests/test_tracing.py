@@ -24,7 +24,13 @@ from opentelemetry.trace import SpanKind, StatusCode
 from seedance.config import ConfigError, ServerConfig
 from seedance.observability.tracing import Tracing, new_provider, otlp_exporter
 from tests.support.otlp import grpc_receiver, http_receiver
-from tests.support.servers import RunningServer, ServerProcess, serve_fails, slow_engine
+from tests.support.servers import (
+    RunningServer,
+    ServerProcess,
+    one_process_only,
+    serve_fails,
+    slow_engine,
+)
 from tests.support.ws import collect, generate, open_session, recv_json
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -77,6 +83,7 @@ def hex_ids(span: ReadableSpan) -> tuple[str, str]:
 # --------------------------------------------------------------------------- WebSocket
 
 
+@one_process_only("reads spans from an exporter in the test's process")
 async def test_handshake_traceparent_is_the_parent_of_request_spans(
     make_server: Callable[..., RunningServer],
 ) -> None:
@@ -121,6 +128,7 @@ async def test_handshake_traceparent_is_the_parent_of_request_spans(
     assert (connection.attributes or {})["seedance.requests"] == 1
 
 
+@one_process_only("reads spans from an exporter in the test's process")
 async def test_a_generate_frame_traceparent_wins_and_a_bad_one_is_refused(
     make_server: Callable[..., RunningServer],
 ) -> None:
@@ -148,6 +156,7 @@ async def test_a_generate_frame_traceparent_wins_and_a_bad_one_is_refused(
     assert (refused.attributes or {})["seedance.request_id"] == bad[0]["request_id"]
 
 
+@one_process_only("reads spans from an exporter in the test's process")
 async def test_without_traceparent_each_request_is_a_new_trace(
     make_server: Callable[..., RunningServer],
 ) -> None:
@@ -167,6 +176,7 @@ async def test_without_traceparent_each_request_is_a_new_trace(
     assert connection.parent is None and hex_ids(connection)[0] not in ids
 
 
+@one_process_only("reads spans from an exporter in the test's process")
 async def test_failed_requests_have_error_spans(
     make_server: Callable[..., RunningServer],
 ) -> None:
@@ -197,6 +207,7 @@ async def test_failed_requests_have_error_spans(
     assert (ok.attributes or {})["gen_ai.response.finish_reasons"] == ("cancelled",)
 
 
+@one_process_only("reads spans from an exporter in the test's process")
 async def test_trace_tokens_records_each_token_by_seq(
     make_server: Callable[..., RunningServer],
 ) -> None:
@@ -219,6 +230,7 @@ async def test_trace_tokens_records_each_token_by_seq(
     assert attributes["seedance.token.slowest_gap_ms"] == pytest.approx(max(gaps), abs=0.01)
 
 
+@one_process_only("reads spans from an exporter in the test's process")
 async def test_untraced_servers_still_carry_the_trace_id(server: RunningServer) -> None:
     assert not server.state.tracing.enabled  # nothing configured: no spans are made
     ws, _ = await open_session(server.url, additional_headers={"traceparent": TRACEPARENT})
@@ -241,6 +253,7 @@ async def test_untraced_servers_still_carry_the_trace_id(server: RunningServer) 
 
 
 @pytest.mark.slow
+@one_process_only("reads spans from an exporter in the test's process")
 async def test_unsampled_requests_keep_their_ids_and_export_nothing(
     make_server: Callable[..., RunningServer],
 ) -> None:
@@ -265,6 +278,7 @@ async def test_unsampled_requests_keep_their_ids_and_export_nothing(
 
 
 @pytest.mark.parametrize("stream", [False, True])
+@one_process_only("reads spans from an exporter in the test's process")
 async def test_http_traceparent_header_in_and_out(
     make_server: Callable[..., RunningServer], stream: bool
 ) -> None:
@@ -306,6 +320,7 @@ async def test_http_traceparent_header_in_and_out(
 
 
 @pytest.mark.slow
+@one_process_only("reads spans from an exporter in the test's process")
 async def test_spans_reach_an_otlp_http_receiver(make_server: Callable[..., RunningServer]) -> None:
     with http_receiver() as (url, received):
         server = make_server(otlp_endpoint=url, trace_tokens=True)

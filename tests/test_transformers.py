@@ -26,7 +26,12 @@ from seedance.engines.hf.engine import TransformersEngine  # noqa: E402
 from seedance.engines.registry import create_engine  # noqa: E402
 from seedance.protocol.errors import SeedanceError  # noqa: E402
 from seedance.protocol.messages import ChatMessage  # noqa: E402
-from tests.support.servers import RunningServer, serve_fails, server_config  # noqa: E402
+from tests.support.servers import (  # noqa: E402
+    RunningServer,
+    one_process_only,
+    serve_fails,
+    server_config,
+)
 from tests.support.ws import assert_contiguous, read  # noqa: E402
 
 PARALLEL = 4
@@ -70,6 +75,7 @@ async def test_what_is_two_plus_two(hf: RunningServer) -> None:
     assert done.usage.prompt_tokens == expected
 
 
+@one_process_only("reads the transformers engine in the server's process")
 async def test_concurrent_streams_are_batched_and_equal_their_runs_alone(hf: RunningServer) -> None:
     topics = ["cats", "the sea", "trains", "rain"]
 
@@ -94,6 +100,7 @@ async def test_concurrent_streams_are_batched_and_equal_their_runs_alone(hf: Run
     assert [t for t, _, _ in together] == [t for t, _, _ in alone]
 
 
+@one_process_only("reads the transformers engine in the server's process")
 async def test_cancel_frees_a_row_for_a_waiting_request(hf: RunningServer) -> None:
     engine = engine_of(hf)
     cancelled_before = engine.stats.requests_cancelled
@@ -180,6 +187,7 @@ async def test_a_prompt_longer_than_the_context_is_context_overflow(hf: RunningS
         assert (await session.complete("What is 2+2?", temperature=0, max_tokens=5)).text
 
 
+@one_process_only("reads the transformers engine in the server's process")
 async def test_a_failed_prefill_fails_only_its_request(
     hf: RunningServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -285,6 +293,7 @@ async def test_a_tool_call_parses_and_is_valid(hf: RunningServer) -> None:
         jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])  # type: ignore[index]
 
 
+@one_process_only("reads the transformers engine in the server's process")
 async def test_logprobs_equal_a_reference_forward_pass(hf: RunningServer) -> None:
     """Each token's log probability and its 3 likeliest alternatives, against log-softmax in
     float64 over the logits of a plain forward pass of the same model over the whole text."""
