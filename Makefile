@@ -71,10 +71,11 @@ test: $(VENV)/.installed-test
 test-bench: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -m bench $(PYTEST_ARGS)
 
-# The tests that start `seedance serve` again, each server with --workers 2 (what a test starts
-# that workers refuse, --audit-file say, is skipped with the reason). CI runs it too.
+# The whole suite again, each server a test starts with --workers 2 (tests/support/servers.py:
+# an in-process server's settings and engines too); a test that reads one process's insides,
+# or what workers refuse, is skipped with the reason. CI runs it too.
 test-workers: $(VENV)/.installed-test
-	SEEDANCE_TEST_WORKERS=2 $(BIN)/python -m pytest -n $(TEST_WORKERS) -m "subprocess and not bench" $(PYTEST_ARGS)
+	SEEDANCE_TEST_WORKERS=2 $(BIN)/python -m pytest -n $(TEST_WORKERS) -m "not bench" $(PYTEST_ARGS)
 
 # The logic without models, processes, long waits or benchmarks (markers in pyproject.toml).
 test-fast: $(VENV)/.installed-test

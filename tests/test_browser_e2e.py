@@ -21,7 +21,7 @@ from playwright.async_api import Browser
 from seedance.protocol import e2e
 from seedance.testing.faults import FaultProxy
 from tests.support.browser import chromium, tab
-from tests.support.servers import RunningServer, slow_engine
+from tests.support.servers import RunningServer, one_process_only, slow_engine
 from tests.support.waits import eventually
 
 pytestmark = pytest.mark.subprocess  # Chromium runs as a process of its own
@@ -132,6 +132,7 @@ class Relay:
 # --------------------------------------------------------------------------- streams
 
 
+@one_process_only("reads the server's state in its process")
 async def test_an_encrypted_stream_is_the_plain_stream_and_nothing_of_it_is_in_the_clear(
     browser: Browser, make_server: Callable[..., RunningServer], identity: Identity
 ) -> None:

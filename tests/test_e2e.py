@@ -333,6 +333,7 @@ def moved(client: Encrypted) -> list[bytes]:
         ("plaintext", lambda c: ['{"prompt":"secret","max_tokens":5}'], "plaintext"),
     ],
 )
+@one_process_only("reads the server's state in its process")
 async def test_the_server_refuses_altered_frames_and_runs_nothing_of_them(
     make_server: Callable[..., RunningServer],
     identity: tuple[str, str],

@@ -151,6 +151,7 @@ async def test_overloaded_when_the_queue_is_full(make_server) -> None:  # type: 
             await ws.close()
 
 
+@one_process_only("--max-connections is each worker's")
 async def test_overloaded_at_connect_closes_1013(make_server) -> None:  # type: ignore[no-untyped-def]
     server = make_server(max_connections=1)
     ws, _ = await open_session(server.url)
@@ -191,6 +192,7 @@ class FaultyEngine(SyntheticEngine):
         return super().count_message_tokens(message)
 
 
+@one_process_only("reads the server's engine in its process")
 async def test_engine_error_fails_only_that_request(make_server) -> None:  # type: ignore[no-untyped-def]
     server = make_server(engines=[FaultyEngine()])
     ws, _ = await open_session(server.url)

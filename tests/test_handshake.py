@@ -127,6 +127,7 @@ async def test_a_trusted_proxy_is_held_to_the_total_cap_only(make_server: Any) -
 @pytest.mark.parametrize(
     ("trusted", "peer"), [(("127.0.0.1",), "198.51.100.7:"), ((), "127.0.0.1:")]
 )
+@one_process_only("reads the server's log records in the test's process")
 async def test_the_client_address_comes_from_a_trusted_proxys_forwarded_header(
     make_server: Any, caplog: pytest.LogCaptureFixture, trusted: tuple[str, ...], peer: str
 ) -> None:
@@ -141,6 +142,7 @@ async def test_the_client_address_comes_from_a_trusted_proxys_forwarded_header(
 
 
 @pytest.mark.slow
+@one_process_only("reads the server's handshake counts in its process")
 async def test_connections_still_sending_headers_are_capped_in_all_the_oldest_going(
     make_server: Any,
 ) -> None:

@@ -194,6 +194,7 @@ async def test_second_turn_prefills_only_the_new_tokens(llama: RunningServer) ->
 
 
 @pytest.mark.parametrize("flash_attn", ["auto", "off"])  # off: llama.cpp stores V transposed
+@one_process_only("reads the llama.cpp engine in the server's process")
 async def test_a_saved_conversation_comes_back_after_other_requests_took_its_sequence(
     flash_attn: str,
 ) -> None:

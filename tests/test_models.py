@@ -237,6 +237,7 @@ def admin_config(tmp_path: Path) -> tuple[Path, str]:
     return path, add_key(path, "ops", role="admin").key
 
 
+@one_process_only("--model-registry is refused with workers")
 async def test_a_registry_model_is_verified_served_reloaded_and_refused_with_reasons(
     tmp_path: Path, keys: dict[str, Path], make_server: Callable[..., RunningServer]
 ) -> None:
@@ -493,6 +494,7 @@ async def test_readiness_fails_while_a_server_drains(
     assert done.finish_reason == "length" and done.model_version == "1.0.0"
 
 
+@one_process_only("--model-registry is refused with workers")
 async def test_the_watcher_refuses_a_bad_version_once_and_a_reload_does_not_wait_for_streams(
     tmp_path: Path, keys: dict[str, Path], make_server: Callable[..., RunningServer]
 ) -> None:

@@ -156,6 +156,7 @@ async def test_hostile_filters_end_only_their_own_request(served: RunningServer)
     assert all(r["modules"] == ["wild@1.0.0"] for r in records())
 
 
+@one_process_only("a pipeline reads the pieces of a stream as one process delivers them")
 def test_a_pipeline_is_a_model_of_the_inference_protocol_that_calls_served_models(
     served: RunningServer,
 ) -> None:

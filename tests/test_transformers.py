@@ -59,6 +59,7 @@ async def eventually_idle(engine: TransformersEngine, timeout_s: float = 20.0) -
         await asyncio.sleep(0.02)
 
 
+@one_process_only("reads the transformers engine in the server's process")
 async def test_what_is_two_plus_two(hf: RunningServer) -> None:
     async with connect(hf.url) as session:
         assert session.model == "smollm2-135m"

@@ -253,7 +253,7 @@ async def test_the_workers_write_one_audit_chain(
 @pytest.mark.parametrize(
     ("flag", "refused"),
     [
-        (("--model-registry", "models"), "--registry"),
+        (("--model-registry", "models"), "--model-registry"),
         (("--engine", "vllm"), "the vllm engine cannot be shared"),
     ],
 )

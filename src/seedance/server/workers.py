@@ -99,7 +99,7 @@ def check(config: ServerConfig, own_engines: bool = False) -> None:
         raise ConfigError(f"--workers {worker_count(config)}: this system has no SO_REUSEPORT")
     if config.registry.path is not None:
         raise ConfigError(
-            f"--workers {worker_count(config)}: --registry (models loaded per worker) is not "
+            f"--workers {worker_count(config)}: --model-registry (models loaded per worker) is not "
             "supported yet"
         )
     spec = engine_spec(config.engine)

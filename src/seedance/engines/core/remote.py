@@ -19,9 +19,9 @@ import logging
 import shutil
 import tempfile
 import time
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Coroutine, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import zmq
 import zmq.asyncio
@@ -276,14 +276,20 @@ class RemoteEngine(Engine):
         if self.config.worker is not None:  # so that the supervisor can name it
             socket.setsockopt(zmq.IDENTITY, self.config.worker.name.encode())
         socket.connect(self.endpoint)
-        self._tasks.append(asyncio.create_task(self._receive_forever()))
+        self._spawn(self._receive_forever())
         if self.process is not None:  # its end is told by the process itself, with the cause
             self.process.on_down = self._lost
-            self.process.on_up = lambda: self._tasks.append(loop.create_task(self._hello()))
+            self.process.on_up = lambda: self._spawn(self._hello())
             self.process.keep_alive(loop)
         else:  # told by the socket: the supervisor starts it again
-            self._tasks.append(asyncio.create_task(self._watch_link(socket)))
+            self._spawn(self._watch_link(socket))
         await self._hello()
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` until :meth:`close` (the tasks that ended are let go: a hello per
+        restart does not pile up)."""
+        self._tasks = [task for task in self._tasks if not task.done()]
+        self._tasks.append(asyncio.create_task(work))
 
     async def close(self) -> None:
         self._closing = True
@@ -439,7 +445,7 @@ class RemoteEngine(Engine):
                 await monitor.recv_multipart()  # EVENT_DISCONNECTED: the process is gone
                 if self.epoch is not None:
                     self._lost("went away")
-                    self._tasks.append(asyncio.create_task(self._hello()))
+                    self._spawn(self._hello())
         finally:
             socket.disable_monitor()
             monitor.close()
