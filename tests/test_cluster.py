@@ -141,6 +141,36 @@ async def test_three_nodes_admit_exactly_a_tenants_limits(
             await client.aclose()
 
 
+async def test_a_tenants_connections_are_counted_across_nodes(
+    tmp_path: Path, redis_server: RedisServer, make_server: Callable[..., RunningServer]
+) -> None:
+    """A tenant of two connections holds one on each node: a third is refused on either,
+    and a closed one makes room on the other node."""
+    path = tmp_path / "s.toml"
+    path.write_text("[tenants.acme.quotas]\nconnections = 2\n")
+    headers = auth(add_key(path, "acme").key)
+    one, two = nodes(make_server, 2, redis_server, path)
+    first, _ = await open_session(one.url, additional_headers=headers)
+    second, _ = await open_session(two.url, additional_headers=headers)
+    async with second:
+        for node in (one, two):
+            async with raw(node.url, additional_headers=headers) as ws:
+                code, frames = await wait_closed(ws)
+            error = frames[0]["error"]
+            assert code == 4429 and error["code"] == "quota_exceeded"
+            assert "2 connections open" in error["message"] and error["retry_after"] == 1
+        await first.close()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 5
+        while True:  # the first connection's count goes once its node sees it close
+            async with raw(two.url, additional_headers=headers) as ws:
+                frame = await recv_json(ws)
+            if frame["type"] == "session":
+                break
+            assert loop.time() < deadline, frame
+            await asyncio.sleep(0.05)
+
+
 async def test_one_generation_per_session_across_nodes(
     redis_server: RedisServer, make_server: Callable[..., RunningServer]
 ) -> None:

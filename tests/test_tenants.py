@@ -338,7 +338,6 @@ async def test_a_tenant_never_sees_another_tenants_session(
 
 
 @pytest.mark.slow
-@one_process_only("the connections quota is each worker's")
 async def test_concurrency_quotas_refuse_then_recover(
     tmp_path: Path, make_server: Callable[..., RunningServer]
 ) -> None:

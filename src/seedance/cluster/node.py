@@ -7,6 +7,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from seedance.cluster.atrest import AtRest
 from seedance.cluster.cancels import Cancels
 from seedance.cluster.claims import Claims
+from seedance.cluster.connections import Connections
 from seedance.cluster.link import PREFIX, ClusterLink
 from seedance.cluster.revocations import Revocations
 from seedance.cluster.sessions import RedisSessionStore
@@ -25,6 +26,7 @@ class ClusterNode:
         self.sessions = RedisSessionStore(self.link, ttl_s=config.session_ttl_s, at_rest=at_rest)
         self.revocations = Revocations(self.link)
         self.cancels = Cancels(self.link)
+        self.connections = Connections(self.link)
         self.streams = RedisStreamStore(
             self.link,
             window_s=config.resume.window_s,
@@ -43,6 +45,7 @@ class ClusterNode:
         self.streams.start()
         await self.revocations.start()
         self.cancels.start()
+        self.connections.start()
 
     async def close(self) -> None:
         await self.link.close()

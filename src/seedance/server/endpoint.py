@@ -30,6 +30,7 @@ from seedance.protocol.messages import (
 from seedance.protocol.qos import qos_from_headers
 from seedance.server.connection import Connection, new_connection_id
 from seedance.server.lifecycle.admit import choose_model
+from seedance.server.lifecycle.connections import Counted, count_connection
 from seedance.server.lifecycle.services import Services
 from seedance.server.transport import AsgiWebSocket
 from seedance.tenants.auth import peer_of
@@ -59,7 +60,7 @@ class InferEndpoint:
             return
         config = services.config
         principal = model = None
-        counted = False  # the connection counts against its tenant's quota
+        counted: Counted | None = None  # the connection's place in its tenant's count
         try:
             params = parse_qs(
                 scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True
@@ -78,15 +79,14 @@ class InferEndpoint:
             raw_id = _param(params, "session_id")
             session_id = SessionId(validate_session_id(raw_id)) if raw_id is not None else None
             quotas = principal.tenant.quotas
-            services.usage.open_connection(principal.name, quotas)
-            counted = True
+            counted = await count_connection(services, principal.name, quotas)
             session, created = await services.sessions.attach(
                 TenantId(principal.name), session_id, max_for_tenant=quotas.sessions
             )
             model = services.models.resolve(model.name, session.session_id)  # a canary's share
         except SeedanceError as exc:
-            if counted and principal is not None:
-                services.usage.close_connection(principal.name)
+            if counted is not None:
+                counted.release()
             arrival = services.refusals.arrive("websocket", scope, "connect", received=received)
             arrival.principal, arrival.model = principal, model
             services.refusals.refuse(arrival, exc)
@@ -151,8 +151,8 @@ class InferEndpoint:
         except OSError:
             pass  # the client left during the handshake
         finally:
-            assert principal is not None
-            services.usage.close_connection(principal.name)
+            assert counted is not None
+            counted.release()
             await services.sessions.detach(session)
 
 

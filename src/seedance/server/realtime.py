@@ -59,6 +59,7 @@ from seedance.protocol.realtime import (
 from seedance.protocol.tools import CallReader, Tools
 from seedance.server.http_call import Receive, Scope, Send
 from seedance.server.lifecycle.admit import Requester, admit, choose_model, prepare, session_prompt
+from seedance.server.lifecycle.connections import Counted, count_connection
 from seedance.server.lifecycle.generation import Generation
 from seedance.server.lifecycle.models import ServedModel
 from seedance.server.lifecycle.peers import Kind
@@ -91,22 +92,21 @@ class RealtimeEndpoint:
         events = Events(Shape.of(beta), "", "")
         # Browsers offer subprotocols and need one back; the Python SDK offers none.
         await ws.accept(BROWSER_SUBPROTOCOL if BROWSER_SUBPROTOCOL in offered else None)
-        counted = False
+        counted: Counted | None = None  # the connection's place in its tenant's count
         principal: Principal | None = None
         model: ServedModel | None = None
         try:
             principal = services.access.authenticate(scope)
             model = choose_model(services.models, principal, ws.query_params.get("model"))
             quotas = principal.tenant.quotas
-            services.usage.open_connection(principal.name, quotas)
-            counted = True
+            counted = await count_connection(services, principal.name, quotas)
             session, _ = await services.sessions.attach(
                 TenantId(principal.name), None, max_for_tenant=quotas.sessions
             )
             model = services.models.resolve(model.name, session.session_id)  # a canary's share
         except SeedanceError as exc:
-            if counted and principal is not None:
-                services.usage.close_connection(principal.name)
+            if counted is not None:
+                counted.release()
             arrival = services.refusals.arrive(
                 "websocket", scope, "realtime", received=received, path=PATH
             )
@@ -122,7 +122,8 @@ class RealtimeEndpoint:
             await connection.run()
         finally:
             services.peers.discard(connection)
-            services.usage.close_connection(principal.name)
+            assert counted is not None
+            counted.release()
             await services.sessions.detach(session)
 
 

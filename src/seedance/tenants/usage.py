@@ -108,10 +108,7 @@ class Usage:
         usage = self.of(tenant)
         limit = quotas.connections
         if limit is not None and usage.connections >= limit:
-            raise QuotaExceeded(
-                f"tenant {tenant} has {limit} connections open, its limit; close one or retry",
-                retry_after_s=CONCURRENCY_RETRY_S,
-            )
+            raise connections_refused(tenant, limit)
         usage.connections += 1
 
     def close_connection(self, tenant: str) -> None:
@@ -174,4 +171,12 @@ def rate_refusal(tenant: str, limit: str, wait: float) -> QuotaExceeded:
     return QuotaExceeded(
         f"tenant {tenant} is at its limit of {limit}; retry in {seconds} s",
         retry_after_s=float(seconds),
+    )
+
+
+def connections_refused(tenant: str, limit: int) -> QuotaExceeded:
+    """A connection over its tenant's ``connections`` quota (on this node, or the cluster's)."""
+    return QuotaExceeded(
+        f"tenant {tenant} has {limit} connections open, its limit; close one or retry",
+        retry_after_s=CONCURRENCY_RETRY_S,
     )
