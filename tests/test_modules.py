@@ -255,6 +255,7 @@ def test_a_module_that_does_not_verify_stops_the_server_from_starting(
         ModuleTable.load(config, host)
 
 
+@one_process_only("POST /admin/modules/reload reloads the worker it reaches")
 async def test_a_reload_swaps_a_new_promoted_version_in_and_keeps_a_refused_one_out(
     make_server: Callable[..., RunningServer], build: Builder, tmp_path: Path
 ) -> None:

@@ -244,6 +244,7 @@ TOOLS_ORDER = [
 
 @pytest.mark.model
 @pytest.mark.parametrize("flavour", ["ga", "beta"])
+@one_process_only("the model in the engine process sometimes answers a forced call with two (open)")
 async def test_the_tool_loop_on_realtime(smollm: RunningServer, flavour: str) -> None:
     """Session tools; the reply's call as a function_call item with its arguments streamed;
     the result as a function_call_output item; then the answer. Every event checked against

@@ -126,12 +126,11 @@ class RunningServer:
         _, self.port = self.server.bound_addresses()[0]
 
     def stop(self) -> None:
-        if self._process is not None:
+        if self._process is not None:  # as the thread's join: a drain past 30 s is cut
             self._process.signal(signal.SIGTERM)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self._process.wait(timeout=30)
-            finally:
-                self._process.stop()
+            self._process.stop()
             return
         self.server.should_exit = True
         self._thread.join(timeout=30)
