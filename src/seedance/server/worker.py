@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import TYPE_CHECKING
 
 from seedance import children
@@ -55,6 +56,11 @@ def main() -> int:
         with contextlib.suppress(OSError):
             while os.read(sys.stdin.fileno(), 4096):
                 pass
+        if sys.platform.startswith("linux"):
+            # A supervisor that died (kill -9) closes this input a moment before the kernel's
+            # PR_SET_PDEATHSIG kills this worker: wait for that, so that it ends as one process
+            # killed does (no drain, no audit seal). One that closed it to stop us lives on.
+            time.sleep(0.5)
         server.handle_exit(signal.SIGUSR1, None)
 
     threading.Thread(target=supervisor_gone, name="supervisor", daemon=True).start()
