@@ -92,8 +92,10 @@ class ServerState:
         )
         self.metrics = Metrics()
         self.tracing = tracing or Tracing.from_config(config.tracing)
-        log = audit_log(config.audit, shared=config.worker is not None)
-        self.audit = audit or AuditGate(log, required=config.audit.required)
+        self.audit = audit or AuditGate(
+            audit_log(config.audit, shared=config.worker is not None),
+            required=config.audit.required,
+        )
         self.generations = Generations(self.streams)
         self.peers = Peers()
         self.access = Access(config)
