@@ -165,13 +165,14 @@ class SeedanceServer(uvicorn.Server):
         elif self.tls is None:
             self.http3_certificate = http3.LocalCertificate.make(config.host)
         local = self.http3_certificate
-        if local is not None and (worker is None or worker.index == 0):
+        listens = worker is None or worker.index == 0  # of several workers, the first
+        if local is not None and listens:
             logger.info(
                 "HTTP/3: a self-signed ECDSA certificate valid 13 days, SHA-256 %s (for "
                 "WebTransport's serverCertificateHashes)",
                 local.sha256,
             )
-        if worker is None or worker.index == 0:
+        if listens:
             if self.tls is not None:
                 files = self.tls.files
                 self.http3 = listener = http3.Http3Listener(app, files.cert, files.key, limit)
