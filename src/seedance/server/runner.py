@@ -207,16 +207,16 @@ class SeedanceServer(uvicorn.Server):
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
-        """uvicorn's, or in a worker of ``--workers N``: SIGUSR1 from the supervisor for each
-        step of a shutdown, SIGTERM and SIGINT ignored (a terminal or a service manager sends
-        them to every process of the group: the supervisor passes them on, once)."""
+        """uvicorn's, or in a worker of ``--workers N``: SIGTERM and SIGINT ignored (a
+        terminal or a service manager sends them to every process of the group: the
+        supervisor passes them on, once, on the worker's input: seedance.server.worker)."""
         main = threading.current_thread() is threading.main_thread()
         if self.state.config.worker is None or not main:
             with super().capture_signals():
                 yield
             return
         handlers: dict[signal.Signals, Any] = {
-            signal.SIGUSR1: lambda sig, frame: self.handle_exit(sig, frame),
+            signal.SIGUSR1: signal.SIG_IGN,
             signal.SIGTERM: signal.SIG_IGN,
             signal.SIGINT: signal.SIG_IGN,
         }

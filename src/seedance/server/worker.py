@@ -26,10 +26,9 @@ logger = logging.getLogger("seedance")
 def main() -> int:
     """A worker process's entry point."""
     faulthandler.enable(file=sys.stderr, all_threads=True)
-    # Until the server runs (uvicorn's capture_signals then takes over): the supervisor's stop
-    # is an exit (nothing is served yet; one that came before this line closed the input, read
-    # once the server runs), and a SIGINT or SIGTERM to the whole group is the supervisor's to
-    # pass on.
+    # Until the server is built, the supervisor's stop (SIGUSR1) is an exit: nothing is served
+    # yet. (One that came before this line is also on the input, read once the server runs.)
+    # A SIGINT or SIGTERM to the whole group is the supervisor's to pass on.
     signal.signal(signal.SIGUSR1, lambda sig, frame: os._exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -52,18 +51,22 @@ def main() -> int:
         logging.shutdown()
         os._exit(2)  # now: the supervisor's stop (SIGUSR1) may be on its way
 
-    def supervisor_gone() -> None:
+    def stop_steps() -> None:
+        """Each byte on the input is a step of the supervisor's stop (a signal would do, but
+        two sent close together may arrive as one); its end is the supervisor's."""
         with contextlib.suppress(OSError):
-            while os.read(sys.stdin.fileno(), 4096):
-                pass
+            while steps := os.read(sys.stdin.fileno(), 4096):
+                for _ in steps:
+                    server.handle_exit(signal.SIGUSR1, None)
         if sys.platform.startswith("linux"):
             # A supervisor that died (kill -9) closes this input a moment before the kernel's
             # PR_SET_PDEATHSIG kills this worker: wait for that, so that it ends as one process
-            # killed does (no drain, no audit seal). One that closed it to stop us lives on.
+            # killed does (no drain, no audit seal).
             time.sleep(0.5)
         server.handle_exit(signal.SIGUSR1, None)
 
-    threading.Thread(target=supervisor_gone, name="supervisor", daemon=True).start()
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # from now on the input says it
+    threading.Thread(target=stop_steps, name="supervisor", daemon=True).start()
     server.run(sockets=[bind_shared(config.host, config.port)])
     return 0 if server.started else 1
 

@@ -29,8 +29,9 @@ The ``seedance serve`` process becomes the supervisor. It serves nothing itself:
   else: the supervisor logs how it ended, tells the engine process to drop its requests, and
   starts it again (at once, then with a backoff while it keeps dying). Its clients reconnect
   to another worker, which takes their resumable streams over as a node of a cluster does.
-- **Stopping.** SIGTERM or SIGINT to the supervisor is passed to each worker once, as
-  SIGUSR1 (a second one hurries them, a third ends them at once, as for one process); the
+- **Stopping.** SIGTERM or SIGINT to the supervisor is passed to each worker once, as a byte
+  on its input (a second one hurries them, a third ends them at once, as for one process;
+  signals would coalesce), and as SIGUSR1, which ends a worker that does not serve yet; the
   workers ignore SIGTERM and SIGINT themselves, which a terminal's Ctrl-C or a service manager
   sends every process of the group. The supervisor waits for the workers' drains, then stops
   the engine process and the private Redis. A supervisor killed outright (kill -9) takes the
@@ -151,7 +152,7 @@ class Supervisor:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop)
         # Workers start with SIGUSR1 ignored (inherited), until they can take it: a stop while
-        # they start also ends their input, which they read once they serve.
+        # they start is also on their input, which they read once they serve.
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
         try:
             holder = bind_shared(self.config.host, self.config.port)  # the port, chosen once
@@ -331,12 +332,12 @@ class Supervisor:
         if self._signals == 1:
             logger.info("stopping %d worker(s)", len(self.workers))
         for worker in self.workers.values():
-            with contextlib.suppress(ProcessLookupError):
-                worker.proc.send_signal(signal.SIGUSR1)
-            starting = len(self.ready) < self.count  # a worker may not take SIGUSR1 yet
-            if starting and worker.proc.stdin is not None:
+            if worker.proc.stdin is not None:  # what a serving worker reads: one byte a step
                 with contextlib.suppress(OSError):
-                    worker.proc.stdin.close()
+                    worker.proc.stdin.write(b"s")
+                    worker.proc.stdin.flush()
+            with contextlib.suppress(ProcessLookupError):
+                worker.proc.send_signal(signal.SIGUSR1)  # what ends one not serving yet
         self._changed.set()
 
 
