@@ -171,6 +171,47 @@ async def test_a_tenants_connections_are_counted_across_nodes(
             await asyncio.sleep(0.05)
 
 
+async def test_the_admin_endpoints_speak_for_every_node(
+    tmp_path: Path, redis_server: RedisServer, make_server: Callable[..., RunningServer]
+) -> None:
+    """Asked on one node, the tenants' usage and the runtime add up both nodes, and a session
+    whose connection is on the other node ends there (its reply cancelled, its connection
+    closed); one that no connection holds any more ends too, from the store."""
+    path = tmp_path / "s.toml"
+    admin = auth(add_key(path, "ops", role="admin").key)
+    user = auth(add_key(path, "acme").key)
+    one, two = nodes(make_server, 2, redis_server, path, engines=lambda: slow_engine(50))
+    elsewhere, _ = await open_session(two.url, "session_id=s1", additional_headers=user)
+    idle, _ = await open_session(two.url, "session_id=s2", additional_headers=user)
+    await idle.close()
+    async with httpx.AsyncClient(base_url=one.http_url, headers=admin) as http:
+        tenants = (await http.get("/admin/tenants")).json()["tenants"]
+        usage = next(t for t in tenants if t["name"] == "acme")["usage"]
+        assert usage["sessions"] == 2
+
+        deadline = asyncio.get_running_loop().time() + 5
+        while (runtime := (await http.get("/admin/runtime")).json())["connections"] != 1:
+            assert asyncio.get_running_loop().time() < deadline, runtime  # the idle one closes
+            await asyncio.sleep(0.05)
+        assert {p["node"] for p in runtime["processes"]} == {"node1", "node2"}
+        tenants = (await http.get("/admin/tenants")).json()["tenants"]
+        assert next(t for t in tenants if t["name"] == "acme")["usage"]["connections"] == 1
+
+        await elsewhere.send(json.dumps({"prompt": "long", "max_tokens": 200}))
+        assert (await recv_json(elsewhere))["type"] == "start"
+        ended = await http.delete("/admin/sessions/acme/s1")
+        assert ended.status_code == 200 and ended.json()["connections"] == 1
+        code, frames = await wait_closed(elsewhere)
+        assert code == 1000
+        assert [f for f in frames if isinstance(f, dict)][-1]["finish_reason"] == "cancelled"
+        ended = await http.delete("/admin/sessions/acme/s2")
+        assert ended.status_code == 200 and ended.json()["connections"] == 0
+        for session in ("s1", "s2"):
+            assert (await http.delete(f"/admin/sessions/acme/{session}")).status_code == 404
+        tenants = (await http.get("/admin/tenants")).json()["tenants"]
+        assert next(t for t in tenants if t["name"] == "acme")["usage"]["sessions"] == 0
+
+
 async def test_one_generation_per_session_across_nodes(
     redis_server: RedisServer, make_server: Callable[..., RunningServer]
 ) -> None:

@@ -255,7 +255,6 @@ def test_a_module_that_does_not_verify_stops_the_server_from_starting(
         ModuleTable.load(config, host)
 
 
-@one_process_only("POST /admin/modules/reload reloads the worker it reaches")
 async def test_a_reload_swaps_a_new_promoted_version_in_and_keeps_a_refused_one_out(
     make_server: Callable[..., RunningServer], build: Builder, tmp_path: Path
 ) -> None:
@@ -304,8 +303,10 @@ async def test_a_reload_swaps_a_new_promoted_version_in_and_keeps_a_refused_one_
         assert forbidden.status_code == 403
 
     def events() -> list[tuple[str, str]]:
+        """Each process's reload is a record (``--workers``: the same, once each)."""
         records = map(json.loads, audit_file.read_text().splitlines())
-        return [(r["action"], r["version"]) for r in records if r["kind"] == "module"]
+        events = [(r["action"], r["version"]) for r in records if r["kind"] == "module"]
+        return list(dict.fromkeys(events))
 
     await eventually(lambda: len(events()) == 2, 5, "the reloads' audit records")
     assert events() == [("loaded", "1.1.0"), ("refused", "1.2.0")]

@@ -1,7 +1,7 @@
 """A tenant's open connections counted across the cluster, for its ``connections`` quota.
 
 Each connection of a tenant with that quota is a member of a sorted set by expiry
-(``sd:{t:TENANT}:connections``; the member is the node and a number of its own). One script
+(``sd:{t:TENANT}:connections``; the member is the node, its process and a number). One script
 sweeps the expired members, counts the rest and adds the new one only under the limit, so N
 nodes (or workers) never hold more than the limit between them. The node renews its members'
 expiry while their connections are open, and removes each when it closes; a node that dies
@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import secrets
 from typing import TYPE_CHECKING, Final
 
 from seedance.cluster.link import ClusterLink, script, tenant_key
@@ -56,6 +57,8 @@ class Connections:
         self.link = link
         self._open = script(link, _OPEN)
         self._renew = script(link, _RENEW)
+        # The node's name, and this process's own mark: the workers of a node share its name.
+        self._members = f"{link.node_id}:{secrets.token_hex(3)}"
         self._numbers = itertools.count()
         self._held: dict[str, str] = {}  # member -> tenant
 
@@ -66,7 +69,7 @@ class Connections:
         """Count a connection of ``tenant`` (``quota_exceeded`` at ``limit``, ``overloaded``
         while Redis does not answer); the member to :meth:`close` it with."""
         self.link.check()
-        member = f"{self.link.node_id}:{next(self._numbers)}"
+        member = f"{self._members}:{next(self._numbers)}"
         key = tenant_key(tenant, "connections")
         (counted,) = await self.link.exchange(
             lambda pipe: self._open.queue(pipe, [key], [member, limit, LEASE_MS])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from seedance.cluster.asks import Asks
 from seedance.cluster.atrest import AtRest
 from seedance.cluster.cancels import Cancels
 from seedance.cluster.claims import Claims
@@ -27,6 +28,7 @@ class ClusterNode:
         self.revocations = Revocations(self.link)
         self.cancels = Cancels(self.link)
         self.connections = Connections(self.link)
+        self.asks = Asks(self.link)
         self.streams = RedisStreamStore(
             self.link,
             window_s=config.resume.window_s,
@@ -46,6 +48,7 @@ class ClusterNode:
         await self.revocations.start()
         self.cancels.start()
         self.connections.start()
+        self.asks.start()
 
     async def close(self) -> None:
         await self.link.close()

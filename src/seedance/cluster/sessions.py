@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Final, cast
 
 import msgspec
@@ -92,6 +93,16 @@ end
 return held
 """
 
+# KEYS: the tenant's sessions, its history bytes. Its live sessions and their history bytes.
+_USAGE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local live = redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. now, '+inf')
+local held = 0
+for _, id in ipairs(live) do held = held + (tonumber(redis.call('HGET', KEYS[2], id)) or 0) end
+return {#live, held}
+"""
+
 # KEYS: the session's hash. ARGV: its turns (JSON), TTL (ms), when it was created ('': saved
 # before). Writes the turns, counts the version up (0 when created); returns the version.
 _SAVE = """
@@ -124,6 +135,7 @@ class RedisSessionStore:
         self._admit = script(link, _ADMIT)
         self._renew = script(link, _RENEW)
         self._history = script(link, _HISTORY)
+        self._usage = script(link, _USAGE)
         self._save = script(link, _SAVE)
         self._renewer: asyncio.Task[None] | None = None
 
@@ -177,6 +189,8 @@ class RedisSessionStore:
     async def detach(self, session: Session) -> None:
         session.attached = max(0, session.attached - 1)
         session.last_active = time.monotonic()
+        if self._held.get(session.key) is not session:
+            return  # ended meanwhile (:meth:`end`): nothing to renew
         try:
             await self._renew_sessions([session])
         except Exception as exc:  # the TTL runs from the last renewal instead
@@ -217,24 +231,33 @@ class RedisSessionStore:
         return True
 
     async def delete(self, session: Session) -> None:
-        key = session.key
-        sessions, history = self._tenant_keys(session.tenant)
+        await self.end(session.tenant, session.session_id)
+
+    async def end(self, tenant: TenantId, session_id: SessionId) -> bool:
+        key: SessionKey = (tenant, session_id)
+        sessions, history = self._tenant_keys(tenant)
 
         def queue(pipe: Pipeline) -> None:
             pipe.delete(self._key(key))
-            pipe.zrem(sessions, key[1])
-            pipe.hdel(history, key[1])
+            pipe.zrem(sessions, session_id)
+            pipe.hdel(history, session_id)
 
-        await self.link.exchange(queue)
-        session.attached = 0
-        self._drop(key)
+        held = self._held.get(key)
+        if held is not None:  # first: a connection that lets go meanwhile renews nothing
+            held.attached = 0
+            self._drop(key)
+        deleted, counted, _ = await self.link.exchange(queue)
+        return bool(deleted or counted) or held is not None
 
-    def count(self, tenant: TenantId) -> int:
-        """Sessions of ``tenant`` held on this node."""
-        return sum(1 for key in self._held if key[0] == tenant)
+    async def usage(self, tenants: Sequence[TenantId]) -> dict[TenantId, tuple[int, int]]:
+        def queue(pipe: Pipeline) -> None:
+            for tenant in tenants:
+                self._usage.queue(pipe, self._tenant_keys(tenant), [])
 
-    def bytes_of(self, tenant: TenantId) -> int:
-        return sum(s.size for key, s in self._held.items() if key[0] == tenant)
+        counts = await self.link.exchange(queue) if tenants else []
+        return {
+            tenant: (int(n), int(size)) for tenant, (n, size) in zip(tenants, counts, strict=True)
+        }
 
     def get(self, tenant: TenantId, session_id: SessionId) -> Session | None:
         return self._held.get((tenant, session_id))

@@ -11,7 +11,7 @@ import logging
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from seedance.protocol.errors import Overloaded, QuotaExceeded
@@ -70,13 +70,20 @@ class SessionStore(Protocol):
 
     async def delete(self, session: Session) -> None: ...
 
+    async def end(self, tenant: TenantId, session_id: SessionId) -> bool:
+        """Delete the session wherever it is stored (held here or not); whether it was."""
+        ...
+
+    async def usage(self, tenants: Sequence[TenantId]) -> dict[TenantId, tuple[int, int]]:
+        """Each tenant's live sessions and the history bytes they hold, as its ``sessions``
+        and ``session_bytes`` quotas count them (across the cluster, in the cluster mode)."""
+        ...
+
     def __len__(self) -> int: ...
 
-    def count(self, tenant: TenantId) -> int: ...
-
-    def bytes_of(self, tenant: TenantId) -> int: ...
-
-    def get(self, tenant: TenantId, session_id: SessionId) -> Session | None: ...
+    def get(self, tenant: TenantId, session_id: SessionId) -> Session | None:
+        """The session if this process holds it."""
+        ...
 
 
 class MemorySessionStore:
@@ -225,6 +232,14 @@ class MemorySessionStore:
 
     async def delete(self, session: Session) -> None:
         self._remove(session.key)
+
+    async def end(self, tenant: TenantId, session_id: SessionId) -> bool:
+        held = (tenant, session_id) in self._sessions
+        self._remove((tenant, session_id))
+        return held
+
+    async def usage(self, tenants: Sequence[TenantId]) -> dict[TenantId, tuple[int, int]]:
+        return {tenant: (self.count(tenant), self.bytes_of(tenant)) for tenant in tenants}
 
     def touch(self, session: Session) -> None:
         session.last_active = self._clock()
