@@ -26,6 +26,7 @@ from seedance.client import Reconnect, connect
 from seedance.config import ConfigError
 from seedance.config_loader import load_access, load_config
 from seedance.netutil import free_port
+from seedance.protocol.tensors import decode_tensor
 from seedance.tenants.keys import add_key
 from tests.support.otlp import http_receiver
 from tests.support.redis import RedisServer
@@ -50,6 +51,8 @@ from tests.support.ws import raw_connect as raw
 from tests.test_balancer import haproxy
 from tests.test_lifecycle import BODY, content, dropped_at, sse
 from tests.test_resume import PROMPT, Reading, read, resume, undisturbed
+from tests.test_tensor_frames import PROMPT as TENSOR_PROMPT
+from tests.test_tensor_frames import check_pairs, detokenize, read_frames
 
 CHAT = {"model": "synthetic", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
@@ -346,6 +349,41 @@ async def test_a_reply_is_logged_whole_and_every_key_expires(
         assert forever == [], forever
     finally:
         client.close()
+
+
+async def test_a_resume_on_another_node_carries_log_probabilities_and_token_ids(
+    redis_server: RedisServer, make_server: Callable[..., RunningServer]
+) -> None:
+    """The tokens' log probabilities and ids travel through Redis with their text: a reader
+    that resumes on another node gets them for every token, as from the node that runs it."""
+    one, two = nodes(make_server, 2, redis_server, engine="llamacpp", n_ctx=1024)
+    ws, _ = await open_session(one.url, "session_id=typed")
+    request = {
+        "prompt": TENSOR_PROMPT, "max_tokens": 48, "temperature": 0, "request_id": "t1",
+        "resumable": True, "tensors": ["token_ids"], "logprobs": 2,
+    }  # fmt: skip
+    await ws.send(json.dumps(request))
+    seen: list[Any] = []
+    while sum(f.get("n", 1) for f in seen if isinstance(f, dict) and f["type"] == "token") < 10:
+        data = await ws.recv()
+        seen.append(decode_tensor(data) if data[:1] == b"\x10" else json.loads(data))
+    first_ids = check_pairs(seen)
+    await ws.close()  # dropped mid-reply: it runs on, on node one
+    async with (await open_session(two.url, "session_id=typed"))[0] as again:
+        after = len(first_ids) - 1
+        await again.send(json.dumps({"type": "resume", "request_id": "t1", "after_seq": after}))
+        rest = await read_frames(again)
+    ids = first_ids + check_pairs(rest, first_seq=after + 1)
+    tokens = [f for f in [*seen, *rest] if isinstance(f, dict) and f["type"] == "token"]
+    assert rest[-1]["type"] == "done" and len(ids) == 48
+    assert detokenize(two, ids) == "".join(f["token"] for f in tokens)
+    for frame in tokens:
+        logprobs = frame["logprobs"]
+        assert len(logprobs) == frame.get("n", 1)
+        assert all(len(entry["top_logprobs"]) == 2 for entry in logprobs)
+    assert "".join(e["token"] for f in tokens for e in f["logprobs"]) == "".join(
+        f["token"] for f in tokens
+    )
 
 
 async def test_a_key_revoked_on_one_node_is_refused_on_every_node_within_a_second(

@@ -19,7 +19,7 @@ import pytest
 from seedance.client import connect
 from seedance.protocol.errors import InvalidRequest
 from seedance.protocol.tensors import decode_tensor
-from tests.support.servers import RunningServer, one_process_only, server_config
+from tests.support.servers import RunningServer, server_config
 from tests.support.ws import open_session, recv_json
 
 pytestmark = pytest.mark.model
@@ -96,7 +96,6 @@ def check_pairs(frames: list[Any], first_seq: int = 0) -> list[int]:
     return ids
 
 
-@one_process_only("a resume on another worker has no token ids: Redis does not keep them yet")
 async def test_merged_frames_and_a_resume_carry_exactly_their_tokens_ids(
     served: RunningServer,
 ) -> None:

@@ -4,7 +4,8 @@ generations are taken over.
 One Redis Stream per generation (``sd:{s:TENANT:SESSION}:log:REQUEST``) whose entry ids carry
 the ``seq``: the ``start`` frame is ``0-1``, a token entry of the tokens from ``seq`` is
 ``SEQ-2`` (fields ``t``, the text, and ``n``, the count: every token a generation logged
-between two exchanges, which its readers also get as one delta), the end (``done``/``error``)
+between two exchanges, which its readers also get as one delta; ``l`` and ``i``, the tokens'
+log probabilities and ids, when the request asked for them), the end (``done``/``error``)
 is ``NEXT_SEQ-3``. Beside it a hash (``...:gen:REQUEST``) holds what a takeover needs (the request,
 its prompt, its tenant and session), ``...:current`` names the session's latest generation and
 ``...:epoch`` the session's epoch: made afresh whenever Redis lost it, so a cursor from before
@@ -46,7 +47,7 @@ from seedance.cluster.atrest import AtRest, Unreadable
 from seedance.cluster.link import ClusterLink, script, session_key
 from seedance.protocol.codec import decode_server_text, encode_frame
 from seedance.protocol.errors import HistoryLost
-from seedance.protocol.messages import DoneFrame, ErrorFrame, StartFrame
+from seedance.protocol.messages import DoneFrame, ErrorFrame, StartFrame, TokenLogprob
 from seedance.streams.log import StreamLog
 from seedance.streams.store import MemoryStreamStore
 
@@ -70,6 +71,8 @@ logger = logging.getLogger(__name__)
 Value = TypeVar("Value", str, bytes)  # what Redis keeps: text, or bytes
 
 START_ID: Final = "0-1"
+#: The arguments of one entry in the append scripts.
+ENTRY_ARGS: Final = 5
 #: An entry's kind, the second part of its id.
 START, TOKEN, END = 1, 2, 3
 #: Kept past the resume window.
@@ -80,9 +83,10 @@ RETRY_S: Final = 0.1
 READ_COUNT: Final = 1024
 
 # KEYS: lock, stream, gen, current, epoch. ARGV: holder, TTL (ms), epoch, request id, header
-# ('' once written), release ('1' with the end: the session lock goes with it), then triples
-# (entry id, text or frame, token count; '' for a frame). An entry at or before the stream's
-# last id was written by an exchange whose reply was lost: skipped. 0: fenced out.
+# ('' once written), release ('1' with the end: the session lock goes with it), then entries
+# of ENTRY_ARGS (entry id, text or frame, token count, the tokens' log probabilities, their
+# ids; '' for what a frame or the request lacks). An entry at or before the stream's last id
+# was written by an exchange whose reply was lost: skipped. 0: fenced out.
 _APPEND = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 local ttl = ARGV[2]
@@ -91,12 +95,15 @@ if ARGV[5] ~= '' then
   redis.call('SET', KEYS[4], ARGV[4], 'PX', ttl)
   redis.call('SET', KEYS[5], ARGV[3], 'NX', 'PX', ttl)
 end
-for i = 7, #ARGV, 3 do
+for i = 7, #ARGV, 5 do
   local added
   if ARGV[i + 2] == '' then
     added = redis.pcall('XADD', KEYS[2], ARGV[i], 'f', ARGV[i + 1])
-  else
+  elseif ARGV[i + 3] == '' and ARGV[i + 4] == '' then
     added = redis.pcall('XADD', KEYS[2], ARGV[i], 't', ARGV[i + 1], 'n', ARGV[i + 2])
+  else
+    added = redis.pcall('XADD', KEYS[2], ARGV[i], 't', ARGV[i + 1], 'n', ARGV[i + 2],
+      'l', ARGV[i + 3], 'i', ARGV[i + 4])
   end
   if type(added) == 'table' and added.err and not string.find(added.err, 'smaller') then
     return added
@@ -111,15 +118,27 @@ return 1
 """
 
 # The common exchange of a running generation: one token entry, nothing else.
-# KEYS: lock, stream. ARGV: holder, entry id, text, token count. As _APPEND.
+# KEYS: lock, stream. ARGV: holder, then the entry as _APPEND has it (without the log
+# probabilities and ids when it has neither).
 _APPEND_TOKENS = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-local added = redis.pcall('XADD', KEYS[2], ARGV[2], 't', ARGV[3], 'n', ARGV[4])
+local added
+if #ARGV == 4 then
+  added = redis.pcall('XADD', KEYS[2], ARGV[2], 't', ARGV[3], 'n', ARGV[4])
+else
+  added = redis.pcall('XADD', KEYS[2], ARGV[2], 't', ARGV[3], 'n', ARGV[4], 'l', ARGV[5],
+    'i', ARGV[6])
+end
 if type(added) == 'table' and added.err and not string.find(added.err, 'smaller') then
   return added
 end
 return 1
 """
+
+
+_encode = msgspec.json.Encoder().encode
+_logprobs = msgspec.json.Decoder(list[TokenLogprob])
+_ids = msgspec.json.Decoder(list[int])
 
 
 def log_keys(tenant: str, session_id: str, request_id: str) -> list[str]:
@@ -262,7 +281,7 @@ class ReplicatedLog(StreamLog):
         seal = self.replicator.seal
         if self._pending_start is not None and self.start is None:
             plan.start = self._pending_start
-            args += [START_ID, seal(encode_frame(self._pending_start), self.keys[1]), ""]
+            args += [START_ID, seal(encode_frame(self._pending_start), self.keys[1]), "", "", ""]
         # Each group of what was logged since the last exchange is one entry: readers are
         # handed it as one delta, so no cursor can fall inside it.
         texts = self.texts
@@ -272,7 +291,7 @@ class ReplicatedLog(StreamLog):
             for first, after in self._groups(entries):
                 count = after - first + sum(self.multi.get(i, 1) - 1 for i in range(first, after))
                 text = seal("".join(texts[first:after]), self.keys[1])
-                args += [f"{at}-{TOKEN}", text, count]
+                args += [f"{at}-{TOKEN}", text, count, *self._typed(at, count)]
                 plan.groups.append((first, after, count))
                 at += count
             self.tokens_at = now
@@ -280,7 +299,7 @@ class ReplicatedLog(StreamLog):
         if self.end_pending is not None:
             (frame,) = self.end_pending
             end = "" if frame is None else seal(encode_frame(frame), self.keys[1])
-            args += [f"{seq}-{END}", end, ""]
+            args += [f"{seq}-{END}", end, "", "", ""]
             plan.end = True
         if not args and not self.header:
             return None
@@ -288,11 +307,23 @@ class ReplicatedLog(StreamLog):
         # The keys' TTLs are set by the first exchange and the end, and renewed every quarter
         # of their span: the common exchange is one token entry and nothing else.
         ttl_due = now - self.ttl_at > self.replicator.ttl_ms / 4000 or self.ttl_at < 0
-        plan.light = len(args) == 3 and not (plan.start or plan.end or plan.header or ttl_due)
+        plan.light = len(args) == ENTRY_ARGS and not (
+            plan.start or plan.end or plan.header or ttl_due
+        )
         if not plan.light:
             self.ttl_at = now
         self.sent, self.sent_seq = plan.entries, plan.seq
         return plan
+
+    def _typed(self, seq: int, count: int) -> tuple[bytes | str, bytes | str]:
+        """The log probabilities and ids of ``count`` tokens from ``seq``, as an entry keeps
+        them ('' when the request did not ask for them)."""
+        seal, key = self.replicator.seal, self.keys[1]
+        logprobs, ids = self.logprobs, self.token_ids
+        return (
+            "" if logprobs is None else seal(_encode(logprobs[seq : seq + count]), key),
+            "" if ids is None else seal(_encode(ids[seq : seq + count]), key),
+        )
 
     def _groups(self, entries: int) -> list[tuple[int, int]]:
         """The logged entries ``sent`` up to ``entries``, grouped as readers get them: each
@@ -307,7 +338,8 @@ class ReplicatedLog(StreamLog):
 
     def script_args(self, plan: _Plan) -> list[Any]:
         if plan.light:
-            return [self.holder, *plan.args]
+            args = plan.args
+            return [self.holder, *(args if args[3] or args[4] else args[:3])]
         ttl_ms = self.replicator.ttl_ms
         release = "1" if plan.end else "0"
         return [self.holder, ttl_ms, self.epoch, self.request_id, self.header, release, *plan.args]
@@ -358,6 +390,10 @@ class ReplicatedLog(StreamLog):
         if kind == TOKEN:
             text = open_(fields[b"t"], self.keys[1]).decode()
             n = int(fields.get(b"n", b"1"))
+            if self.logprobs is not None and fields.get(b"l"):
+                self.logprobs.extend(_logprobs.decode(open_(fields[b"l"], self.keys[1])))
+            if self.token_ids is not None and fields.get(b"i"):
+                self.token_ids.extend(_ids.decode(open_(fields[b"i"], self.keys[1])))
             self.texts.append(text)
             if n != 1:
                 self.counted(n)
@@ -606,6 +642,8 @@ class RedisStreamStore(MemoryStreamStore):
                 replicator=self.replicator,
             )
             log.meta = header.get("meta")
+            request = header.get("request") or {}  # what a resume here hands on, as the owner
+            log.keeps(request.get("logprobs") is not None, request.get("tensors") or ())
             now = time.monotonic()
             last_id = b"0-0"
             for entry_id, fields in entries:

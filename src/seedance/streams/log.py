@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from seedance.protocol.errors import HistoryLost, InvalidRequest
@@ -105,6 +105,16 @@ class StreamLog:
         #: when ``token_ids`` is one of them (else None), logged as the log probabilities are.
         self.tensors: tuple[str, ...] = ()
         self.token_ids: list[int] | None = None
+
+    def keeps(self, logprobs: bool, tensors: Sequence[str]) -> None:
+        """What the request asked for beside the text: its tokens' log probabilities, the
+        outputs it wants as tensor frames (and the tokens' ids for one of them)."""
+        if logprobs:
+            self.logprobs = []
+        if tensors:
+            self.tensors = tuple(tensors)
+            if "token_ids" in self.tensors:
+                self.token_ids = []
 
     @property
     def running(self) -> bool:

@@ -43,12 +43,7 @@ class Generations:
             resumable=message.resumable,
             stream=message.stream,
         )
-        if message.logprobs is not None:
-            log.logprobs = []
-        if message.tensors:
-            log.tensors = tuple(message.tensors)
-            if "token_ids" in log.tensors:
-                log.token_ids = []
+        log.keeps(message.logprobs is not None, message.tensors or ())
         return log
 
     def add(self, generation: Generation) -> None:
