@@ -172,6 +172,26 @@ async def test_new_requests_take_the_lowest_free_sequence() -> None:
 
 
 @one_process_only("reads the llama.cpp engine in the server's process")
+async def test_an_idle_server_gives_a_new_conversation_the_templates_opening() -> None:
+    """With nothing running, a new conversation takes the sequence that shares the chat
+    template's opening with its prompt (the default system prompt), not an empty one: its
+    prefill starts after the opening, and the conversation that was there is saved first."""
+    server = llama_server(parallel=4, n_ctx=4 * N_CTX_SEQ)
+    try:
+        engine = engine_of(server)
+        async with connect(server.url) as session:
+            for topic in ("the sea", "the mountains", "the sky"):
+                text = f"Write a long story about {topic}."
+                stream = session.generate(text, temperature=0, max_tokens=80, reset=True)
+                await stream.collect()
+        assert [len(slot.tokens) > 0 for slot in engine.loop._slots] == [True, False, False, False]
+        # SmolLM2's opening: its default system prompt, about 30 tokens with the markers.
+        assert engine.stats.prompt_tokens_reused >= 2 * 20
+    finally:
+        server.stop()
+
+
+@one_process_only("reads the llama.cpp engine in the server's process")
 async def test_second_turn_prefills_only_the_new_tokens(llama: RunningServer) -> None:
     engine = engine_of(llama)
     async with connect(llama.url, session_id="kv-reuse") as session:
