@@ -26,7 +26,6 @@ from seedance.client import Reconnect, connect
 from seedance.config import ConfigError
 from seedance.config_loader import load_access, load_config
 from seedance.netutil import free_port
-from seedance.protocol.tensors import decode_tensor
 from seedance.tenants.keys import add_key
 from tests.support.otlp import http_receiver
 from tests.support.redis import RedisServer
@@ -52,7 +51,7 @@ from tests.test_balancer import haproxy
 from tests.test_lifecycle import BODY, content, dropped_at, sse
 from tests.test_resume import PROMPT, Reading, read, resume, undisturbed
 from tests.test_tensor_frames import PROMPT as TENSOR_PROMPT
-from tests.test_tensor_frames import check_pairs, detokenize, read_frames
+from tests.test_tensor_frames import begin_and_drop, check_pairs, detokenize, read_frames
 
 CHAT = {"model": "synthetic", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
@@ -357,18 +356,12 @@ async def test_a_resume_on_another_node_carries_log_probabilities_and_token_ids(
     """The tokens' log probabilities and ids travel through Redis with their text: a reader
     that resumes on another node gets them for every token, as from the node that runs it."""
     one, two = nodes(make_server, 2, redis_server, engine="llamacpp", n_ctx=1024)
-    ws, _ = await open_session(one.url, "session_id=typed")
     request = {
         "prompt": TENSOR_PROMPT, "max_tokens": 48, "temperature": 0, "request_id": "t1",
         "resumable": True, "tensors": ["token_ids"], "logprobs": 2,
     }  # fmt: skip
-    await ws.send(json.dumps(request))
-    seen: list[Any] = []
-    while sum(f.get("n", 1) for f in seen if isinstance(f, dict) and f["type"] == "token") < 10:
-        data = await ws.recv()
-        seen.append(decode_tensor(data) if data[:1] == b"\x10" else json.loads(data))
+    seen = await begin_and_drop(one.url, "typed", request)  # it runs on, on node one
     first_ids = check_pairs(seen)
-    await ws.close()  # dropped mid-reply: it runs on, on node one
     async with (await open_session(two.url, "session_id=typed"))[0] as again:
         after = len(first_ids) - 1
         await again.send(json.dumps({"type": "resume", "request_id": "t1", "after_seq": after}))

@@ -64,6 +64,19 @@ async def test_the_sdk_reads_each_chunks_ids_and_log_probabilities(served: Runni
     assert detokenize(served, ids.tolist()) == stream.text  # the ids the model sampled
 
 
+async def begin_and_drop(url: str, session_id: str, request: dict[str, Any]) -> list[Any]:
+    """Send ``request`` (resumable, with token ids) on a new connection of ``session_id``, read
+    its frames until 10 tokens came (tensor frames decoded), and drop the connection."""
+    ws, _ = await open_session(url, f"session_id={session_id}")
+    await ws.send(json.dumps(request))
+    seen: list[Any] = []
+    while sum(f.get("n", 1) for f in seen if isinstance(f, dict) and f["type"] == "token") < 10:
+        data = await ws.recv()
+        seen.append(decode_tensor(data) if data[:1] == b"\x10" else json.loads(data))
+    await ws.close()  # mid-reply: it runs on
+    return seen
+
+
 async def read_frames(ws: Any, until: str = "done") -> list[Any]:
     """Text frames as JSON, tensor frames decoded, to the request's end."""
     frames: list[Any] = []
@@ -99,18 +112,12 @@ def check_pairs(frames: list[Any], first_seq: int = 0) -> list[int]:
 async def test_merged_frames_and_a_resume_carry_exactly_their_tokens_ids(
     served: RunningServer,
 ) -> None:
-    ws, _ = await open_session(served.url, "session_id=tensor-resume")
     request = {
         "prompt": PROMPT, "max_tokens": 48, "temperature": 0, "request_id": "t1",
         "resumable": True, "tensors": ["token_ids"],
     }  # fmt: skip
-    await ws.send(json.dumps(request))
-    seen: list[Any] = []
-    while sum(f.get("n", 1) for f in seen if isinstance(f, dict) and f["type"] == "token") < 10:
-        data = await ws.recv()
-        seen.append(decode_tensor(data) if data[:1] == b"\x10" else json.loads(data))
+    seen = await begin_and_drop(served.url, "tensor-resume", request)
     first_ids = check_pairs(seen)
-    await ws.close()  # dropped mid-reply: it runs on
     while True:  # until the log holds tokens to send at once (merged) on the resume
         again, hello = await open_session(served.url, "session_id=tensor-resume")
         active = hello["active"]
