@@ -6,7 +6,8 @@ build (``LLAMA_CMAKE_ARGS``, which the Makefile also gives to llama-cpp-python's
 cached per version and flags under the Seedance cache folder (about 5 minutes on 2 cores the
 first time, nothing after).
 
-    python -m benchmarks.llama_server      # builds if needed; prints the binary's path
+    python -m benchmarks.llama_server             # builds if needed; prints the binary's path
+    python -m benchmarks.llama_server --native    # the same, built for this CPU alone
 """
 
 from __future__ import annotations
@@ -52,15 +53,22 @@ def binary_path(version: str, flags: list[str]) -> Path:
     return cache_dir() / f"llama-server-{version}-{key}" / "build" / "bin" / "llama-server"
 
 
-def is_built() -> bool:
-    """Whether the cached ``llama-server`` for these flags is there (no build needed)."""
-    return binary_path(importlib.metadata.version("llama-cpp-python"), engine_cmake_args()).exists()
+#: What a user who builds llama.cpp gets: tuned for the CPU it is built on (``-march=native``),
+#: one CPU backend linked in, no runtime dispatch.
+NATIVE_FLAGS = ["-DGGML_NATIVE=ON"]
 
 
-def ensure_built(log: Callable[[str], None] = print) -> Path:
-    """The cached ``llama-server`` binary, built first if it is not there."""
+def is_built(flags: list[str] | None = None) -> bool:
+    """Whether the cached ``llama-server`` for these flags (default: the engine's) is there."""
     version = importlib.metadata.version("llama-cpp-python")
-    flags = engine_cmake_args()
+    return binary_path(version, engine_cmake_args() if flags is None else flags).exists()
+
+
+def ensure_built(log: Callable[[str], None] = print, flags: list[str] | None = None) -> Path:
+    """The cached ``llama-server`` binary built with ``flags`` (default: the engine's), built
+    first if it is not there."""
+    version = importlib.metadata.version("llama-cpp-python")
+    flags = engine_cmake_args() if flags is None else flags
     binary = binary_path(version, flags)
     if binary.exists():
         return binary
@@ -105,7 +113,8 @@ def ensure_built(log: Callable[[str], None] = print) -> Path:
 
 
 if __name__ == "__main__":
-    print(ensure_built(lambda line: print(line, file=sys.stderr)))
+    native = sys.argv[1:] == ["--native"]
+    print(ensure_built(lambda line: print(line, file=sys.stderr), NATIVE_FLAGS if native else None))
 
 
 def ensure_gguf(folder: Path, name: str, log: Callable[[str], None] = print) -> Path:

@@ -19,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -34,7 +35,7 @@ from benchmarks.harness import (
     servers,
     verdict,
 )
-from benchmarks.llama_server import ensure_built
+from benchmarks.llama_server import NATIVE_FLAGS, ensure_built
 from benchmarks.svg import bar_chart
 from seedance.bench.load import make_prompt
 from seedance.client import connect
@@ -69,11 +70,16 @@ def seedance_llama(label: str, key: str, *extra: str) -> Contender:
     return Contender(key, label, [*argv, *extra], "/v2/infer", pinned=False)
 
 
-def llama_server(report: Report) -> Contender:
-    """llama.cpp's ``llama-server`` with 8 slots of 4,096 tokens, as Seedance has by default."""
-    argv = [str(ensure_built(report.log)), "-m", str(default_model_path()), "--port", "{port}"]
+def llama_server(report: Report, native: bool = False) -> Contender:
+    """llama.cpp's ``llama-server`` with 8 slots of 4,096 tokens, as Seedance has by default;
+    built with the engine's flags, or ``native`` (for this CPU alone, as a user who builds
+    llama.cpp gets it)."""
+    binary = ensure_built(report.log, NATIVE_FLAGS if native else None)
+    argv = [str(binary), "-m", str(default_model_path()), "--port", "{port}"]
     argv += ["-t", _threads(), "-tb", _threads(), "--parallel", "8", "-c", "32768"]
     argv += ["--log-disable", *([] if _repack() else ["--no-repack"])]
+    if native:
+        return Contender("native", "llama-server (native)", argv, "/v1", pinned=False)
     return Contender("llama", "llama-server", argv, "/v1", pinned=False)
 
 
@@ -256,16 +262,12 @@ def _decode(report: Report) -> None:
 
 
 # ---- 5b: concurrent streams
-def _concurrency(report: Report) -> None:
+def _stream_loads(report: Report) -> list[tuple[str, list[str]]]:
+    """Closed loops of 1, 4 and 8 users: 16-word prompts, replies of up to 128 tokens."""
     seconds = {1: 20, 4: 40, 8: 60}
     if report.quick:
         seconds = {n: s // 2 for n, s in seconds.items()}
-    contenders = [
-        seedance_llama("Seedance", "seedance"),
-        llama_server(report),
-        llama_cpp_server(),
-    ]
-    loads = [
+    return [
         (
             f"{n} streams",
             [
@@ -277,6 +279,15 @@ def _concurrency(report: Report) -> None:
         )
         for n in STREAMS
     ]
+
+
+def _concurrency(report: Report) -> None:
+    contenders = [
+        seedance_llama("Seedance", "seedance"),
+        llama_server(report),
+        llama_cpp_server(),
+    ]
+    loads = _stream_loads(report)
     with servers(contenders) as running:
         cells = report.alternate(running, loads, "5b concurrency")
     steps = 20 if report.quick else 40
@@ -468,3 +479,120 @@ def _prefill(report: Report) -> None:
             ]
         )
     )
+
+
+# ---- 22: against llama-server built for this CPU
+#: New 16-word prompts whose first token is timed, one at a time, for suite 22's breakdown.
+_FIRST_TOKENS = 20
+
+
+def native_suite(report: Report) -> None:
+    """Suite 22 of ``make bench``: the engine as ``make serve`` installs it (llama.cpp's runtime CPU dispatch) against
+    ``llama-server`` built with ``GGML_NATIVE=ON``, at 1, 4 and 8 streams; and where one
+    stream's first token goes."""
+    contenders = [seedance_llama("Seedance", "seedance"), llama_server(report, native=True)]
+    loads = _stream_loads(report)
+    with servers(contenders) as running:
+        cells = report.alternate(running, loads, "22 native llama-server")
+        report.log("[22] first tokens, one at a time")
+        parts = {key: _first_token_parts(server.url) for key, server in running.items()}
+    rows, goal = [], True
+    for load, _ in loads:
+        ours, theirs = cells[(load, "seedance")], cells[(load, "native")]
+        tps = [c.median("summary", "delivered_tokens_per_s") for c in (ours, theirs)]
+        t50 = [c.median("summary", "ttft", "p50_ms") for c in (ours, theirs)]
+        if load == "1 streams":
+            goal = tps[0] >= tps[1] and t50[0] <= t50[1]
+        rows.append(
+            f"| {load} | {fmt(tps[0], 1)} / {fmt(tps[1], 1)} ({ratio(*tps)}) "
+            f"| {fmt(t50[0], 0)} / {fmt(t50[1], 0)} ({ratio(*t50)}) "
+            f"| {ours.errors()} / {theirs.errors()} |"
+        )
+    prompt_tokens = round(_median(parts["seedance"]["prompt_tokens"]))
+    floor = [bare("prefill", "--tokens", str(prompt_tokens))["prefill_s"] * 1000 for _ in "12"]
+    whole = min(floor)
+    breakdown = []
+    for key, label in (("seedance", "Seedance"), ("native", "llama-server (native)")):
+        client = _median(parts[key]["client_ms"])
+        server = _median(parts[key]["server_ms"]) if parts[key]["server_ms"] else None
+        breakdown.append(
+            f"| {label} | {fmt(client, 1)} "
+            f"| {'' if server is None else fmt(server, 1)} "
+            f"| {'' if server is None else fmt(client - server, 1)} | {fmt(whole, 1)} |"
+        )
+    report.goals.append(
+        (
+            "22. llama.cpp, 1 stream, against llama-server built for this CPU: at least its "
+            "tokens/s, at most its TTFT p50",
+            "",
+            goal,
+        )
+    )
+    report.sections.append(
+        "\n".join(
+            [
+                "## 22. The embedded engine against llama-server built for this CPU",
+                "",
+                "The engine as `make serve` installs it (llama.cpp's runtime CPU dispatch: one "
+                "backend per instruction-set level, the best one this CPU runs loaded at start) "
+                "against `llama-server` built from the same llama.cpp with `GGML_NATIVE=ON` (what "
+                "a user who builds llama.cpp gets: `-march=native`, one backend linked in). The "
+                "loads of suite 5b. Cells: **Seedance / llama-server (native) (ratio)**. Goal at 1 "
+                "stream: at least its tokens/s and at most its TTFT p50: " + verdict(goal) + ".",
+                "",
+                "| load | output tokens/s | TTFT p50 ms | errors |",
+                "|---|---|---|---|",
+                *rows,
+                "",
+                f"Where one stream's first token goes: {_FIRST_TOKENS} new 16-word prompts "
+                f"({prompt_tokens} prompt tokens with the chat template), one at a time, one "
+                "token of reply, medians. Seedance's server time is its "
+                "`seedance_time_to_first_token_seconds` (from reading the request to sending "
+                "its first token); the wire and the client are the rest. Both servers keep the "
+                "chat template's opening (SmolLM2's default system prompt) from the conversation "
+                "before and prefill only the rest; the last column is what prefilling the whole "
+                "prompt takes in llama.cpp's bare loop (`python -m benchmarks.peers.llama_bare "
+                f"prefill --tokens {prompt_tokens}`, warm, the better of two).",
+                "",
+                "| | client TTFT ms | server ms | the wire and the client ms | whole prompt, "
+                "bare loop ms |",
+                "|---|---|---|---|---|",
+                *breakdown,
+                "",
+                commands(contenders, loads),
+                "",
+            ]
+        )
+    )
+
+
+def _first_token_parts(url: str) -> dict[str, list[float]]:
+    """Times of :data:`_FIRST_TOKENS` first tokens at ``url`` as the client sees them, and (a
+    Seedance) as the server does, from its ``/metrics``; the prompts' token counts."""
+    parts: dict[str, list[float]] = {"client_ms": [], "server_ms": [], "prompt_tokens": []}
+    base = url.replace("ws://", "http://").removesuffix("/v2/infer")
+    seedance = url.startswith("ws")
+    for i in range(_FIRST_TOKENS):
+        prompt = make_prompt(random.Random(5000 + i), 16)
+        before = _ttft_sum(base) if seedance else (0.0, 0)
+        seconds, tokens = _ttft(url, [prompt], max_tokens=1)
+        parts["client_ms"].append(seconds * 1000)
+        parts["prompt_tokens"].append(tokens)
+        if seedance:
+            after = _ttft_sum(base)
+            if after[1] == before[1] + 1:
+                parts["server_ms"].append((after[0] - before[0]) * 1000)
+    return parts
+
+
+def _ttft_sum(base: str) -> tuple[float, int]:
+    """Seedance's ``seedance_time_to_first_token_seconds``: its sum and count."""
+    with urllib.request.urlopen(f"{base}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    total, count = 0.0, 0
+    for line in text.splitlines():
+        if line.startswith("seedance_time_to_first_token_seconds_sum"):
+            total += float(line.split()[-1])
+        elif line.startswith("seedance_time_to_first_token_seconds_count"):
+            count += int(float(line.split()[-1]))
+    return total, count

@@ -25,7 +25,7 @@ from benchmarks.guidellm_suite import guidellm_suite
 from benchmarks.harness import Report, cores
 from benchmarks.http_suite import http_suite
 from benchmarks.idle import idle
-from benchmarks.llama_suite import llama_suite
+from benchmarks.llama_suite import llama_suite, native_suite
 from benchmarks.observability_suite import observability_suite
 from benchmarks.openai_suite import openai_suite
 from benchmarks.processes_suite import processes_suite
@@ -45,8 +45,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks.md"))
     parser.add_argument(
         "--suites",
-        default="1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20,21",
-        help="which suites to run (default all: 1-21)",
+        default="1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20,21,22",
+        help="which suites to run (default all: 1-22)",
     )
     args = parser.parse_args(argv)
     if cores() < 2:
@@ -76,6 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "19": functools.partial(tensor_suite, report),
         "20": functools.partial(relay_suite, report),
         "21": functools.partial(processes_suite, report),
+        "22": functools.partial(native_suite, report),
     }
     for key in sorted(chosen, key=int):
         suites[key]()
