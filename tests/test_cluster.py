@@ -310,6 +310,34 @@ async def test_any_node_serves_any_session(
     assert hello["created"] and hello["context_turns"] == 0  # ended on every node
 
 
+async def test_a_stateless_call_stays_on_its_node(
+    redis_server: RedisServer, make_server: Callable[..., RunningServer]
+) -> None:
+    """A reply that no other node can be asked for (not resumable, no session, no quota to
+    count) costs no Redis command; a resumable one is logged there."""
+    import redis as redis_py
+
+    (node,) = nodes(make_server, 1, redis_server)
+    client = redis_py.Redis.from_url(redis_server.url)
+
+    def written() -> int:
+        stats = client.info("commandstats")
+        return sum(stats.get(f"cmdstat_{c}", {}).get("calls", 0) for c in ("xadd", "evalsha"))
+
+    try:
+        async with httpx.AsyncClient(base_url=node.http_url, timeout=10) as http:
+            before = written()
+            for _ in range(3):
+                reply = await http.post("/v1/chat/completions", json=CHAT)
+                assert reply.status_code == 200
+            assert written() == before
+            resumable = {**CHAT, "seedance": {"resumable": True}}
+            assert (await http.post("/v1/chat/completions", json=resumable)).status_code == 200
+            assert written() > before
+    finally:
+        client.close()
+
+
 async def test_a_reply_is_logged_whole_and_every_key_expires(
     tmp_path: Path, redis_server: RedisServer, make_server: Callable[..., RunningServer]
 ) -> None:

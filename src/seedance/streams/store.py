@@ -40,9 +40,17 @@ class StreamStore(Protocol):
     epoch: str
 
     def open(
-        self, tenant: str, session_id: str, request_id: str, *, resumable: bool, stream: bool
+        self,
+        tenant: str,
+        session_id: str,
+        request_id: str,
+        *,
+        resumable: bool,
+        stream: bool,
+        shared: bool = True,
     ) -> StreamLog:
-        """A new generation's log: the session's previous log is replaced."""
+        """A new generation's log: the session's previous log is replaced. ``shared``: other
+        nodes may be asked for it (a cluster's store keeps it where they reach it)."""
 
     def ended(self, tenant: str, session_id: str, log: StreamLog) -> None:
         """``log``'s generation ended: keep it for the resume window if it is resumable."""
@@ -88,20 +96,31 @@ class MemoryStreamStore:
         return self._bytes.get(tenant, 0)
 
     def open(
-        self, tenant: str, session_id: str, request_id: str, *, resumable: bool, stream: bool
+        self,
+        tenant: str,
+        session_id: str,
+        request_id: str,
+        *,
+        resumable: bool,
+        stream: bool,
+        shared: bool = True,
     ) -> StreamLog:
         self.sweep()
         key = (tenant, session_id)
         previous = self._logs.get(key)
         if previous is not None:
             self._drop(key, previous, "expired")
-        log = self._new_log(tenant, session_id, request_id, resumable=resumable, stream=stream)
+        if shared:
+            log = self._new_log(tenant, session_id, request_id, resumable=resumable, stream=stream)
+        else:
+            log = StreamLog(request_id, self.epoch, resumable=resumable, stream=stream)
         self._logs[key] = log
         return log
 
     def _new_log(
         self, tenant: str, session_id: str, request_id: str, *, resumable: bool, stream: bool
     ) -> StreamLog:
+        """A log that other nodes may be asked for (a cluster's store: kept in Redis too)."""
         return StreamLog(request_id, self.epoch, resumable=resumable, stream=stream)
 
     def ended(self, tenant: str, session_id: str, log: StreamLog) -> None:

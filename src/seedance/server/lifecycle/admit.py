@@ -159,7 +159,11 @@ def admit(
     try:
         request_id = RequestId(arrival.request_id or new_request_id())
         arrival.request_id = request_id
-        log = services.generations.open_log(requester, request_id, message)
+        # Nobody asks another node for a reply that is not resumable, continues no session and
+        # ends with its reader (a stateless chat or completions call, a response not stored):
+        # in a cluster it stays on its node, without a Redis exchange.
+        shared = message.resumable or session is not None or without_readers not in (None, "abort")
+        log = services.generations.open_log(requester, request_id, message, shared=shared)
         generation = Generation(
             services, arrival, requester, log, message, prompt, qos=qos,
             without_readers=without_readers, modules=modules,

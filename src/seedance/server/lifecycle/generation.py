@@ -317,20 +317,23 @@ class Generation:
             services.generations.ended(self)
 
     async def _claim(self) -> None:
-        """Cluster mode: lock the session (or the request's own log) and reserve the
-        tenant's quotas; the log is written to Redis under that lock from now on."""
+        """Cluster mode: lock the session (or the request's own log, when it is in Redis) and
+        reserve the tenant's quotas; the log is written to Redis under that lock from now
+        on."""
         from seedance.cluster.streams import ReplicatedLog
 
         cluster = self.services.cluster
         assert cluster is not None
         requester = self.requester
         session = requester.session
+        log = self.log
         if self.claim is None:  # else a generation taken over: its claim is made
             tenant = requester.principal.tenant
+            shared = isinstance(log, ReplicatedLog)
             self.claim = await cluster.claims.claim(
                 self.request_id,
                 tenant.name,
-                requester.log_key(self.request_id),
+                requester.log_key(self.request_id) if shared else None,
                 tenant.quotas,
                 self.prompt_tokens + self.message.max_tokens,
                 peek=None if session is None else cluster.sessions.hash_key(session),
@@ -340,7 +343,6 @@ class Generation:
                 # Another node saved a newer context: continue that one.
                 self.prompt = session_prompt(requester.model, session, self.message)
                 self.prompt_tokens = self.prompt.tokens
-        log = self.log
         if isinstance(log, ReplicatedLog) and self.claim.lock is not None:
             log.own(self.claim.lock[1], self.header())
             log.on_lost = lambda: self.cancel(silent=True)

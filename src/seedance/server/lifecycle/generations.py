@@ -34,14 +34,18 @@ class Generations:
         #: to publish the cancel; None: every generation runs here).
         self.elsewhere: Callable[[str, str, str], None] | None = None
 
-    def open_log(self, requester: Requester, request_id: RequestId, message: Generate) -> StreamLog:
-        """A new generation's log (the session's previous one is replaced)."""
+    def open_log(
+        self, requester: Requester, request_id: RequestId, message: Generate, *, shared: bool
+    ) -> StreamLog:
+        """A new generation's log (the session's previous one is replaced); ``shared``: other
+        nodes may be asked for it."""
         log = self.streams.open(
             requester.tenant,
             requester.log_key(request_id),
             request_id,
             resumable=message.resumable,
             stream=message.stream,
+            shared=shared,
         )
         log.keeps(message.logprobs is not None, message.tensors or ())
         return log
