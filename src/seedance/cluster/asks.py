@@ -5,7 +5,7 @@ and sessions are (:mod:`seedance.server.admin`).
 A question (its kind, its body and a reply key) is published on the channel ``sd:ask``;
 ``PUBLISH`` says how many nodes listen, and each pushes its answer onto the reply key, which
 the asker pops until it has them all or :data:`TIMEOUT_S` passed. A node that does not answer
-in time is left out, and the asker knows how many answered.
+in time is left out (and logged).
 """
 
 from __future__ import annotations
@@ -37,15 +37,6 @@ class _Question(msgspec.Struct, array_like=True):
     reply: str
 
 
-class Answers(msgspec.Struct, frozen=True):
-    """Every node's answer to one question (this node's too)."""
-
-    answers: list[Any]
-    #: The nodes that listened when it was asked (more than ``len(answers)``: some did not
-    #: answer in time).
-    asked: int
-
-
 class Asks:
     """Asks the nodes questions, and answers theirs with :attr:`answerers`."""
 
@@ -57,8 +48,9 @@ class Asks:
     def start(self) -> None:
         self.link.listen(CHANNEL, self._received)
 
-    async def ask(self, kind: str, body: Any = None) -> Answers:
-        """Ask every node; ``overloaded`` while Redis does not answer."""
+    async def ask(self, kind: str, body: Any = None) -> list[Any]:
+        """Every node's answer (this node's too; one that did not answer in time is left out,
+        and logged); ``overloaded`` while Redis does not answer."""
         self.link.check()
         reply = f"{PREFIX}answers:{secrets.token_hex(8)}"
         question = msgspec.json.encode(_Question(kind, body, reply))
@@ -84,7 +76,7 @@ class Asks:
                 kind,
                 TIMEOUT_S,
             )
-        return Answers(answers, int(asked))
+        return answers
 
     def _received(self, data: bytes) -> None:
         try:

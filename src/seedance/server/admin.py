@@ -181,7 +181,7 @@ async def _everywhere(state: ServerState, kind: str, body: Any = None) -> list[A
     cluster = state.cluster
     if cluster is None:
         return [await _ANSWERS[kind](state, body)]
-    return (await cluster.asks.ask(kind, body)).answers
+    return await cluster.asks.ask(kind, body)
 
 
 def _answer_for_the_cluster(state: ServerState) -> None:
