@@ -218,6 +218,20 @@ def run_bench(
         return data
 
 
+def metric_sums(url: str, *names: str) -> list[float]:
+    """Each of ``names`` summed over its labels, from the ``/metrics`` of the server at ``url``
+    (``ws://host:port/...`` or ``http://...``), scraped once."""
+    host = url.split("/")[2]
+    with urllib.request.urlopen(f"http://{host}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    sums = dict.fromkeys(names, 0.0)
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in sums:
+            sums[name] += float(line.rsplit(" ", 1)[1])
+    return [sums[name] for name in names]
+
+
 def command_line(args: Sequence[str]) -> str:
     return shlex.join(["seedance", "bench", "URL", *args])
 

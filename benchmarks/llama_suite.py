@@ -19,7 +19,6 @@ import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -31,6 +30,7 @@ from benchmarks.harness import (
     commands,
     cores,
     fmt,
+    metric_sums,
     ratio,
     servers,
     verdict,
@@ -484,6 +484,8 @@ def _prefill(report: Report) -> None:
 # ---- 22: against llama-server built for this CPU
 #: New 16-word prompts whose first token is timed, one at a time, for suite 22's breakdown.
 _FIRST_TOKENS = 20
+#: Seedance's time to first token as its ``/metrics`` has it: the sum and the count.
+_TTFT = ("seedance_time_to_first_token_seconds_sum", "seedance_time_to_first_token_seconds_count")
 
 
 def native_suite(report: Report) -> None:
@@ -570,29 +572,15 @@ def _first_token_parts(url: str) -> dict[str, list[float]]:
     """Times of :data:`_FIRST_TOKENS` first tokens at ``url`` as the client sees them, and (a
     Seedance) as the server does, from its ``/metrics``; the prompts' token counts."""
     parts: dict[str, list[float]] = {"client_ms": [], "server_ms": [], "prompt_tokens": []}
-    base = url.replace("ws://", "http://").removesuffix("/v2/infer")
     seedance = url.startswith("ws")
     for i in range(_FIRST_TOKENS):
         prompt = make_prompt(random.Random(5000 + i), 16)
-        before = _ttft_sum(base) if seedance else (0.0, 0)
+        before = metric_sums(url, *_TTFT) if seedance else [0.0, 0.0]
         seconds, tokens = _ttft(url, [prompt], max_tokens=1)
         parts["client_ms"].append(seconds * 1000)
         parts["prompt_tokens"].append(tokens)
         if seedance:
-            after = _ttft_sum(base)
+            after = metric_sums(url, *_TTFT)
             if after[1] == before[1] + 1:
                 parts["server_ms"].append((after[0] - before[0]) * 1000)
     return parts
-
-
-def _ttft_sum(base: str) -> tuple[float, int]:
-    """Seedance's ``seedance_time_to_first_token_seconds``: its sum and count."""
-    with urllib.request.urlopen(f"{base}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    total, count = 0.0, 0
-    for line in text.splitlines():
-        if line.startswith("seedance_time_to_first_token_seconds_sum"):
-            total += float(line.split()[-1])
-        elif line.startswith("seedance_time_to_first_token_seconds_count"):
-            count += int(float(line.split()[-1]))
-    return total, count

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import http.client
 import json
 import math
 import random
@@ -45,6 +44,7 @@ from benchmarks.harness import (
     Contender,
     cpu,
     fmt,
+    metric_sums,
     pin_to,
     seedance,
     servers,
@@ -302,18 +302,8 @@ def _servers(incident_at: str, timeline: Timeline) -> list[Contender]:
 def requests_served(url: str) -> float:
     """The calls a server (``ws://host:port/...``) has seen end: ``seedance_requests_total``
     over every label, from its ``/metrics``."""
-    host, _, port = url.split("/")[2].partition(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=30)
-    try:
-        conn.request("GET", "/metrics")
-        text = conn.getresponse().read().decode()
-    finally:
-        conn.close()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("seedance_requests_total{")
-    )
+    (served,) = metric_sums(url, "seedance_requests_total")
+    return served
 
 
 @dataclass(slots=True)
