@@ -25,6 +25,7 @@ from websockets.exceptions import ConnectionClosed
 from seedance.client import Reconnect, connect
 from seedance.config import ConfigError
 from seedance.config_loader import load_access, load_config
+from seedance.engines.synthetic import SyntheticEngine
 from seedance.netutil import free_port
 from seedance.tenants.keys import add_key
 from tests.support.otlp import http_receiver
@@ -310,6 +311,46 @@ async def test_any_node_serves_any_session(
     assert hello["created"] and hello["context_turns"] == 0  # ended on every node
 
 
+async def test_a_long_conversation_saves_only_what_changed(
+    redis_server: RedisServer, make_server: Callable[..., RunningServer]
+) -> None:
+    """A session outgrows the model's window: Redis and every node's copy drop the same oldest
+    turns; what an exchange sends Redis does not grow with the conversation (the turns it
+    added, and a takeover header that names the saved ones); a reset starts afresh."""
+    import redis as redis_py
+
+    first, second = nodes(
+        make_server, 2, redis_server, engines=lambda: SyntheticEngine(context_length=400)
+    )
+    client = redis_py.Redis.from_url(redis_server.url)
+    key = "sd:{s:default:long}:turns"
+    turn = {"prompt": "a question of about ten words on the cluster and its sessions"}
+    sent: list[int] = []
+    try:
+        ws, _ = await open_session(first.url, "session_id=long")
+        async with ws:
+            for _ in range(20):
+                before = client.info("stats")["total_net_input_bytes"]
+                assert (await generate(ws, **turn, max_tokens=8))[-1]["type"] == "done"
+                sent.append(client.info("stats")["total_net_input_bytes"] - before)
+        assert max(sent[1:]) < 1.3 * min(sent[1:]), sent
+        kept = client.lrange(key, 0, -1)
+        assert 2 < len(kept) < 40  # the oldest went
+
+        ws, hello = await open_session(second.url, "session_id=long")
+        async with ws:
+            assert hello["context_turns"] == len(kept)
+            frames = await generate(ws, prompt="from scratch", max_tokens=3, reset=True)
+            assert frames[-1]["type"] == "done"
+        assert len(client.lrange(key, 0, -1)) == 2
+        ws, hello = await open_session(first.url, "session_id=long")
+        async with ws:
+            assert (await generate(ws, **turn, max_tokens=3))[-1]["usage"]["prompt_tokens"] < 60
+        assert len(client.lrange(key, 0, -1)) == 4  # the first node's copy followed the reset
+    finally:
+        client.close()
+
+
 async def test_a_stateless_call_stays_on_its_node(
     redis_server: RedisServer, make_server: Callable[..., RunningServer]
 ) -> None:
@@ -556,8 +597,55 @@ async def test_a_dead_nodes_stream_is_taken_over_where_it_stopped(
     assert taken.attributes["seedance.request_id"] == "r1"
 
 
+@pytest.mark.subprocess
+async def test_a_taken_over_reply_continues_its_conversation(
+    redis_server: RedisServer, server_process: Callable[..., ServerProcess]
+) -> None:
+    """A reply that continues a conversation (earlier turns in the session, a system one among
+    them), its node killed: the survivor rebuilds its prompt from the session's saved turns
+    (the takeover header names them instead of carrying them), so the reply goes on as in an
+    undisturbed conversation; and the conversation continues on the survivor from it."""
+    earlier = [
+        {"messages": [{"role": "system", "content": "Answer briefly."}], "max_tokens": 4},
+        {"prompt": "the first question of a long talk", "max_tokens": 6, "seed": 3},
+        {"prompt": "and a second one, about the weather", "max_tokens": 5, "seed": 4},
+    ]
+    args = ("--redis", redis_server.url, "--lease", "1", "--synthetic-tokens-per-s", "300")
+    owner = server_process(*args, "--node-id", "n1")
+    survivor = server_process(*args, "--node-id", "n2")
+    request = {"prompt": PROMPT, "seed": 7, "max_tokens": 400}
+
+    async def talk(url: str, session: str) -> Any:
+        ws, _ = await open_session(url, f"session_id={session}")
+        for turn in earlier:
+            assert (await generate(ws, **turn))[-1]["type"] == "done"
+        return ws
+
+    calm = await talk(survivor.url, "calm")
+    async with calm:
+        frames = await generate(calm, **request)
+    assert frames[-1]["type"] == "done"
+    expected = tokens_text(frames)
+
+    ws = await talk(owner.url, "doomed")
+    await ws.send(json.dumps({**request, "resumable": True, "request_id": "r1"}))
+    reading = Reading("r1")
+    await read(ws, reading, until_seq=100)
+    await took_over(owner, survivor, ws, reading, expected, qos=False)
+    ws, hello = await open_session(survivor.url, "session_id=doomed")
+    async with ws:
+        assert hello["context_turns"] == 2 * len(earlier) + 2  # every turn, the reply's too
+        assert (await generate(ws, prompt="and then?", max_tokens=3))[-1]["type"] == "done"
+
+
 async def took_over(
-    owner: ServerProcess, survivor: ServerProcess, ws: Any, reading: Reading, expected: str
+    owner: ServerProcess,
+    survivor: ServerProcess,
+    ws: Any,
+    reading: Reading,
+    expected: str,
+    *,
+    qos: bool = True,
 ) -> None:
     owner.signal(signal.SIGKILL)
     with contextlib.suppress(ConnectionClosed, asyncio.TimeoutError):
@@ -573,6 +661,8 @@ async def took_over(
     assert reading.last_seq == 399 and reading.text == expected
     assert resumed_s < 1.0 + 1.0 + 1.0, resumed_s  # the lease, a follower's wait, slack
     await survivor.logged("request r1 taken over at seq")
+    if not qos:
+        return
     # The generation kept its quality of service on the survivor (its SLA tag's metrics).
     async with httpx.AsyncClient() as client:
         metrics = (await client.get(survivor.url.replace("ws:", "http:") + "/metrics")).text

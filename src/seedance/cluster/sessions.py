@@ -1,8 +1,11 @@
 """Sessions in Redis: any node of the cluster serves any session.
 
-A session is one hash (``sd:{s:TENANT:SESSION}:session``: its turns as JSON, a ``version``
-that every save increments, when it was created) with the session TTL, renewed while a
-connection holds it. Each tenant has a sorted set of its live sessions by expiry and a hash of
+A session is a hash (``sd:{s:TENANT:SESSION}:session``: a ``version`` that every save
+increments, when it was created) and a list of its turns, one JSON document each
+(``...:turns``), both with the session TTL, renewed while a connection holds it. A save sends
+only what changed (the turns an exchange added, and how many the context keeps: the oldest go
+when it outgrows the model's window), so a turn costs the same at the hundredth exchange as at
+the first. Each tenant has a sorted set of its live sessions by expiry and a hash of
 their history bytes (``sd:{t:TENANT}:sessions``, ``:history``), for its ``sessions`` and
 ``session_bytes`` quotas across the cluster; a session is counted in one atomic script, so N
 nodes never create more than the limit.
@@ -23,7 +26,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Final, cast
+from typing import TYPE_CHECKING, Final
 
 import msgspec
 
@@ -103,22 +106,27 @@ for _, id in ipairs(live) do held = held + (tonumber(redis.call('HGET', KEYS[2],
 return {#live, held}
 """
 
-# KEYS: the session's hash. ARGV: its turns (JSON), TTL (ms), when it was created ('': saved
-# before). Writes the turns, counts the version up (0 when created); returns the version.
+# KEYS: the session's hash, its turns. ARGV: TTL (ms), when it was created ('': saved before),
+# '1' to clear the turns first (a reset), how many turns the context keeps, then the turns
+# added (JSON each, oldest first). Appends them, drops the oldest beyond those kept, counts
+# the version up (0 when created); returns the version.
 _SAVE = """
-redis.call('HSET', KEYS[1], 'turns', ARGV[1])
+if ARGV[3] == '1' or ARGV[4] == '0' then redis.call('DEL', KEYS[2]) end
+for i = 5, #ARGV do redis.call('RPUSH', KEYS[2], ARGV[i]) end
+if ARGV[4] ~= '0' then redis.call('LTRIM', KEYS[2], -tonumber(ARGV[4]), -1) end
 local version = 0
-if ARGV[3] ~= '' then
-  redis.call('HSET', KEYS[1], 'version', 0, 'created', ARGV[3])
+if ARGV[2] ~= '' then
+  redis.call('HSET', KEYS[1], 'version', 0, 'created', ARGV[2])
 else
   version = redis.call('HINCRBY', KEYS[1], 'version', 1)
 end
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+redis.call('PEXPIRE', KEYS[2], ARGV[1])
 return version
 """
 
-_turns = msgspec.json.Encoder()
-_read_turns = msgspec.json.Decoder(list[Turn])
+_turn = msgspec.json.Encoder()
+_read_turn = msgspec.json.Decoder(Turn)
 
 
 class RedisSessionStore:
@@ -163,12 +171,13 @@ class RedisSessionStore:
 
         def queue(pipe: Pipeline) -> None:
             if session_id is not None:
-                pipe.hmget(self._key(key), "turns", "version")
+                pipe.hget(self._key(key), "version")
+                pipe.lrange(self._turns_key(key), 0, -1)
             self._admit.queue(pipe, self._tenant_keys(tenant), [key[1], limit, self.ttl_ms])
 
         *looked_up, admitted = await self.link.exchange(queue)
-        stored = looked_up[0] if looked_up else None
-        created = stored is None or stored[1] is None
+        version, turns = looked_up if looked_up else (None, [])
+        created = version is None
         if not admitted[0]:
             raise QuotaExceeded(
                 f"tenant {tenant} has {max_for_tenant} live sessions, its limit (across the "
@@ -180,8 +189,8 @@ class RedisSessionStore:
             self._held[key] = session
         if created:
             await self._write(session, created=True)
-        elif stored is not None:
-            self._load(session, stored[0], int(cast(bytes, stored[1])))
+        else:
+            self._load(session, turns, int(version))
         session.attached += 1
         session.last_active = time.monotonic()
         return session, created
@@ -220,13 +229,17 @@ class RedisSessionStore:
         """The session's hash (whose ``version`` a generation's claim reads)."""
         return self._key(session.key)
 
+    def version(self, session: Session) -> int:
+        """The version of the session's turns this node holds (0: as created)."""
+        return self._versions.get(session.key, 0)
+
     async def refresh(self, session: Session, version: int | None) -> bool:
         """Reload the session's turns if another node saved a newer ``version`` than this
         node's copy; true if it did."""
         key = session.key
-        if version is None or version == self._versions.get(key, 0):
+        if version is None or version == self.version(session):
             return False
-        (turns,) = await self.link.exchange(lambda pipe: pipe.hget(self._key(key), "turns"))
+        (turns,) = await self.link.exchange(lambda pipe: pipe.lrange(self._turns_key(key), 0, -1))
         self._load(session, turns, version)
         return True
 
@@ -238,7 +251,7 @@ class RedisSessionStore:
         sessions, history = self._tenant_keys(tenant)
 
         def queue(pipe: Pipeline) -> None:
-            pipe.delete(self._key(key))
+            pipe.delete(self._key(key), self._turns_key(key))
             pipe.zrem(sessions, session_id)
             pipe.hdel(history, session_id)
 
@@ -269,32 +282,41 @@ class RedisSessionStore:
         return session_key(key[0], key[1], "session")
 
     @staticmethod
+    def _turns_key(key: SessionKey) -> str:
+        return session_key(key[0], key[1], "turns")
+
+    @staticmethod
     def _tenant_keys(tenant: str) -> list[str]:
         return [tenant_key(tenant, "sessions"), tenant_key(tenant, "history")]
 
     async def _write(self, session: Session, *, created: bool) -> None:
-        key = self._key(session.key)
-        turns = _turns.encode(session.turns)
+        key, turns_key = self._key(session.key), self._turns_key(session.key)
+        added: list[bytes] = [_turn.encode(turn) for turn in session.unsaved_turns()]
         if self.at_rest is not None:
-            turns = self.at_rest.seal(turns, key)
-        saved = [turns, self.ttl_ms, time.time() if created else ""]
+            added = [self.at_rest.seal(turn, turns_key) for turn in added]
+        kept = len(session.turns)
+        cleared = "1" if session.cleared else "0"
+        saved = [self.ttl_ms, time.time() if created else "", cleared, kept, *added]
         renewed = [self.ttl_ms, session.session_id, session.size]
 
         def queue(pipe: Pipeline) -> None:
-            self._save.queue(pipe, [key], saved)
+            self._save.queue(pipe, [key, turns_key], saved)
             self._renew.queue(pipe, self._tenant_keys(session.tenant), renewed)
 
         version, _ = await self.link.exchange(queue)
+        session.saved()
         self._versions[session.key] = int(version)
 
-    def _load(self, session: Session, turns: Any, version: int) -> None:
-        if turns and self.at_rest is not None:
-            try:
-                turns = self.at_rest.open(turns, self._key(session.key))
-            except Unreadable as exc:  # --encrypt-at-rest switched, or the key changed
-                logger.warning("session %s starts empty: %s", session.session_id, exc)
-                turns = None
-        session.turns = _read_turns.decode(turns) if turns else []
+    def _load(self, session: Session, stored: list[bytes], version: int) -> None:
+        turns_key = self._turns_key(session.key)
+        try:
+            if self.at_rest is not None:
+                stored = [self.at_rest.open(turn, turns_key) for turn in stored]
+            session.turns = [_read_turn.decode(turn) for turn in stored]
+        except Unreadable as exc:  # --encrypt-at-rest switched, or the key changed
+            logger.warning("session %s starts empty: %s", session.session_id, exc)
+            session.turns = []
+        session.saved()
         session.size = sum(t.size for t in session.turns)
         self._versions[session.key] = version
 
@@ -321,6 +343,7 @@ class RedisSessionStore:
         def queue(pipe: Pipeline) -> None:
             for session in sessions:
                 pipe.pexpire(self._key(session.key), self.ttl_ms)
+                pipe.pexpire(self._turns_key(session.key), self.ttl_ms)
             for tenant, pairs in by_tenant.items():
                 self._renew.queue(pipe, self._tenant_keys(tenant), [self.ttl_ms, *pairs])
 

@@ -31,7 +31,17 @@ class Turn:
 class Session:
     """The state of one conversation. Owned by a :class:`~seedance.sessions.SessionStore`."""
 
-    __slots__ = ("active_request", "attached", "created_at", "key", "last_active", "size", "turns")
+    __slots__ = (
+        "active_request",
+        "attached",
+        "cleared",
+        "created_at",
+        "key",
+        "last_active",
+        "size",
+        "turns",
+        "unsaved",
+    )
 
     def __init__(self, key: SessionKey, now: float) -> None:
         self.key = key
@@ -41,6 +51,10 @@ class Session:
         self.active_request: RequestId | None = None
         self.attached = 0
         self.size = 0  # bytes of memory the turns hold
+        #: Since its store last saved it: turns appended, and whether the context was cleared
+        #: first (a store that keeps the turns elsewhere writes only what changed).
+        self.unsaved = 0
+        self.cleared = False
 
     @property
     def tenant(self) -> TenantId:
@@ -77,7 +91,9 @@ class Session:
         """
         if reset:
             self.turns.clear()
+            self.cleared, self.unsaved = True, 0
         self.turns.extend(turns)
+        self.unsaved += len(turns)
         total = sum(t.tokens for t in self.turns)
         drop = 0
         while total > max_tokens and drop < len(self.turns) - 1:
@@ -86,3 +102,13 @@ class Session:
         if drop:
             del self.turns[:drop]
         self.size = sum(t.size for t in self.turns)
+
+    def saved(self) -> None:
+        """Its store holds every turn now."""
+        self.unsaved, self.cleared = 0, False
+
+    def unsaved_turns(self) -> list[Turn]:
+        """The turns appended since the last save that the context still holds (oldest
+        first): its turns are those its store holds (none if ``cleared``), these appended,
+        the oldest dropped until ``len(turns)`` remain."""
+        return self.turns[len(self.turns) - min(self.unsaved, len(self.turns)) :]

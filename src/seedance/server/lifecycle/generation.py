@@ -20,7 +20,7 @@ import asyncio
 import logging
 import time
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import msgspec
 from msgspec import UNSET
@@ -395,7 +395,7 @@ class Generation:
                 "operation": self.operation,
                 "qos": None if qos is None else QoS(qos.service_class, qos.slatag).header(),
                 "request": msgspec.to_builtins(self.message),
-                "messages": [[m.role, m.content] for m in prompt.messages],
+                **self._prompt_header(),
                 "prompt_tokens": prompt.tokens,
                 "raw": prompt.raw,
                 "unset": sorted(prompt.unset),
@@ -406,6 +406,28 @@ class Generation:
                 "tracestate": self.trace.tracestate,
             }
         )
+
+    def _prompt_header(self) -> dict[str, Any]:
+        """The prompt as a takeover rebuilds it: its messages, but those a session's saved
+        turns hold named by where they are (a long conversation's takeover header stays as
+        small as its first exchange's)."""
+        prompt, session = self.prompt, self.requester.session
+        messages = prompt.messages
+        cluster = self.services.cluster
+        if (
+            prompt.history is None
+            or session is None
+            or session.unsaved
+            or session.cleared
+            or cluster is None
+        ):
+            return {"messages": [[m.role, m.content] for m in messages]}
+        at, spans = prompt.history
+        after = at + sum(stop - start for start, stop in spans)
+        return {
+            "messages": [[m.role, m.content] for m in (*messages[:at], *messages[after:])],
+            "history": [at, spans, cluster.sessions.version(session)],
+        }
 
     async def _stream(self) -> FinishReason:
         """Run the engine and log its tokens; returns the finish reason."""

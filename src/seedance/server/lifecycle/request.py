@@ -61,6 +61,10 @@ class Prompt:
     raw: bool = False
     #: Sampling fields the client left out where its API lets the server choose.
     unset: frozenset[str] = frozenset()
+    #: A session's prompt: the index in ``messages`` where its history begins, and the spans
+    #: of the session's turns it holds, ``(start, stop)`` counted from the end of the turns
+    #: (negative; 0 for the end). A takeover rebuilds the prompt from them.
+    history: tuple[int, tuple[tuple[int, int], ...]] | None = None
 
 
 def explicit_prompt(
@@ -163,7 +167,26 @@ def session_prompt(
         if exact <= estimate + fixed or over <= 0 or len(context) == len(new_turns):
             break
         room -= max(over, exact - estimate - fixed)
-    return Prompt(tuple(messages), exact, new_turns)
+    kept = () if message.reset else _spans(history, context[: len(context) - len(new_turns)])
+    return Prompt(tuple(messages), exact, new_turns, history=(len(preamble), kept))
+
+
+def _spans(history: Sequence[Turn], kept: Sequence[Turn]) -> tuple[tuple[int, int], ...]:
+    """Where the ``kept`` turns (in order, some dropped) lie in ``history``: spans counted
+    from its end."""
+    if len(kept) == len(history):
+        return ((-len(history), 0),) if history else ()
+    chosen = {id(turn) for turn in kept}
+    spans: list[tuple[int, int]] = []
+    end = len(history)
+    for i, turn in enumerate(history):
+        if id(turn) not in chosen:
+            continue
+        if spans and spans[-1][1] == i - end:
+            spans[-1] = (spans[-1][0], i + 1 - end)
+        else:
+            spans.append((i - end, i + 1 - end))
+    return tuple(spans)
 
 
 def _history(model: ServedModel, session: Session) -> list[Turn]:

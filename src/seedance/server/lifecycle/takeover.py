@@ -64,12 +64,15 @@ async def take_over(services: Services, log: ReplicatedLog, header: dict[str, An
         if header["session"] is not None:
             session, _ = await services.sessions.attach(TenantId(principal.name), header["session"])
         engine = model.engine
-        prompt = Prompt(
-            tuple(ChatMessage(role, content) for role, content in header["messages"]),
-            header["prompt_tokens"],
+        new_turns = (
             [Turn(m, engine.count_message_tokens(m), model.name) for m in message.turns()]
             if session is not None
-            else (),
+            else []
+        )
+        prompt = Prompt(
+            _messages(services, header, session, len(new_turns)),
+            header["prompt_tokens"],
+            new_turns,
             raw=header["raw"],
             unset=frozenset(header["unset"]),
         )
@@ -111,6 +114,25 @@ async def take_over(services: Services, log: ReplicatedLog, header: dict[str, An
     if session is not None:
         cluster.link.spawn(_let_go(services, generation, session), "takeover-session")
     return True
+
+
+def _messages(
+    services: Services, header: dict[str, Any], session: Session | None, new_turns: int
+) -> tuple[ChatMessage, ...]:
+    """The prompt's messages: the header's, and where it names them, the session's saved turns
+    it held (:meth:`~seedance.server.lifecycle.generation.Generation.header`)."""
+    messages = [ChatMessage(role, content) for role, content in header["messages"]]
+    history = header.get("history")
+    if history is None or session is None:
+        return tuple(messages)
+    at, spans, version = history
+    assert services.cluster is not None
+    turns = session.turns
+    if services.cluster.sessions.version(session) != version:
+        # Its node saved the exchange (the new turns and the reply) before it died.
+        turns = turns[: max(0, len(turns) - new_turns - 1)]
+    held = [turn.message for start, stop in spans for turn in turns[start : stop or None]]
+    return (*messages[:at], *held, *messages[at:])
 
 
 async def _let_go(services: Services, generation: Generation, session: Session) -> None:
