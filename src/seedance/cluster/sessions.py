@@ -23,10 +23,12 @@ a tenant over its ``session_bytes`` is refused, nothing of another session is dr
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Final
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
 
@@ -39,6 +41,8 @@ from seedance.sessions.store import new_session_id
 
 if TYPE_CHECKING:
     from redis.asyncio.client import Pipeline
+
+    from seedance.streams.log import StreamLog
 
 logger = logging.getLogger(__name__)
 
@@ -106,24 +110,51 @@ for _, id in ipairs(live) do held = held + (tonumber(redis.call('HGET', KEYS[2],
 return {#live, held}
 """
 
-# KEYS: the session's hash, its turns. ARGV: TTL (ms), when it was created ('': saved before),
-# '1' to clear the turns first (a reset), how many turns the context keeps, then the turns
-# added (JSON each, oldest first). Appends them, drops the oldest beyond those kept, counts
-# the version up (0 when created); returns the version.
-_SAVE = """
-if ARGV[3] == '1' or ARGV[4] == '0' then redis.call('DEL', KEYS[2]) end
-for i = 5, #ARGV do redis.call('RPUSH', KEYS[2], ARGV[i]) end
-if ARGV[4] ~= '0' then redis.call('LTRIM', KEYS[2], -tonumber(ARGV[4]), -1) end
-local version = 0
-if ARGV[2] ~= '' then
-  redis.call('HSET', KEYS[1], 'version', 0, 'created', ARGV[2])
-else
-  version = redis.call('HINCRBY', KEYS[1], 'version', 1)
-end
-redis.call('PEXPIRE', KEYS[1], ARGV[1])
-redis.call('PEXPIRE', KEYS[2], ARGV[1])
-return version
+# A session's save, in Lua, given the locals hash and turns (its keys), ttl (ms), cleared ('1':
+# a reset cleared the turns first), kept (how many turns the context keeps) and from, upto
+# (where in ARGV the turns added lie, oldest first): appends them and drops the oldest beyond
+# those kept.
+SAVE_TURNS = """
+if cleared == '1' or kept == '0' then redis.call('DEL', turns) end
+for i = from, upto do redis.call('RPUSH', turns, ARGV[i]) end
+if kept ~= '0' then redis.call('LTRIM', turns, -tonumber(kept), -1) end
+redis.call('PEXPIRE', hash, ttl)
+redis.call('PEXPIRE', turns, ttl)
 """
+#: The arguments of a save before the turns added (TTL, cleared, kept, how many added).
+SAVE_ARGS: Final = 4
+
+# KEYS: the session's hash, its turns. ARGV: when it was created ('': saved before), then the
+# save's SAVE_ARGS and the turns added. Counts the version up (0 when created); returns it.
+_SAVE = (
+    "local hash, turns = KEYS[1], KEYS[2]\n"
+    "local ttl, cleared, kept = ARGV[2], ARGV[3], ARGV[4]\n"
+    "local from, upto = 6, 5 + tonumber(ARGV[5])\n"
+    + SAVE_TURNS
+    + """
+if ARGV[1] ~= '' then
+  redis.call('HSET', hash, 'version', 0, 'created', ARGV[1])
+  return 0
+end
+return redis.call('HINCRBY', hash, 'version', 1)
+"""
+)
+
+
+@dataclass(slots=True)
+class SessionSave:
+    """A session's save that goes with its generation's end, in the end's own script
+    (:meth:`RedisSessionStore.save` hands it to the generation's log)."""
+
+    #: The session's hash and turns.
+    keys: list[str]
+    #: SAVE_ARGS, then the turns added.
+    args: list[Any]
+    #: Queues what goes in the same exchange (the tenant's history bytes).
+    queue_after: Callable[[Pipeline], None]
+    #: Called with the version Redis saved.
+    saved: Callable[[int], None]
+
 
 _turn = msgspec.json.Encoder()
 _read_turn = msgspec.json.Decoder(Turn)
@@ -221,8 +252,14 @@ class RedisSessionStore:
                 "or start this one afresh (reset)"
             )
 
-    async def save(self, session: Session) -> None:
+    async def save(self, session: Session, *, with_end: StreamLog | None = None) -> None:
         session.last_active = time.monotonic()
+        if with_end is not None:
+            keys, args = self._save_args(session)
+            queue_renew = functools.partial(self._queue_renew, session)
+            save = SessionSave(keys, args, queue_renew, functools.partial(self._saved, session))
+            if with_end.saves_with_end(save):
+                return
         await self._write(session, created=False)
 
     def hash_key(self, session: Session) -> str:
@@ -289,23 +326,33 @@ class RedisSessionStore:
     def _tenant_keys(tenant: str) -> list[str]:
         return [tenant_key(tenant, "sessions"), tenant_key(tenant, "history")]
 
-    async def _write(self, session: Session, *, created: bool) -> None:
-        key, turns_key = self._key(session.key), self._turns_key(session.key)
+    def _save_args(self, session: Session) -> tuple[list[str], list[Any]]:
+        """A save's keys and arguments (SAVE_ARGS, then the turns added)."""
+        keys = [self._key(session.key), self._turns_key(session.key)]
         added: list[bytes] = [_turn.encode(turn) for turn in session.unsaved_turns()]
         if self.at_rest is not None:
-            added = [self.at_rest.seal(turn, turns_key) for turn in added]
-        kept = len(session.turns)
+            added = [self.at_rest.seal(turn, keys[1]) for turn in added]
         cleared = "1" if session.cleared else "0"
-        saved = [self.ttl_ms, time.time() if created else "", cleared, kept, *added]
+        return keys, [self.ttl_ms, cleared, len(session.turns), len(added), *added]
+
+    def _queue_renew(self, session: Session, pipe: Pipeline) -> None:
+        """The session's expiry and history bytes in its tenant's counts."""
         renewed = [self.ttl_ms, session.session_id, session.size]
+        self._renew.queue(pipe, self._tenant_keys(session.tenant), renewed)
+
+    def _saved(self, session: Session, version: int) -> None:
+        session.saved()
+        self._versions[session.key] = version
+
+    async def _write(self, session: Session, *, created: bool) -> None:
+        keys, args = self._save_args(session)
 
         def queue(pipe: Pipeline) -> None:
-            self._save.queue(pipe, [key, turns_key], saved)
-            self._renew.queue(pipe, self._tenant_keys(session.tenant), renewed)
+            self._save.queue(pipe, keys, [time.time() if created else "", *args])
+            self._queue_renew(session, pipe)
 
         version, _ = await self.link.exchange(queue)
-        session.saved()
-        self._versions[session.key] = int(version)
+        self._saved(session, int(version))
 
     def _load(self, session: Session, stored: list[bytes], version: int) -> None:
         turns_key = self._turns_key(session.key)

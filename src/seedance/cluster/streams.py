@@ -19,8 +19,9 @@ at the pace of the frame merging, with the node's next batch
 writes only while the generation's session lock still holds the writer's fencing token, so a
 node that lost its lease cannot write a frame). Readers get a frame only once Redis
 acknowledged it: what a client saw is always in Redis, whatever node dies next. The end entry
-releases the session lock in the same script, so the next request of the session may start on
-any node the moment its client sees ``done``.
+saves the session's new turns (:class:`~seedance.cluster.sessions.SessionSave`) and releases
+the session lock in the same script, so the next request of the session may start on any node
+the moment its client sees ``done``, and finds the turns saved.
 
 **Reading elsewhere**: a resume on a node that does not run the generation builds a mirror of
 the log from Redis (``XRANGE``) and follows it live (``XREAD BLOCK``); its readers attach to it
@@ -45,6 +46,7 @@ from redis.exceptions import RedisError
 
 from seedance.cluster.atrest import AtRest, Unreadable
 from seedance.cluster.link import ClusterLink, script, session_key
+from seedance.cluster.sessions import SAVE_TURNS, SessionSave
 from seedance.protocol.codec import decode_server_text, encode_frame
 from seedance.protocol.errors import HistoryLost
 from seedance.protocol.messages import DoneFrame, ErrorFrame, StartFrame, TokenLogprob
@@ -87,7 +89,7 @@ READ_COUNT: Final = 1024
 # of ENTRY_ARGS (entry id, text or frame, token count, the tokens' log probabilities, their
 # ids; '' for what a frame or the request lacks). An entry at or before the stream's last id
 # was written by an exchange whose reply was lost: skipped. 0: fenced out.
-_APPEND = """
+_APPEND_HEAD = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 local ttl = ARGV[2]
 if ARGV[5] ~= '' then
@@ -95,8 +97,8 @@ if ARGV[5] ~= '' then
   redis.call('SET', KEYS[4], ARGV[4], 'PX', ttl)
   redis.call('SET', KEYS[5], ARGV[3], 'NX', 'PX', ttl)
 end
-for i = 7, #ARGV, 5 do
-  local added
+local added
+for i = first, #ARGV, 5 do
   if ARGV[i + 2] == '' then
     added = redis.pcall('XADD', KEYS[2], ARGV[i], 'f', ARGV[i + 1])
   elseif ARGV[i + 3] == '' and ARGV[i + 4] == '' then
@@ -113,9 +115,32 @@ redis.call('PEXPIRE', KEYS[2], ttl)
 redis.call('PEXPIRE', KEYS[3], ttl)
 redis.call('PEXPIRE', KEYS[4], ttl)
 redis.call('PEXPIRE', KEYS[5], ttl, 'GT')
-if ARGV[6] == '1' then redis.call('DEL', KEYS[1]) end
-return 1
 """
+_APPEND = (
+    "local first = 7\n"
+    + _APPEND_HEAD
+    + "if ARGV[6] == '1' then redis.call('DEL', KEYS[1]) end\nreturn 1\n"
+)
+
+# The end of a generation that continued a session, and the session's save (atomic: the next
+# generation, on any node, finds the lock gone only with the turns saved). KEYS: _APPEND's,
+# the session's hash and turns. ARGV: _APPEND's six, then the save's (SAVE_ARGS: TTL,
+# cleared, turns kept, turns added) and the turns added, then the entries (the end last).
+# Saved only when the end entry is new (an exchange sent again after a lost reply saves
+# once). {1, the session's version}.
+_APPEND_SAVING = (
+    "local hash, turns = KEYS[6], KEYS[7]\n"
+    + "local from, upto = 11, 10 + tonumber(ARGV[10])\n"
+    + "local first = upto + 1\n"
+    + _APPEND_HEAD
+    + "if type(added) ~= 'table' or not added.err then\n"
+    + "  local ttl, cleared, kept = ARGV[7], ARGV[8], ARGV[9]\n"
+    + SAVE_TURNS
+    + "  redis.call('HINCRBY', hash, 'version', 1)\n"
+    + "end\n"
+    + "redis.call('DEL', KEYS[1])\n"
+    + "return {1, tonumber(redis.call('HGET', hash, 'version'))}\n"
+)
 
 # The common exchange of a running generation: one token entry, nothing else.
 # KEYS: lock, stream. ARGV: holder, then the entry as _APPEND has it (without the log
@@ -188,6 +213,7 @@ class ReplicatedLog(StreamLog):
         "lost",
         "on_lost",
         "replicator",
+        "saving",
         "sent",
         "sent_seq",
         "tokens_at",
@@ -213,6 +239,8 @@ class ReplicatedLog(StreamLog):
         self.acked = self.acked_seq = 0  # entries Redis acknowledged
         self._pending_start: StartFrame | None = None
         self.end_pending: tuple[DoneFrame | ErrorFrame | None] | None = None
+        #: The session's save that goes with the end (:meth:`saves_with_end`).
+        self.saving: SessionSave | None = None
         self._ended: asyncio.Future[bool] | None = None
         self._queued = False  # in the replicator's next exchange
         self._held = False  # held for the rest of the merge window
@@ -257,6 +285,15 @@ class ReplicatedLog(StreamLog):
             return
         self._pending_start = frame
         self.replicator.mark(self, now=True)
+
+    def saves_with_end(self, save: object) -> bool:
+        """The session's save goes in the end's script: one step with the end and the release
+        of the session's lock, so the next generation, on any node, finds the turns saved."""
+        if self.lost or not self.owned or self.end_pending is not None:
+            return False
+        assert isinstance(save, SessionSave)
+        self.saving = save
+        return True
 
     async def write_end(self, frame: DoneFrame | ErrorFrame | None) -> bool:
         """Write the end (releasing the session lock) after every token; false when this
@@ -342,7 +379,10 @@ class ReplicatedLog(StreamLog):
             return [self.holder, *(args if args[3] or args[4] else args[:3])]
         ttl_ms = self.replicator.ttl_ms
         release = "1" if plan.end else "0"
-        return [self.holder, ttl_ms, self.epoch, self.request_id, self.header, release, *plan.args]
+        head = [self.holder, ttl_ms, self.epoch, self.request_id, self.header, release]
+        if plan.end and self.saving is not None:
+            return [*head, *self.saving.args, *plan.args]
+        return [*head, *plan.args]
 
     def acked_by(self, plan: _Plan, reply: Any) -> None:
         """Redis answered ``plan``'s exchange: hand its frames to the readers."""
@@ -364,6 +404,9 @@ class ReplicatedLog(StreamLog):
         if self.stream and self._deliver is not None:
             for first, after, count in plan.groups:
                 self._deliver("".join(self.texts[first:after]), count)
+        if plan.end and self.saving is not None:
+            self.saving.saved(int(reply[1]))
+            self.saving = None
         if plan.end and self._ended is not None and not self._ended.done():
             self._ended.set_result(True)
 
@@ -428,8 +471,10 @@ class Replicator:
         self._held: list[ReplicatedLog] = []  # until the merger's window ends
         self._loop: asyncio.AbstractEventLoop  # set by start()
         self._in_batch = False  # added to the node's next batch
-        self._sent: list[tuple[ReplicatedLog, _Plan]] = []  # in the batch in flight
+        #: In the batch in flight: each log's plan, and how many commands it queued.
+        self._sent: list[tuple[ReplicatedLog, _Plan, int]] = []
         self._append = script(link, _APPEND)
+        self._append_saving = script(link, _APPEND_SAVING)
         self._append_tokens = script(link, _APPEND_TOKENS)
 
     def start(self) -> None:
@@ -489,16 +534,22 @@ class Replicator:
             plan = log.plan(now)
             if plan is None:
                 continue
+            saving = log.saving if plan.end else None
             if plan.light:
                 self._append_tokens.queue(pipe, log.keys[:2], log.script_args(plan))
+            elif saving is not None:
+                self._append_saving.queue(pipe, [*log.keys, *saving.keys], log.script_args(plan))
+                saving.queue_after(pipe)
             else:
                 self._append.queue(pipe, log.keys, log.script_args(plan))
-            self._sent.append((log, plan))
+            self._sent.append((log, plan, 1 if saving is None else 2))
 
     def answered(self, replies: list[Any] | BaseException) -> None:
         sent, self._sent = self._sent, []
-        for i, (log, plan) in enumerate(sent):
-            log.acked_by(plan, replies if isinstance(replies, BaseException) else replies[i])
+        at = 0
+        for log, plan, commands in sent:
+            log.acked_by(plan, replies if isinstance(replies, BaseException) else replies[at])
+            at += commands
 
 
 TakeOver = Callable[[ReplicatedLog, dict[str, Any]], Awaitable[bool]]

@@ -12,11 +12,14 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from seedance.protocol.errors import Overloaded, QuotaExceeded
 from seedance.protocol.messages import SessionId, TenantId
 from seedance.sessions.session import Session, SessionKey
+
+if TYPE_CHECKING:
+    from seedance.streams.log import StreamLog
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +67,10 @@ class SessionStore(Protocol):
         """
         ...
 
-    async def save(self, session: Session) -> None:
-        """Persist ``session`` after its context changed."""
+    async def save(self, session: Session, *, with_end: StreamLog | None = None) -> None:
+        """Persist ``session`` after its context changed; ``with_end``: the log of the
+        generation that changed it, whose end may carry the save (in a cluster: saved in one
+        step with the end and the release of the session's lock)."""
         ...
 
     async def delete(self, session: Session) -> None: ...
@@ -162,7 +167,7 @@ class MemorySessionStore:
         session.attached = max(0, session.attached - 1)
         self.touch(session)
 
-    async def save(self, session: Session) -> None:
+    async def save(self, session: Session, *, with_end: StreamLog | None = None) -> None:
         self.touch(session)
         key = session.key
         if key not in self._sessions:

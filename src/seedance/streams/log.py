@@ -153,6 +153,11 @@ class StreamLog:
         self.multi[len(self.texts) - 1] = tokens
         self.extra += tokens - 1
 
+    def saves_with_end(self, save: object) -> bool:
+        """Write a session store's ``save`` with this log's end (true), as the cluster's logs
+        do (:class:`~seedance.cluster.streams.ReplicatedLog`); a log in memory does not."""
+        return False
+
     def close(self, frame: DoneFrame | ErrorFrame | None, now: float) -> None:
         """The generation ended with ``frame``: every reader gets it and is detached (None:
         an abort that no reader is told of)."""

@@ -274,7 +274,7 @@ class Generation:
                     reply_tokens = self.completion_tokens + model.engine.message_overhead_tokens
                     turns = [*self.prompt.new_turns, Turn(reply, reply_tokens, model.name)]
                     session.commit(turns, reset=self.message.reset, max_tokens=model.context_length)
-                    await services.sessions.save(session)
+                    await services.sessions.save(session, with_end=self.log)
                 self.outcome, self.end = finish, self._done(finish)
             except asyncio.CancelledError:
                 if not self.cancel_requested:

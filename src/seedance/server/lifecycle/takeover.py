@@ -129,7 +129,7 @@ def _messages(
     assert services.cluster is not None
     turns = session.turns
     if services.cluster.sessions.version(session) != version:
-        # Its node saved the exchange (the new turns and the reply) before it died.
+        # Saved since the header was written: the exchange's turns and reply are the last.
         turns = turns[: max(0, len(turns) - new_turns - 1)]
     held = [turn.message for start, stop in spans for turn in turns[start : stop or None]]
     return (*messages[:at], *held, *messages[at:])
