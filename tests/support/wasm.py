@@ -39,8 +39,8 @@ def _probe(workdir: Path) -> str | None:
     )
     if result.returncode != 0:
         return (
-            "clang cannot build for wasm32-wasi (Debian package wasi-libc; .ci/run installs it): "
-            + result.stderr.strip()
+            "clang cannot build for wasm32-wasi (Debian packages wasi-libc and "
+            "libclang-rt-dev-wasm32; .ci/run installs them): " + result.stderr.strip()
         )
     return None
 
