@@ -394,7 +394,9 @@ class Generation:
                 "api": requester.api,
                 "operation": self.operation,
                 "qos": None if qos is None else QoS(qos.service_class, qos.slatag).header(),
-                "request": msgspec.to_builtins(self.message),
+                "request": {  # what was left out comes back as the default (None)
+                    k: v for k, v in msgspec.to_builtins(self.message).items() if v is not None
+                },
                 **self._prompt_header(),
                 "prompt_tokens": prompt.tokens,
                 "raw": prompt.raw,
@@ -408,9 +410,10 @@ class Generation:
         )
 
     def _prompt_header(self) -> dict[str, Any]:
-        """The prompt as a takeover rebuilds it: its messages, but those a session's saved
-        turns hold named by where they are (a long conversation's takeover header stays as
-        small as its first exchange's)."""
+        """The prompt as a takeover rebuilds it: its messages; or, continuing a session, those
+        before its history (a description of tools, instructions), and where the session's
+        saved turns it holds lie (a long conversation's takeover header stays as small as its
+        first exchange's), the request's own turns following them."""
         prompt, session = self.prompt, self.requester.session
         messages = prompt.messages
         cluster = self.services.cluster
@@ -423,10 +426,9 @@ class Generation:
         ):
             return {"messages": [[m.role, m.content] for m in messages]}
         at, spans = prompt.history
-        after = at + sum(stop - start for start, stop in spans)
         return {
-            "messages": [[m.role, m.content] for m in (*messages[:at], *messages[after:])],
-            "history": [at, spans, cluster.sessions.version(session)],
+            "messages": [[m.role, m.content] for m in messages[:at]],
+            "history": [spans, cluster.sessions.version(session)],
         }
 
     async def _stream(self) -> FinishReason:

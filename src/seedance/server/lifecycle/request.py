@@ -61,9 +61,10 @@ class Prompt:
     raw: bool = False
     #: Sampling fields the client left out where its API lets the server choose.
     unset: frozenset[str] = frozenset()
-    #: A session's prompt: the index in ``messages`` where its history begins, and the spans
-    #: of the session's turns it holds, ``(start, stop)`` counted from the end of the turns
-    #: (negative; 0 for the end). A takeover rebuilds the prompt from them.
+    #: A session's prompt: the index in ``messages`` where its history begins (the request's
+    #: own turns follow it), and the spans of the session's turns it holds, ``(start, stop)``
+    #: counted from the end of the turns (negative; 0 for the end). A takeover rebuilds the
+    #: prompt from them.
     history: tuple[int, tuple[tuple[int, int], ...]] | None = None
 
 

@@ -70,7 +70,7 @@ async def take_over(services: Services, log: ReplicatedLog, header: dict[str, An
             else []
         )
         prompt = Prompt(
-            _messages(services, header, session, len(new_turns)),
+            _messages(services, header, session, new_turns),
             header["prompt_tokens"],
             new_turns,
             raw=header["raw"],
@@ -117,22 +117,23 @@ async def take_over(services: Services, log: ReplicatedLog, header: dict[str, An
 
 
 def _messages(
-    services: Services, header: dict[str, Any], session: Session | None, new_turns: int
+    services: Services, header: dict[str, Any], session: Session | None, new_turns: list[Turn]
 ) -> tuple[ChatMessage, ...]:
-    """The prompt's messages: the header's, and where it names them, the session's saved turns
-    it held (:meth:`~seedance.server.lifecycle.generation.Generation.header`)."""
+    """The prompt's messages: the header's; or where it names them, the header's, then the
+    session's saved turns it held, then the request's own (``new_turns``)
+    (:meth:`~seedance.server.lifecycle.generation.Generation.header`)."""
     messages = [ChatMessage(role, content) for role, content in header["messages"]]
     history = header.get("history")
     if history is None or session is None:
         return tuple(messages)
-    at, spans, version = history
+    spans, version = history
     assert services.cluster is not None
     turns = session.turns
     if services.cluster.sessions.version(session) != version:
         # Saved since the header was written: the exchange's turns and reply are the last.
-        turns = turns[: max(0, len(turns) - new_turns - 1)]
+        turns = turns[: max(0, len(turns) - len(new_turns) - 1)]
     held = [turn.message for start, stop in spans for turn in turns[start : stop or None]]
-    return (*messages[:at], *held, *messages[at:])
+    return (*messages, *held, *(turn.message for turn in new_turns))
 
 
 async def _let_go(services: Services, generation: Generation, session: Session) -> None:
