@@ -136,12 +136,13 @@ class ClusterLink:
         self.spawn(self._watch(), "cluster-health")
         self.spawn(self.batch.run(), "cluster-batch")
 
-    def spawn(self, work: Awaitable[None], name: str) -> None:
+    def spawn(self, work: Awaitable[None], name: str) -> asyncio.Task[None]:
         """Run ``work`` until the link closes (a background task of the cluster mode)."""
         self._tasks = [t for t in self._tasks if not t.done()]
         task = asyncio.ensure_future(work)
         task.set_name(name)
         self._tasks.append(task)
+        return task
 
     def listen(
         self,

@@ -9,6 +9,7 @@ hold it (4401). A node that lost its subscription reads the set again when it is
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Iterable
 from typing import Final
@@ -20,6 +21,8 @@ from seedance.cluster.link import PREFIX, RESUBSCRIBE_S, ClusterLink
 logger = logging.getLogger(__name__)
 
 CHANNEL: Final = PREFIX + "revoked"
+#: The longest a node holds its own closes for a revocation while Redis is told.
+ANNOUNCED_S: Final = 0.5
 
 
 class Revocations:
@@ -45,13 +48,24 @@ class Revocations:
         known = await self.link.redis.smembers(CHANNEL)
         self._received({k.decode() if isinstance(k, bytes) else k for k in known})
 
-    def announce(self, key_ids: Iterable[str]) -> None:
+    def announce(self, key_ids: Iterable[str], then: Callable[[], None]) -> None:
         """Tell every node (in the background; a failure is logged, and retried once Redis
-        answers again)."""
+        answers again), and call ``then`` once Redis took it (at most ANNOUNCED_S later): what
+        this node closes for the revocation closes after the other nodes were told, so a
+        client that reconnects at once meets the refusal on any of them."""
         fresh = set(key_ids) - self._sent
-        if fresh:
-            self._sent |= fresh
-            self.link.spawn(self._announce(fresh), "cluster-revoke")
+        if not fresh:
+            then()
+            return
+        self._sent |= fresh
+        told = self.link.spawn(self._announce(fresh), "cluster-revoke")
+        self.link.spawn(self._then(told, then), "cluster-revoked")
+
+    @staticmethod
+    async def _then(told: asyncio.Task[None], then: Callable[[], None]) -> None:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(told), ANNOUNCED_S)
+        then()
 
     async def _announce(self, key_ids: set[str]) -> None:
         while True:

@@ -38,9 +38,10 @@ class Revocations:
     def revoked(self, key_ids: set[str]) -> None:
         """Keys that no longer pass (revoked here, or gone from the file)."""
         self.audit.submit(lambda: audit.KeysRevoked(keys=sorted(key_ids)))
-        if self.cluster is not None:
-            self.cluster.announce(key_ids)
-        self._shut_out_keys(key_ids)
+        if self.cluster is not None:  # the other nodes (and workers) first
+            self.cluster.announce(key_ids, then=lambda: self._shut_out_keys(key_ids))
+        else:
+            self._shut_out_keys(key_ids)
 
     def revoked_elsewhere(self, key_ids: set[str]) -> None:
         """Another node revoked these keys: refused here too."""
