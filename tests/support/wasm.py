@@ -38,9 +38,11 @@ def _probe(workdir: Path) -> str | None:
         text=True,
     )
     if result.returncode != 0:
+        # The linker's want of compiler-rt's builtins, else of wasi-libc.
+        package = "libclang-rt-dev-wasm32" if "libclang_rt" in result.stderr else "wasi-libc"
         return (
-            "clang cannot build for wasm32-wasi (Debian packages wasi-libc and "
-            "libclang-rt-dev-wasm32; .ci/run installs them): " + result.stderr.strip()
+            f"clang cannot build for wasm32-wasi (Debian package {package}; .ci/run installs "
+            "it): " + result.stderr.strip()
         )
     return None
 
