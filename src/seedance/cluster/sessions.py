@@ -121,11 +121,8 @@ if kept ~= '0' then redis.call('LTRIM', turns, -tonumber(kept), -1) end
 redis.call('PEXPIRE', hash, ttl)
 redis.call('PEXPIRE', turns, ttl)
 """
-#: The arguments of a save before the turns added (TTL, cleared, kept, how many added).
-SAVE_ARGS: Final = 4
-
-# KEYS: the session's hash, its turns. ARGV: when it was created ('': saved before), then the
-# save's SAVE_ARGS and the turns added. Counts the version up (0 when created); returns it.
+# KEYS: the session's hash, its turns. ARGV: when it was created ('': saved before), then a
+# save's arguments (SessionSave.args). Counts the version up (0 when created); returns it.
 _SAVE = (
     "local hash, turns = KEYS[1], KEYS[2]\n"
     "local ttl, cleared, kept = ARGV[2], ARGV[3], ARGV[4]\n"
@@ -148,7 +145,8 @@ class SessionSave:
 
     #: The session's hash and turns.
     keys: list[str]
-    #: SAVE_ARGS, then the turns added.
+    #: TTL (ms), cleared ('1' or '0'), how many turns the context keeps, how many it added,
+    #: then the turns added.
     args: list[Any]
     #: Queues what goes in the same exchange (the tenant's history bytes).
     queue_after: Callable[[Pipeline], None]
@@ -219,7 +217,7 @@ class RedisSessionStore:
             session = Session(key, time.monotonic())
             self._held[key] = session
         if created:
-            await self._write(session, created=True)
+            await self._write(session, *self._save_args(session), created=True)
         else:
             self._load(session, turns, int(version))
         session.attached += 1
@@ -254,13 +252,13 @@ class RedisSessionStore:
 
     async def save(self, session: Session, *, with_end: StreamLog | None = None) -> None:
         session.last_active = time.monotonic()
+        keys, args = self._save_args(session)
         if with_end is not None:
-            keys, args = self._save_args(session)
             queue_renew = functools.partial(self._queue_renew, session)
             save = SessionSave(keys, args, queue_renew, functools.partial(self._saved, session))
             if with_end.saves_with_end(save):
                 return
-        await self._write(session, created=False)
+        await self._write(session, keys, args, created=False)
 
     def hash_key(self, session: Session) -> str:
         """The session's hash (whose ``version`` a generation's claim reads)."""
@@ -327,7 +325,7 @@ class RedisSessionStore:
         return [tenant_key(tenant, "sessions"), tenant_key(tenant, "history")]
 
     def _save_args(self, session: Session) -> tuple[list[str], list[Any]]:
-        """A save's keys and arguments (SAVE_ARGS, then the turns added)."""
+        """A save's keys and arguments (:attr:`SessionSave.args`)."""
         keys = [self._key(session.key), self._turns_key(session.key)]
         added: list[bytes] = [_turn.encode(turn) for turn in session.unsaved_turns()]
         if self.at_rest is not None:
@@ -344,8 +342,11 @@ class RedisSessionStore:
         session.saved()
         self._versions[session.key] = version
 
-    async def _write(self, session: Session, *, created: bool) -> None:
-        keys, args = self._save_args(session)
+    async def _write(
+        self, session: Session, keys: list[str], args: list[Any], *, created: bool
+    ) -> None:
+        """Save ``session`` (``keys`` and ``args``: :meth:`_save_args`) in an exchange of its
+        own."""
 
         def queue(pipe: Pipeline) -> None:
             self._save.queue(pipe, keys, [time.time() if created else "", *args])

@@ -124,8 +124,8 @@ _APPEND = (
 
 # The end of a generation that continued a session, and the session's save (atomic: the next
 # generation, on any node, finds the lock gone only with the turns saved). KEYS: _APPEND's,
-# the session's hash and turns. ARGV: _APPEND's six, then the save's (SAVE_ARGS: TTL,
-# cleared, turns kept, turns added) and the turns added, then the entries (the end last).
+# the session's hash and turns. ARGV: _APPEND's six, then the save's (SessionSave.args: TTL,
+# cleared, turns kept, how many added, the turns added), then the entries (the end last).
 # Saved only when the end entry is new (an exchange sent again after a lost reply saves
 # once). {1, the session's version}.
 _APPEND_SAVING = (
