@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -20,6 +21,8 @@ from typing import Any
 
 import httpx
 import pytest
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from websockets.exceptions import ConnectionClosed
 
 from seedance.client import Reconnect, connect
@@ -820,11 +823,19 @@ def seedance_cluster(*args: str) -> tuple[subprocess.Popen[str], list[str]]:
 
 
 @pytest.mark.subprocess
-async def test_seedance_cluster_starts_redis_nodes_and_haproxy_and_stops_them() -> None:
+@pytest.mark.parametrize("sentinels", [False, True], ids=["redis-server", "sentinels"])
+async def test_seedance_cluster_starts_redis_nodes_and_haproxy_and_stops_them(
+    sentinels: bool,
+) -> None:
+    """With ``--sentinels``, the session also outlives its Redis primary's shutdown: the
+    sentinels promote the replica and the nodes follow."""
     tool("redis-server", "redis-server")
     tool("haproxy", "haproxy")
+    if sentinels:
+        tool("redis-sentinel", "redis-sentinel")
     port = free_port()
-    proc, lines = seedance_cluster("--nodes", "2", "--port", str(port), "--", "--lease", "1")
+    ha = ("--sentinels",) if sentinels else ()
+    proc, lines = seedance_cluster("--nodes", "2", "--port", str(port), *ha, "--", "--lease", "1")
     try:
         await eventually(lambda: any("seedance cluster:" in line for line in lines), 60, "the URL")
         url = f"ws://127.0.0.1:{port}"
@@ -832,8 +843,19 @@ async def test_seedance_cluster_starts_redis_nodes_and_haproxy_and_stops_them() 
         assert f"{url}/v2/infer" in banner and "2 node(s)" in banner, banner
         async with connect(url, session_id="tried") as session:
             assert (await session.complete("hello", max_tokens=5)).finish_reason == "length"
+        if sentinels:
+            match = re.search(r"sentinel://127\.0\.0\.1:(\d+)", banner)
+            assert match is not None, banner
+            asked = aioredis.Redis(port=int(match.group(1)))
+            await acquainted(asked)
+            _, primary = await asked.sentinel_get_master_addr_by_name("seedance")
+            with contextlib.suppress(RedisConnectionError, OSError):
+                await aioredis.Redis(port=int(primary)).shutdown(nosave=True)
+            await asked.aclose()
         async with connect(url, session_id="tried") as session:
-            assert session.info.context_turns == 2  # the session is the cluster's
+            # The session is the cluster's (the nodes' output says why when it is not).
+            assert session.info.context_turns == 2, "".join(lines)
+            assert (await session.complete("again", max_tokens=5)).finish_reason == "length"
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0
     finally:
@@ -841,6 +863,19 @@ async def test_seedance_cluster_starts_redis_nodes_and_haproxy_and_stops_them() 
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), 0.5).close()
     assert sum("on Redis at" in line and "cluster: node" in line for line in lines) == 2
+    if sentinels:
+        assert sum("answers again (another server: a failover)" in line for line in lines) == 2
+
+
+async def acquainted(sentinel: aioredis.Redis, timeout_s: float = 30) -> None:
+    """Return once a sentinel knows the other two and the replica (a failover needs them)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = await sentinel.sentinel_master("seedance")
+        if state["num-other-sentinels"] >= 2 and state["num-slaves"] >= 1:
+            return
+        assert time.monotonic() < deadline, state
+        await asyncio.sleep(0.1)
 
 
 async def test_an_sse_reply_resumes_on_another_node(

@@ -133,6 +133,12 @@ def _parser() -> argparse.ArgumentParser:
     cluster.add_argument(
         "--port", type=int, default=8000, help="HAProxy's port on 127.0.0.1 (default 8000)"
     )
+    cluster.add_argument(
+        "--sentinels",
+        action="store_true",
+        help="a Redis primary, a replica and three redis-sentinel processes instead of one "
+        "redis-server: the nodes ride through the primary's loss (Debian package redis-sentinel)",
+    )
     cluster.add_argument("serve_args", nargs=argparse.REMAINDER, metavar="-- SERVE FLAGS")
 
     commands.add_parser("engines", help="list installed engines")
@@ -224,7 +230,7 @@ def _cluster(args: argparse.Namespace) -> int:
 
     serve_args = [a for a in args.serve_args if a != "--"]
     try:
-        return run(args.nodes, args.port, serve_args)
+        return run(args.nodes, args.port, serve_args, sentinels=args.sentinels)
     except ClusterError as exc:
         print(f"seedance cluster: error: {exc}", file=sys.stderr)
         return 2

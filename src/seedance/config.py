@@ -21,6 +21,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from seedance.cluster.urls import valid as is_redis_url
 from seedance.settings import (
     ConfigError,
     Option,
@@ -44,9 +45,6 @@ from seedance.settings import (
 )
 from seedance.settings import (
     labels as label_pairs,
-)
-from seedance.settings import (
-    redis_url as is_redis_url,
 )
 
 if TYPE_CHECKING:
@@ -411,10 +409,12 @@ class ClusterConfig:
         "--redis",
         strip,
         "cluster mode: keep sessions, quotas, session locks and key revocations in this Redis "
-        "(redis://[:password@]host:port/db, rediss:// for TLS, unix:///path.sock) so that several"
-        " nodes serve one cluster; [cluster] redis in TOML (default: none, memory)",
+        "(redis://[:password@]host:port/db, rediss:// for TLS, unix:///path.sock, or "
+        "sentinel://[:password@]host:port[,host:port...]/service[/db]: the primary that Redis "
+        "Sentinels name, followed through a failover) so that several nodes serve one cluster; "
+        "[cluster] redis in TOML (default: none, memory)",
         is_redis_url,
-        "a redis://, rediss:// or unix:// URL",
+        "a redis://, rediss:// or unix:// URL, or sentinel://host:port[,host:port...]/service",
     )
     node_id: str | None = setting(
         None,
@@ -441,6 +441,16 @@ class ClusterConfig:
         "concurrency slot) outlives the node; renewed every third of it",
         at_least(0.5),
         "0.5 or more",
+    )
+    wait_replicas: int | None = setting(
+        None,
+        "--redis-wait-replicas",
+        int,
+        "cluster mode: Redis replicas that must hold a node's writes (claims and their fencing "
+        "counter, stream log entries, session saves) before the node acts on them: one WAIT per "
+        "exchange, 250 ms at most; default 1 with a sentinel:// URL, else 0",
+        non_negative,
+        "0 or more",
     )
     encrypt_at_rest: bool = setting(
         False,

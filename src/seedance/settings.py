@@ -195,9 +195,5 @@ def one_of(values: Collection[str]) -> Callable[[str], bool]:
     return lambda v: v in values
 
 
-def redis_url(v: str) -> bool:
-    return v.startswith(("redis://", "rediss://", "unix://"))
-
-
 def node_name(v: str) -> bool:
     return 0 < len(v) <= 64 and v.isprintable() and " " not in v

@@ -1,15 +1,20 @@
 """A real ``redis-server`` for the cluster tests: started on a free port in the test's own
-directory, stopped (or killed, or restarted with its data) by the test."""
+directory, stopped (or killed, or restarted with its data) by the test; and a primary, a
+replica and three ``redis-sentinel`` processes watching them (:class:`Sentinels`)."""
 
 from __future__ import annotations
 
 import contextlib
+import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from seedance.cluster.local import redis_command
+import redis
+
+from seedance.cluster.local import SERVICE, redis_command, sentinel_command, sentinel_url
 from seedance.netutil import free_port
 from tests.support.tools import tool
 
@@ -18,16 +23,21 @@ class RedisServer:
     """``redis-server`` on 127.0.0.1; ``aof``: append-only file with ``appendfsync always``
     (what survives a restart), else no persistence at all."""
 
-    def __init__(self, directory: Path, *, aof: bool = False) -> None:
+    def __init__(
+        self, directory: Path, *, aof: bool = False, replica_of: int | None = None
+    ) -> None:
         tool("redis-server", "redis-server")  # skips the test when it is missing
+        directory.mkdir(parents=True, exist_ok=True)
         self.directory = directory
         self.aof = aof
+        self.replica_of = replica_of
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.proc: subprocess.Popen[str] | None = None
 
     def start(self) -> RedisServer:
-        args = redis_command(self.port, str(self.directory), "always" if self.aof else None)
+        appendfsync = "always" if self.aof else None
+        args = redis_command(self.port, str(self.directory), appendfsync, self.replica_of)
         self.proc = subprocess.Popen(
             args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
@@ -58,3 +68,93 @@ class RedisServer:
         """Stop (as Redis shuts down on SIGTERM) and start again on the same port."""
         self.stop()
         self.start()
+
+
+def wait_for(check: Callable[[], bool], what: str, timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not happen within {timeout_s:g} s")
+        time.sleep(0.05)
+
+
+class Sentinels:
+    """A primary and a replica watched by three sentinels (quorum 2, a primary called down
+    after a second without an answer): the ``--redis`` URL a node is given, and the failover
+    a test brings about by killing, freezing or stopping the primary."""
+
+    def __init__(self, directory: Path) -> None:
+        tool("redis-sentinel", "redis-sentinel")
+        self.directory = directory
+        self.servers: list[RedisServer] = []
+        self.sentinels: list[subprocess.Popen[str]] = []
+        self.ports = [free_port() for _ in range(3)]
+        self.url = sentinel_url(self.ports)
+
+    def start(self) -> Sentinels:
+        primary = RedisServer(self.directory / "primary").start()
+        self.servers = [primary, RedisServer(self.directory / "replica", replica_of=primary.port)]
+        self.servers[1].start()
+        wait_for(lambda: self.replicas(primary) == 1, "the replica's link to the primary")
+        for i, port in enumerate(self.ports):
+            args = sentinel_command(port, self.directory / f"sentinel{i}", primary.port)
+            self.sentinels.append(
+                subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+            )
+        wait_for(self._ready, "three sentinels that know each other and the replica")
+        return self
+
+    def _ready(self) -> bool:
+        with contextlib.suppress(redis.RedisError):
+            for port in self.ports:
+                state = self._ask(port).sentinel_master(SERVICE)
+                if state["num-other-sentinels"] < 2 or state["num-slaves"] < 1:
+                    return False
+            return True
+        return False
+
+    @staticmethod
+    def _ask(port: int) -> redis.Redis:
+        return redis.Redis(port=port, socket_timeout=1, decode_responses=True)
+
+    @staticmethod
+    def replicas(server: RedisServer) -> int:
+        with contextlib.suppress(redis.RedisError):
+            info = redis.Redis(port=server.port, socket_timeout=1).info("replication")
+            return sum(
+                1
+                for key, value in info.items()
+                if key.startswith("slave") and isinstance(value, dict)
+                if value.get("state") == "online"
+            )
+        return 0
+
+    def primary(self) -> RedisServer:
+        """The server the sentinels name as the primary now."""
+        for port in self.ports:
+            with contextlib.suppress(redis.RedisError):
+                _, primary_port = self._ask(port).sentinel_get_master_addr_by_name(SERVICE)
+                return next(s for s in self.servers if s.port == int(primary_port))
+        raise RuntimeError("no sentinel answers")
+
+    def wait_failover(self, old: RedisServer, timeout_s: float = 30) -> RedisServer:
+        """The new primary, once the sentinels promoted it (and it says so itself)."""
+
+        def promoted() -> bool:
+            with contextlib.suppress(RuntimeError, redis.RedisError):
+                new = self.primary()
+                role = redis.Redis(port=new.port, socket_timeout=1).info("replication")["role"]
+                return new is not old and role == "master"
+            return False
+
+        wait_for(promoted, "the sentinels' failover", timeout_s)
+        return self.primary()
+
+    def stop(self) -> None:
+        for proc in self.sentinels:
+            proc.kill()
+            proc.wait(10)
+        for server in self.servers:
+            if server.proc is not None and server.proc.poll() is None:
+                server.proc.send_signal(signal.SIGCONT)  # a frozen one too
+            server.stop(kill=True)

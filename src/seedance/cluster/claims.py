@@ -42,22 +42,34 @@ FENCE_TTL_MS: Final = 7 * 24 * 3600 * 1000
 
 # KEYS: lock, fence, and the session's hash (optional). ARGV: node and request, lease (ms),
 # the fence's TTL (ms). Returns {fence, "", version} when claimed (version: the session's
-# stored version, false without a hash), {0, holder} when another claim holds the lock.
+# stored version, false without a hash), {0, holder} when another claim holds the lock. A
+# claim sent again (its reply lost in a failover) finds its own lock: claimed, not busy.
 _LOCK = """
 local held = redis.call('GET', KEYS[1])
-if held then return {0, held} end
-local fence = redis.call('INCR', KEYS[2])
-redis.call('PEXPIRE', KEYS[2], ARGV[3])
-redis.call('SET', KEYS[1], ARGV[1] .. ' ' .. fence, 'PX', ARGV[2])
+local fence
+if held then
+  if string.sub(held, 1, #ARGV[1] + 1) ~= ARGV[1] .. ' ' then return {0, held} end
+  fence = tonumber(string.sub(held, #ARGV[1] + 2))
+else
+  fence = redis.call('INCR', KEYS[2])
+  redis.call('PEXPIRE', KEYS[2], ARGV[3])
+  redis.call('SET', KEYS[1], ARGV[1] .. ' ' .. fence, 'PX', ARGV[2])
+end
 local version = false
 if KEYS[3] then version = redis.call('HGET', KEYS[3], 'version') end
 return {fence, '', version}
 """
 
-# KEYS: lock. ARGV: the value the claim set, lease (ms); 0 when the claim was lost.
-_RENEW_LOCK = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+# Renews a claim's lock; takes it again when Redis lost it (a failover longer than the lease,
+# or to a replica that lacked it) and no claim came since: the fencing counter still says
+# this claim's token. KEYS: lock, fence. ARGV: the value the claim set, lease (ms). 0 when
+# the claim is lost.
+_HOLD = """
+local held = redis.call('GET', KEYS[1])
+if held == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+if held or redis.call('GET', KEYS[2]) ~= string.match(ARGV[1], '(%d+)$') then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
 """
 
 # KEYS: lock. ARGV: the value the claim set.
@@ -75,6 +87,8 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local window = 60000
 local id, rpm, tpm, gens = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local need, lease = tonumber(ARGV[5]), tonumber(ARGV[6])
+local made = redis.call('ZSCORE', KEYS[1], id)
+if made then return {'ok', tonumber(made)} end  -- sent again: reserved once
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
 if gens >= 0 and redis.call('ZCARD', KEYS[3]) >= gens then return {'generations', 1000} end
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - window)
@@ -160,7 +174,7 @@ class Claims:
         self.lease_ms = max(1, int(link.lease_s * 1000))
         self.running: dict[str, Claim] = {}
         self._lock = script(link, _LOCK)
-        self._renew_lock = script(link, _RENEW_LOCK)
+        self._hold = script(link, _HOLD)
         self._unlock = script(link, _UNLOCK)
         self._reserve = script(link, _RESERVE)
         self._settle = script(link, _SETTLE)
@@ -182,7 +196,7 @@ class Claims:
         (``session_busy``, ``quota_exceeded``; ``overloaded`` when Redis does not answer).
         ``peek``: a session's hash, whose ``version`` is read in the same exchange."""
         link = self.link
-        link.check()
+        await link.ready()
         claim = Claim(request_id, tenant)
         claim.limited = any(
             v is not None
@@ -224,7 +238,7 @@ class Claims:
             if claim.limited:
                 self._reserve.queue(pipe, self._quota_keys(tenant), limits)
 
-        replies = await link.exchange(queue)
+        replies = await link.exchange(queue, idempotent=True)
         refusal: Exception | None = None
         if keys:
             fence, held_by, *version = replies.pop(0)
@@ -273,7 +287,7 @@ class Claims:
                 self._settle.queue(pipe, [keys[1], keys[2]], settled)
 
         try:
-            await self.link.exchange(queue)
+            await self.link.exchange(queue, idempotent=True)
         except Exception as exc:
             logger.warning(
                 "request %s: its claim could not be given back (%s); it expires in %.1f s",
@@ -300,7 +314,7 @@ class Claims:
         def queue(pipe: Pipeline) -> None:
             for c in locked:
                 assert c.lock is not None
-                self._renew_lock.queue(pipe, [c.lock[0]], [c.lock[1], self.lease_ms])
+                self._hold.queue(pipe, [*_lock_keys(c.lock[0])], [c.lock[1], self.lease_ms])
             for tenant, ids in by_tenant.items():
                 slots = [tenant_key(tenant, "generations")]
                 self._renew_slots.queue(pipe, slots, [self.lease_ms, *ids])
@@ -323,6 +337,20 @@ class Claims:
                 await self.renew()
             except Exception as exc:  # Redis down: the link says so; try again next period
                 logger.debug("leases not renewed: %s", exc)
+
+    async def hold(self, lock: tuple[str, str]) -> bool:
+        """Whether the claim that set ``lock`` (its key and value) holds it, taken again if
+        Redis lost it and no other claim came since (:data:`_HOLD`)."""
+        (held,) = await self.link.exchange(
+            lambda pipe: self._hold.queue(pipe, [*_lock_keys(lock[0])], [lock[1], self.lease_ms]),
+            idempotent=True,
+        )
+        return bool(held)
+
+
+def _lock_keys(lock: str) -> tuple[str, str]:
+    """A session's lock key, and its fencing counter's."""
+    return lock, lock.removesuffix("lock") + "fence"
 
 
 def _quota_refusal(tenant: str, what: str, wait_ms: int, quotas: Quotas) -> QuotaExceeded:

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import secrets
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Final, Protocol
 from urllib.parse import urlsplit
@@ -21,9 +22,11 @@ from urllib.parse import urlsplit
 import hiredis
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import NoScriptError, ReadOnlyError, RedisError
 
+from seedance.cluster.urls import SentinelUrl, is_sentinel
 from seedance.config import ServerConfig
 from seedance.eventloop import timeout
 from seedance.protocol.errors import Overloaded
@@ -45,6 +48,12 @@ MAX_BLOCKING_CONNECTIONS: Final = 256
 PREFIX: Final = "sd:"
 #: How long a listener waits before it subscribes again after Redis went away.
 RESUBSCRIBE_S: Final = 0.5
+#: How long new requests wait for a sentinel's failover (being called down, the sentinels'
+#: vote, the promotion: 3 to 5 s with a ``down-after-milliseconds`` of 1 s) before they are
+#: refused.
+RIDE_THROUGH_S: Final = 10.0
+#: How long an exchange waits for ``--redis-wait-replicas`` replicas to hold its writes.
+WAIT_REPLICAS_MS: Final = 250
 
 
 def session_key(tenant: str, session_id: str, what: str) -> str:
@@ -72,6 +81,60 @@ def redacted(url: str) -> str:
     return parts._replace(netloc=f"{user}{host}{port}").geturl()
 
 
+def _client(
+    url: str,
+    *,
+    max_connections: int | None = None,
+    timeout: float | None = None,
+    packing: type | None = None,
+    **options: Any,
+) -> aioredis.Redis:
+    """A client of the Redis ``url`` names (for a ``sentinel://`` URL: of the primary its
+    sentinels name, asked again at each new connection). ``max_connections``: a pool that
+    waits ``timeout`` for a free one; ``packing``: a mixin of the connections."""
+    pool: aioredis.ConnectionPool
+    if is_sentinel(url):
+        target = SentinelUrl.parse(url)
+        sentinels = Sentinel(  # type: ignore[no-untyped-call]
+            list(target.sentinels),
+            sentinel_kwargs={
+                "password": target.sentinel_password or target.password,
+                "socket_timeout": TIMEOUT_S,
+                "socket_connect_timeout": TIMEOUT_S,
+            },
+        )
+        kwargs: dict[str, Any] = {
+            "db": target.db,
+            "username": target.username,
+            "password": target.password,
+            **options,
+        }
+        if max_connections is not None:
+            kwargs |= {"max_connections": max_connections, "timeout": timeout}
+        pool_class: Any = (
+            SentinelConnectionPool if max_connections is None else _BlockingSentinelPool
+        )
+        connection: type = SentinelManagedConnection
+        if packing is not None:
+            connection = type("Hiredis" + connection.__name__, (packing, connection), {})
+        pool = pool_class(target.service, sentinels, connection_class=connection, **kwargs)
+    elif max_connections is not None:
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=timeout, **options
+        )
+    else:
+        pool = aioredis.ConnectionPool.from_url(url, **options)
+        if packing is not None:
+            pool.connection_class = type(
+                "Hiredis" + pool.connection_class.__name__, (packing, pool.connection_class), {}
+            )
+    return aioredis.Redis(connection_pool=pool)
+
+
+class _BlockingSentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionPool):
+    """The primary's connections, a bounded pool that waits for a free one."""
+
+
 class ClusterLink:
     """The Redis client of this node, and whether Redis answers.
 
@@ -85,37 +148,43 @@ class ClusterLink:
         self.url = redacted(config.cluster.redis_url)
         self.node_id = config.cluster.node_id or default_node_id(config)
         self.lease_s = config.cluster.lease_s
+        url = config.cluster.redis_url
+        self.sentinel = is_sentinel(url)
+        wait = config.cluster.wait_replicas
+        #: Replicas every exchange's writes wait for (WAIT), when that many are connected.
+        self.wait_replicas = (1 if self.sentinel else 0) if wait is None else wait
+        #: How long a new request waits for Redis to answer again before it is refused: a
+        #: sentinel's failover (a plain Redis gone: refused at once).
+        self.ride_s = RIDE_THROUGH_S if self.sentinel else 0.0
         # A bounded pool that waits for a free connection (the default one refuses).
-        pool = aioredis.BlockingConnectionPool.from_url(
-            config.cluster.redis_url,
+        self.redis: aioredis.Redis = _client(
+            url,
             max_connections=MAX_CONNECTIONS,
             timeout=TIMEOUT_S,
             socket_timeout=TIMEOUT_S,
             socket_connect_timeout=TIMEOUT_S,
         )
-        self.redis: aioredis.Redis = aioredis.Redis(connection_pool=pool)
         # Reads that wait for new entries (XREAD BLOCK) hold a connection each, for up to
         # half a lease: a pool of their own, with a timeout past the wait.
-        blocking = aioredis.BlockingConnectionPool.from_url(
-            config.cluster.redis_url,
+        self.blocking: aioredis.Redis = _client(
+            url,
             max_connections=MAX_BLOCKING_CONNECTIONS,
             timeout=TIMEOUT_S,
             socket_timeout=config.cluster.lease_s + TIMEOUT_S,
             socket_connect_timeout=TIMEOUT_S,
         )
-        self.blocking: aioredis.Redis = aioredis.Redis(connection_pool=blocking)
         # The batch's connection: no timer per reply (one per exchange covers them all), and
         # commands packed by hiredis.
-        batched = aioredis.ConnectionPool.from_url(
-            config.cluster.redis_url, socket_timeout=None, socket_connect_timeout=TIMEOUT_S
+        self.batched: aioredis.Redis = _client(
+            url, socket_timeout=None, socket_connect_timeout=TIMEOUT_S, packing=HiredisPacking
         )
-        batched.connection_class = type(
-            "Hiredis" + batched.connection_class.__name__,
-            (HiredisPacking, batched.connection_class),
-            {},
-        )
-        self.batched: aioredis.Redis = aioredis.Redis(connection_pool=batched)
         self.error: str | None = "not connected yet"
+        self._down_since = time.monotonic()
+        self._up = asyncio.Event()
+        #: Replicas connected to the primary at the last ping; and whether the last exchange's
+        #: writes reached fewer than ``wait_replicas`` of them (logged once until they do).
+        self.replicas = 0
+        self.unreplicated = False
         self.scripts: list[Script] = []
         self.batch = Batch(self)
         self._run_id: str | None = None  # the Redis process the scripts were loaded into
@@ -189,9 +258,27 @@ class ClusterLink:
     # ------------------------------------------------------------------ health
 
     def check(self) -> None:
-        """Refuse a new request while Redis does not answer."""
-        if self.error is not None:
+        """Refuse a new request while Redis does not answer (with a sentinel:// URL: once it
+        has not answered for ``ride_s``, the longest a failover may take)."""
+        if self.error is not None and not self.riding():
             raise self.unreachable()
+
+    def riding(self) -> bool:
+        """Whether Redis went away less than ``ride_s`` ago, when it answered before: a
+        failover under way, which new requests wait out (:meth:`ready`)."""
+        if self.error is None or self._run_id is None:
+            return False
+        return time.monotonic() - self._down_since < self.ride_s
+
+    async def ready(self) -> None:
+        """Return once Redis answers; ``overloaded`` when it does not within what is left of
+        ``ride_s`` (at once without a sentinel)."""
+        while self.error is not None:
+            left = self.ride_s - (time.monotonic() - self._down_since)
+            if self._run_id is None or left <= 0:
+                raise self.unreachable()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._up.wait(), left)
 
     def unreachable(self) -> Overloaded:
         return Overloaded(
@@ -201,34 +288,62 @@ class ClusterLink:
         )
 
     def health(self) -> tuple[bool, str]:
-        if self.error is None:
+        """Healthy while Redis answers, or while its failover is under way (the node serves
+        what it is sent once the sentinels promoted a replica: no reason to send it nothing)."""
+        if self.error is None or self.riding():
             return True, ""
         return False, f"Redis at {self.url} does not answer: {self.error}"
 
-    async def exchange(self, queue: Callable[[Pipeline], object]) -> list[Any]:
+    async def exchange(
+        self, queue: Callable[[Pipeline], object], *, idempotent: bool = False
+    ) -> list[Any]:
         """Send the commands ``queue`` adds to a pipeline with the node's next batch; their
         replies. A failure marks Redis down and raises ``overloaded``; so does an error reply.
-        (``queue`` may run twice, when the scripts had to be loaded again.)"""
-        for again in (False, True):
+        (``queue`` may run twice, when the scripts had to be loaded again.) ``idempotent``:
+        commands that may run twice, sent again when a failover (:meth:`riding`) cut the
+        exchange short."""
+        loaded = False
+        while True:
             waiter = _Waiter(queue)
             self.batch.add(waiter)
             replies = await waiter.future
             if isinstance(replies, BaseException):
+                if idempotent and self.riding():
+                    await self.ready()
+                    continue
                 raise self.unreachable() from replies
             error = next((r for r in replies if isinstance(r, Exception)), None)
             if error is None:
                 return replies
-            if isinstance(error, NoScriptError) and not again:
-                continue  # Redis restarted since the scripts were loaded: the batch loaded them
+            if isinstance(error, NoScriptError) and not loaded:
+                loaded = True  # Redis restarted since the scripts were loaded: the batch loaded
+                continue
+            if idempotent and isinstance(error, ReadOnlyError | RedisConnectionError):
+                self.failed(error)  # a primary turned replica: the next ping finds the new one
+                await self.ready()
+                continue
             self.failed(error)
             raise self.unreachable() from error
-        raise AssertionError("unreachable")
 
     def failed(self, exc: BaseException) -> None:
         """A Redis exchange failed: Redis counts as down until a ping answers."""
         error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         if self.error is None:
-            logger.error("cluster: Redis at %s failed (%s); refusing new requests", self.url, error)
+            self._down_since = time.monotonic()
+            self._up.clear()
+            self.replicas = 0  # until a ping counts the (maybe new) primary's
+            if self.ride_s:
+                logger.error(
+                    "cluster: Redis at %s failed (%s); new requests wait up to %.1f s for its "
+                    "sentinels' failover",
+                    self.url,
+                    error,
+                    self.ride_s,
+                )
+            else:
+                logger.error(
+                    "cluster: Redis at %s failed (%s); refusing new requests", self.url, error
+                )
         self.error = error
 
     async def load_scripts(self) -> None:
@@ -243,16 +358,51 @@ class ClusterLink:
 
     async def _ping(self) -> None:
         try:
-            run_id = (await self.redis.info("server"))["run_id"]
+            info = await self.redis.info("server", "replication")
+            if info.get("role") != "master":  # a sentinel's answer from before its failover
+                raise ReadOnlyError(f"Redis at {info.get('tcp_port')} is a replica now")
         except (RedisError, OSError) as exc:
             self.failed(exc)
             return
+        run_id = info["run_id"]
         if self.error is not None and self.error != "not connected yet":
-            logger.info("cluster: Redis at %s answers again", self.url)
+            changed = " (another server: a failover)" if run_id != self._run_id else ""
+            logger.info("cluster: Redis at %s answers again%s", self.url, changed)
         if run_id != self._run_id:  # a Redis we have not loaded the scripts into
             await self.load_scripts()
             self._run_id = run_id
+        self.replicas = int(info.get("connected_slaves", 0))
+        if self.replicas < self.wait_replicas and not self.unreplicated:
+            self.unreplicated = True
+            logger.warning(
+                "cluster: Redis at %s has %d replica(s) connected, fewer than the %d its "
+                "writes should wait for; a failover now could lose this node's latest writes",
+                self.url,
+                self.replicas,
+                self.wait_replicas,
+            )
         self.error = None
+        self._up.set()
+
+    def waits(self) -> int:
+        """The replicas the next exchange waits for (0: none)."""
+        return min(self.wait_replicas, self.replicas)
+
+    def replicated(self, acked: int, wanted: int) -> None:
+        """An exchange's writes reached ``acked`` of the ``wanted`` replicas."""
+        if acked >= self.wait_replicas:
+            if self.unreplicated:
+                logger.info("cluster: Redis replicas acknowledge writes again")
+            self.unreplicated = False
+        elif not self.unreplicated:
+            self.unreplicated = True
+            logger.warning(
+                "cluster: %d of %d Redis replica(s) acknowledged a write within %d ms; a "
+                "failover now could lose this node's latest writes",
+                acked,
+                wanted,
+                WAIT_REPLICAS_MS,
+            )
 
     async def _watch(self) -> None:
         while True:
@@ -364,10 +514,16 @@ class Batch:
             replies: list[Any] = []
             self._in_flight = [part for part, _, _ in spans]
             if len(pipe):
+                wanted = link.waits()
+                if wanted:  # its writes on that many replicas before anyone acts on them
+                    pipe.execute_command("WAIT", wanted, WAIT_REPLICAS_MS)
                 try:
                     # One timer for the whole exchange (a read it cuts short disconnects).
                     async with timeout(TIMEOUT_S):
                         replies = await pipe.execute(raise_on_error=False)
+                    if wanted:
+                        acked = replies.pop()
+                        link.replicated(acked if isinstance(acked, int) else 0, wanted)
                 except Exception as exc:
                     if isinstance(exc, (RedisError, OSError, asyncio.TimeoutError)):
                         link.failed(exc)

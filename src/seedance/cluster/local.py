@@ -1,6 +1,8 @@
-"""``seedance cluster``: a cluster on this machine for people trying it: ``redis-server``, N
-nodes and HAProxy (``deploy/haproxy/haproxy.cfg``), one URL to connect to; Ctrl-C stops them
-all. Each program is a child process; when one of them exits, the others are stopped too."""
+"""``seedance cluster``: a cluster on this machine for people trying it: ``redis-server`` (or,
+with ``--sentinels``, a primary, a replica and three ``redis-sentinel`` processes), N nodes and
+HAProxy (``deploy/haproxy/haproxy.cfg``), one URL to connect to; Ctrl-C stops them all. Each
+program is a child process; when a node, HAProxy or a lone Redis exits, the others are stopped
+too (a Redis watched by sentinels fails over instead)."""
 
 from __future__ import annotations
 
@@ -56,14 +58,46 @@ def wait_until(check: str, what: str, procs: Sequence[subprocess.Popen[bytes]]) 
     raise ClusterError(f"{what} did not start within {START_TIMEOUT_S:.0f} s")
 
 
-def redis_command(port: int, directory: str, appendfsync: str | None = None) -> list[str]:
+def redis_command(
+    port: int, directory: str, appendfsync: str | None = None, replica_of: int | None = None
+) -> list[str]:
     """``redis-server`` on 127.0.0.1:``port`` without snapshots; with ``appendfsync``
-    (``always``, ``everysec``) an append-only file fsynced so, else no persistence at all."""
+    (``always``, ``everysec``) an append-only file fsynced so, else no persistence at all;
+    ``replica_of``: a replica of the server on that port."""
     args = [program("redis-server", "redis-server"), "--port", str(port), "--bind", "127.0.0.1"]
     args += ["--dir", directory, "--save", ""]
+    if replica_of is not None:
+        args += ["--replicaof", "127.0.0.1", str(replica_of)]
     if appendfsync is None:
         return [*args, "--appendonly", "no"]
     return [*args, "--appendonly", "yes", "--appendfsync", appendfsync]
+
+
+#: The service name the sentinels of ``seedance cluster`` and the tests watch.
+SERVICE: Final = "seedance"
+#: Sentinels call a primary down after this long without an answer, then fail over.
+DOWN_AFTER_MS: Final = 1000
+
+
+def sentinel_command(port: int, directory: Path, primary: int) -> list[str]:
+    """``redis-sentinel`` on 127.0.0.1:``port`` watching the primary on port ``primary`` as
+    :data:`SERVICE` (a quorum of two: three sentinels survive one's loss); its configuration
+    file (which a sentinel rewrites as it learns) in ``directory``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    config = directory / "sentinel.conf"
+    config.write_text(
+        f"port {port}\nbind 127.0.0.1\ndir {directory}\n"
+        f"sentinel monitor {SERVICE} 127.0.0.1 {primary} 2\n"
+        f"sentinel down-after-milliseconds {SERVICE} {DOWN_AFTER_MS}\n"
+        f"sentinel failover-timeout {SERVICE} {DOWN_AFTER_MS * 5}\n"
+        f"sentinel parallel-syncs {SERVICE} 1\n"
+    )
+    return [program("redis-sentinel", "redis-sentinel"), str(config)]
+
+
+def sentinel_url(ports: Sequence[int]) -> str:
+    """The ``--redis`` URL of :data:`SERVICE` behind the sentinels on ``ports``."""
+    return f"sentinel://{','.join(f'127.0.0.1:{p}' for p in ports)}/{SERVICE}"
 
 
 def haproxy_env(listen: int, nodes: Sequence[int]) -> dict[str, str]:
@@ -75,8 +109,58 @@ def haproxy_env(listen: int, nodes: Sequence[int]) -> dict[str, str]:
     return {**os.environ, "SEEDANCE_LISTEN": f"127.0.0.1:{listen}", **env}
 
 
-def run(nodes: int, port: int, serve_args: Sequence[str]) -> int:
-    """Start Redis, ``nodes`` nodes and HAProxy; serve until Ctrl-C or a child exits."""
+def start_redis(
+    data: Path, children: list[subprocess.Popen[bytes]], sentinels: bool
+) -> tuple[str, list[subprocess.Popen[bytes]]]:
+    """``redis-server`` with an append-only file in ``data``; with ``sentinels`` a replica
+    and three sentinels too. The ``--redis`` URL, and the processes whose exit ends the
+    cluster (none with sentinels: they fail over)."""
+    port = free_port()
+    redis = [
+        subprocess.Popen(redis_command(port, str(data), "everysec"), stdout=subprocess.DEVNULL)
+    ]
+    children += redis
+    wait_until(f"127.0.0.1:{port}", "redis-server", children)
+    if not sentinels:
+        return f"redis://127.0.0.1:{port}/0", redis
+    program("redis-sentinel", "redis-sentinel")
+    replica = data / "replica"
+    replica.mkdir()
+    args = redis_command(free_port(), str(replica), "everysec", replica_of=port)
+    children.append(subprocess.Popen(args, stdout=subprocess.DEVNULL))
+    replicating(port, children)  # else the first writes have no replica to wait for
+    ports = [free_port() for _ in range(3)]
+    for i, sentinel_port in enumerate(ports):
+        args = sentinel_command(sentinel_port, data / f"sentinel{i}", port)
+        children.append(subprocess.Popen(args, stdout=subprocess.DEVNULL))
+    for sentinel_port in ports:
+        wait_until(f"127.0.0.1:{sentinel_port}", "redis-sentinel", children)
+    return sentinel_url(ports), []
+
+
+def replicating(port: int, procs: Sequence[subprocess.Popen[bytes]]) -> None:
+    """Wait until the primary on ``port`` has a replica in sync (``online``)."""
+    import redis
+
+    primary = redis.Redis(port=port, socket_timeout=1)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    try:
+        while time.monotonic() < deadline:
+            if any(p.poll() is not None for p in procs):
+                raise ClusterError("a redis-server exited while starting")
+            with contextlib.suppress(redis.RedisError):
+                replication = primary.info("replication")
+                if replication.get("slave0", {}).get("state") == "online":
+                    return
+            time.sleep(0.1)
+    finally:
+        primary.close()
+    raise ClusterError(f"the replica did not sync within {START_TIMEOUT_S:.0f} s")
+
+
+def run(nodes: int, port: int, serve_args: Sequence[str], sentinels: bool = False) -> int:
+    """Start Redis (``sentinels``: a primary, a replica and three sentinels), ``nodes``
+    nodes and HAProxy; serve until Ctrl-C or a node, HAProxy or a lone Redis exits."""
     if not 1 <= nodes <= MAX_NODES:
         raise ClusterError(f"--nodes must be between 1 and {MAX_NODES}")
     if not HAPROXY_CFG.is_file():
@@ -85,16 +169,14 @@ def run(nodes: int, port: int, serve_args: Sequence[str]) -> int:
     haproxy = program("haproxy", "haproxy")
     seedance = [str(Path(sys.executable).with_name("seedance"))]
     children: list[subprocess.Popen[bytes]] = []
+    stores = 0  # the first children: Redis (and its sentinels)
     stop = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.append(True))
     with tempfile.TemporaryDirectory(prefix="seedance-cluster-") as data:
         try:
-            redis_port = free_port()
-            redis_url = f"redis://127.0.0.1:{redis_port}/0"
-            redis = redis_command(redis_port, data, "everysec")
-            children.append(subprocess.Popen(redis, stdout=subprocess.DEVNULL))
-            wait_until(f"127.0.0.1:{redis_port}", "redis-server", children)
+            redis_url, vital = start_redis(Path(data), children, sentinels)
+            stores = len(children)
             ports = [free_port() for _ in range(nodes)]
             for i, node_port in enumerate(ports, 1):
                 node = [*seedance, "serve", "--port", str(node_port), "--redis", redis_url]
@@ -104,15 +186,16 @@ def run(nodes: int, port: int, serve_args: Sequence[str]) -> int:
             env = haproxy_env(port, ports)
             children.append(subprocess.Popen([haproxy, "-db", "-f", str(HAPROXY_CFG)], env=env))
             wait_until(f"127.0.0.1:{port}", "haproxy", children)
+            vital += children[stores:]
             print(
                 f"seedance cluster: {nodes} node(s) on Redis at {redis_url} behind HAProxy; "
                 f"connect to ws://127.0.0.1:{port}/v2/infer (OpenAI API: "
                 f"http://127.0.0.1:{port}/v1); Ctrl-C stops them all",
                 flush=True,
             )
-            while not stop and all(p.poll() is None for p in children):
+            while not stop and all(p.poll() is None for p in vital):
                 time.sleep(0.2)
-            exited = [p for p in children if p.poll() is not None]
+            exited = [p for p in vital if p.poll() is not None]
             if exited and not stop:
                 what = Path(str(exited[0].args[0])).name  # type: ignore[index]
                 print(f"seedance cluster: {what} exited; stopping them all", file=sys.stderr)
@@ -120,7 +203,7 @@ def run(nodes: int, port: int, serve_args: Sequence[str]) -> int:
             return 0
         finally:
             # HAProxy and the nodes at once (the nodes drain), then Redis.
-            for group in (children[1:], children[:1]):
+            for group in (children[stores:], children[:stores]):
                 for child in group:
                     if child.poll() is None:
                         child.send_signal(signal.SIGTERM)

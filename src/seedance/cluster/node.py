@@ -35,6 +35,7 @@ class ClusterNode:
             max_bytes_per_tenant=config.resume.max_bytes,
             session_ttl_s=config.session_ttl_s,
             at_rest=at_rest,
+            claims=self.claims,
         )
 
     @property

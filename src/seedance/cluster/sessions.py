@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -121,14 +122,19 @@ if kept ~= '0' then redis.call('LTRIM', turns, -tonumber(kept), -1) end
 redis.call('PEXPIRE', hash, ttl)
 redis.call('PEXPIRE', turns, ttl)
 """
-# KEYS: the session's hash, its turns. ARGV: when it was created ('': saved before), then a
-# save's arguments (SessionSave.args). Counts the version up (0 when created); returns it.
+# KEYS: the session's hash, its turns. ARGV: when it was created ('': saved before), the
+# save's id, then a save's arguments (SessionSave.args). Counts the version up (0 when
+# created); returns it. A save sent again (its reply lost in a failover) is saved once.
 _SAVE = (
     "local hash, turns = KEYS[1], KEYS[2]\n"
-    "local ttl, cleared, kept = ARGV[2], ARGV[3], ARGV[4]\n"
-    "local from, upto = 6, 5 + tonumber(ARGV[5])\n"
+    "if redis.call('HGET', hash, 'save') == ARGV[2] then\n"
+    "  return tonumber(redis.call('HGET', hash, 'version'))\n"
+    "end\n"
+    "local ttl, cleared, kept = ARGV[3], ARGV[4], ARGV[5]\n"
+    "local from, upto = 7, 6 + tonumber(ARGV[6])\n"
     + SAVE_TURNS
     + """
+redis.call('HSET', hash, 'save', ARGV[2])
 if ARGV[1] ~= '' then
   redis.call('HSET', hash, 'version', 0, 'created', ARGV[1])
   return 0
@@ -194,7 +200,7 @@ class RedisSessionStore:
     async def attach(
         self, tenant: TenantId, session_id: SessionId | None, max_for_tenant: int | None = None
     ) -> tuple[Session, bool]:
-        self.link.check()
+        await self.link.ready()
         key: SessionKey = (tenant, session_id or new_session_id())
         limit = -1 if max_for_tenant is None else max_for_tenant
 
@@ -204,7 +210,7 @@ class RedisSessionStore:
                 pipe.lrange(self._turns_key(key), 0, -1)
             self._admit.queue(pipe, self._tenant_keys(tenant), [key[1], limit, self.ttl_ms])
 
-        *looked_up, admitted = await self.link.exchange(queue)
+        *looked_up, admitted = await self.link.exchange(queue, idempotent=True)
         version, turns = looked_up if looked_up else (None, [])
         created = version is None
         if not admitted[0]:
@@ -241,7 +247,8 @@ class RedisSessionStore:
         (others,) = await self.link.exchange(
             lambda pipe: self._history.queue(
                 pipe, self._tenant_keys(session.tenant), [session.session_id]
-            )
+            ),
+            idempotent=True,
         )
         if int(others) + session.size + size > max_for_tenant:
             raise QuotaExceeded(
@@ -274,7 +281,9 @@ class RedisSessionStore:
         key = session.key
         if version is None or version == self.version(session):
             return False
-        (turns,) = await self.link.exchange(lambda pipe: pipe.lrange(self._turns_key(key), 0, -1))
+        (turns,) = await self.link.exchange(
+            lambda pipe: pipe.lrange(self._turns_key(key), 0, -1), idempotent=True
+        )
         self._load(session, turns, version)
         return True
 
@@ -348,11 +357,13 @@ class RedisSessionStore:
         """Save ``session`` (``keys`` and ``args``: :meth:`_save_args`) in an exchange of its
         own."""
 
+        head = [time.time() if created else "", secrets.token_hex(8)]
+
         def queue(pipe: Pipeline) -> None:
-            self._save.queue(pipe, keys, [time.time() if created else "", *args])
+            self._save.queue(pipe, keys, [*head, *args])
             self._queue_renew(session, pipe)
 
-        version, _ = await self.link.exchange(queue)
+        version, _ = await self.link.exchange(queue, idempotent=True)
         self._saved(session, int(version))
 
     def _load(self, session: Session, stored: list[bytes], version: int) -> None:

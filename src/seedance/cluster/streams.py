@@ -56,6 +56,8 @@ from seedance.streams.store import MemoryStreamStore
 if TYPE_CHECKING:
     from redis.asyncio.client import Pipeline
 
+    from seedance.cluster.claims import Claims
+
 
 class Pace(Protocol):
     """The server's frame merging, as the replicator keeps its pace
@@ -204,6 +206,7 @@ class ReplicatedLog(StreamLog):
         "_held",
         "_pending_start",
         "_queued",
+        "_regaining",
         "acked",
         "acked_seq",
         "end_pending",
@@ -244,6 +247,7 @@ class ReplicatedLog(StreamLog):
         self._ended: asyncio.Future[bool] | None = None
         self._queued = False  # in the replicator's next exchange
         self._held = False  # held for the rest of the merge window
+        self._regaining = False  # its lock was gone: being taken again (Replicator.regain)
         self.tokens_at = -1.0  # loop time of the last exchange with tokens (-1: none yet)
         self.ttl_at = -1.0  # loop time the keys' TTLs were last set (-1: never)
         self._deliver: Callable[[str, int], None] | None = None
@@ -311,7 +315,7 @@ class ReplicatedLog(StreamLog):
         """The next exchange at loop time ``now``: entries not yet sent (None: nothing to
         send)."""
         self._queued = self._held = False
-        if self.lost or self.holder is None:
+        if self.lost or self.holder is None or self._regaining:
             return None
         plan = _Plan()
         args = plan.args
@@ -386,14 +390,15 @@ class ReplicatedLog(StreamLog):
 
     def acked_by(self, plan: _Plan, reply: Any) -> None:
         """Redis answered ``plan``'s exchange: hand its frames to the readers."""
-        if isinstance(reply, Exception):
+        if isinstance(reply, Exception) or not reply:
             self.sent, self.sent_seq = self.acked, self.acked_seq  # send them again
             self.ttl_at = -1.0  # and the keys' TTLs with them
-            if not self.lost:
+            if self.lost:
+                return
+            if reply == 0:  # fenced out: the lock is another claim's, or Redis lost it
+                self.replicator.regain(self)
+            else:
                 self.replicator.retry(self)
-            return
-        if not reply:
-            self._lose()
             return
         if plan.header:
             self.header = b""
@@ -461,8 +466,15 @@ class Replicator:
     token entry per merge window (stretched while the node is CPU-bound), which is also when
     its readers would have got their next frame; a start or an end goes at once."""
 
-    def __init__(self, link: ClusterLink, ttl_s: float, at_rest: AtRest | None = None) -> None:
+    def __init__(
+        self,
+        link: ClusterLink,
+        ttl_s: float,
+        at_rest: AtRest | None = None,
+        claims: Claims | None = None,
+    ) -> None:
         self.link = link
+        self.claims = claims  # takes a lock Redis lost again (regain)
         self.ttl_ms = int(ttl_s * 1000)
         self.at_rest = at_rest
         #: The server's merge window (None: every log's tokens go at the next exchange).
@@ -516,6 +528,27 @@ class Replicator:
         elif log._ended is not None and not log._ended.done():
             log._ended.set_result(False)  # this node stops: its end is not written
 
+    def regain(self, log: ReplicatedLog) -> None:
+        """Redis refused ``log``'s writes: its lock is gone. Its claim takes it again if no
+        other claim came since (a failover to a replica that lacked it, or one longer than
+        the lease); else the log is lost and its generation stops."""
+        log._regaining = True
+        self.link.spawn(self._regain(log), "regain")
+
+    async def _regain(self, log: ReplicatedLog) -> None:
+        assert log.holder is not None
+        try:
+            held = self.claims is not None and await self.claims.hold((log.keys[0], log.holder))
+        except Exception as exc:
+            logger.warning("request %s: its lock could not be checked (%s)", log.request_id, exc)
+            held = False
+        log._regaining = False
+        if not held:
+            log._lose()
+            return
+        logger.warning("request %s: its lock was gone from Redis; taken again", log.request_id)
+        self.mark(log, now=True)
+
     def _go(self, log: ReplicatedLog) -> None:
         log._queued = True
         self._queued.append(log)
@@ -567,10 +600,11 @@ class RedisStreamStore(MemoryStreamStore):
         max_bytes_per_tenant: int,
         session_ttl_s: float,
         at_rest: AtRest | None = None,
+        claims: Claims | None = None,
     ) -> None:
         super().__init__(window_s=window_s, max_bytes_per_tenant=max_bytes_per_tenant)
         self.link = link
-        self.replicator = Replicator(link, window_s + TTL_MARGIN_S, at_rest)
+        self.replicator = Replicator(link, window_s + TTL_MARGIN_S, at_rest, claims)
         self.epoch_ttl_ms = int((max(window_s, session_ttl_s) + TTL_MARGIN_S) * 1000)
         self._epochs: dict[tuple[str, str], str] = {}
         #: Takes a generation over (set by the server); true if this node runs it now.
@@ -600,7 +634,7 @@ class RedisStreamStore(MemoryStreamStore):
             pipe.get(key)
             pipe.pexpire(key, self.epoch_ttl_ms, gt=True)
 
-        replies = await self.link.exchange(queue)
+        replies = await self.link.exchange(queue, idempotent=True)
         value: str = replies[1].decode()
         if len(self._epochs) > 100_000:
             self._epochs.clear()
@@ -612,7 +646,7 @@ class RedisStreamStore(MemoryStreamStore):
         if log is not None:
             return log
         (request_id,) = await self.link.exchange(
-            lambda pipe: pipe.get(session_key(tenant, session_id, "current"))
+            lambda pipe: pipe.get(session_key(tenant, session_id, "current")), idempotent=True
         )
         if request_id is None:
             return None
@@ -654,7 +688,7 @@ class RedisStreamStore(MemoryStreamStore):
         """Whether Redis still has the ended ``log`` (another node may have deleted it)."""
         assert isinstance(log, ReplicatedLog)
         gen = log.keys[2]
-        (kept,) = await self.link.exchange(lambda pipe: pipe.exists(gen))
+        (kept,) = await self.link.exchange(lambda pipe: pipe.exists(gen), idempotent=True)
         return bool(kept)
 
     async def _mirror(self, tenant: str, session_id: str, request_id: str) -> ReplicatedLog:
@@ -668,7 +702,7 @@ class RedisStreamStore(MemoryStreamStore):
             pipe.xrange(stream, "-", "+")
             pipe.get(lock)
 
-        now_current, raw_header, entries, holder = await self.link.exchange(queue)
+        now_current, raw_header, entries, holder = await self.link.exchange(queue, idempotent=True)
         if raw_header is None or not entries:
             raise HistoryLost(
                 "expired",

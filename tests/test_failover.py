@@ -1,0 +1,197 @@
+"""The cluster mode through a Redis failover, with real ``redis-server`` and
+``redis-sentinel`` processes (:class:`~tests.support.redis.Sentinels`): nodes given
+``--redis sentinel://...`` find the primary through the sentinels, ride through its loss (a
+reply streams on from its node; new requests wait for the promotion instead of failing) and
+never let two nodes write one generation's log."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from websockets.exceptions import ConnectionClosed
+
+from seedance.cluster.local import SERVICE
+from tests.support.redis import Sentinels
+from tests.support.servers import ServerProcess
+from tests.support.ws import generate, open_session
+from tests.test_resume import PROMPT, Reading, read, resume, undisturbed
+
+pytestmark = [pytest.mark.slow, pytest.mark.subprocess, pytest.mark.timeout(240)]
+
+
+@pytest.fixture
+def sentinels(tmp_path: Path) -> Iterator[Sentinels]:
+    group = Sentinels(tmp_path).start()
+    yield group
+    group.stop()
+
+
+def two_nodes(
+    server_process: Callable[..., ServerProcess], sentinels: Sentinels, tokens_per_s: int
+) -> tuple[ServerProcess, ServerProcess]:
+    args = ("--redis", sentinels.url, "--lease", "1")
+    pace = ("--synthetic-tokens-per-s", str(tokens_per_s))
+    first, second = (server_process(*args, *pace, "--node-id", f"n{i}") for i in (1, 2))
+    return first, second
+
+
+async def begin(node: ServerProcess, session: str, max_tokens: int, until_seq: int) -> Any:
+    """A resumable reply ``r1`` begun on ``node``, read up to ``until_seq``."""
+    ws, _ = await open_session(node.url, f"session_id={session}")
+    request = {"prompt": PROMPT, "seed": 7, "max_tokens": max_tokens, "resumable": True}
+    await ws.send(json.dumps({**request, "request_id": "r1"}))
+    reading = Reading("r1")
+    await read(ws, reading, until_seq=until_seq)
+    return ws, reading
+
+
+async def whole_log(node: ServerProcess, session: str) -> Reading:
+    """The reply ``r1`` of ``session`` as Redis keeps it, read from the start."""
+    reading = Reading("r1")
+    ws, _ = await resume(node, session, reading)  # type: ignore[arg-type]
+    async with ws:
+        await read(ws, reading)
+    return reading
+
+
+async def test_a_primary_killed_under_load_loses_no_token_and_refuses_nothing(
+    sentinels: Sentinels, server_process: Callable[..., ServerProcess]
+) -> None:
+    """kill -9 of Redis's primary while six replies stream (three per node) and new requests
+    keep coming: each reply goes on from its node after the promotion, every token once and
+    the text of an undisturbed run; no new request fails (they wait for the promotion); and
+    the new primary holds each reply whole (what a client saw had reached the replica)."""
+    nodes = two_nodes(server_process, sentinels, tokens_per_s=150)
+    expected = await undisturbed(nodes[0], max_tokens=450)  # type: ignore[arg-type]
+    replies = [await begin(nodes[i % 2], f"s{i}", 450, until_seq=20) for i in range(6)]
+    short: list[tuple[str, float]] = []  # each new request's end, and how long it took
+    stop = asyncio.Event()
+
+    async def new_requests(node: ServerProcess) -> None:
+        while not stop.is_set():
+            began = time.monotonic()
+            ws, _ = await open_session(node.url)
+            async with ws:
+                frames = await generate(ws, prompt="hi", max_tokens=3, resumable=True)
+            short.append((frames[-1]["type"], time.monotonic() - began))
+            await asyncio.sleep(0.05)
+
+    async def conversation(node: ServerProcess) -> None:
+        """Requests that continue one session (neither resumable nor new: each saves the
+        session's turns once it ends)."""
+        ws, _ = await open_session(node.url)
+        async with ws:
+            while not stop.is_set():
+                began = time.monotonic()
+                frames = await generate(ws, prompt="hi", max_tokens=3)
+                short.append((frames[-1]["type"], time.monotonic() - began))
+                await asyncio.sleep(0.02)
+
+    talks = [asyncio.ensure_future(conversation(node)) for node in nodes]
+    await asyncio.sleep(0.2)
+    load = [*talks, *(asyncio.ensure_future(new_requests(node)) for node in nodes)]
+    old = sentinels.primary()
+    old.stop(kill=True)
+    killed_at = time.monotonic()
+    for ws, reading in replies:
+        async with ws:
+            await read(ws, reading)
+    await asyncio.to_thread(sentinels.wait_failover, old)
+    stop.set()
+    await asyncio.gather(*load)
+    for _, reading in replies:  # Reading.take checked every seq came once, in order
+        assert reading.end is not None and reading.end["type"] == "done", reading.end
+        assert reading.last_seq == 449 and reading.text == expected
+    ends = [end for end, _ in short]
+    assert ends and set(ends) == {"done"}, ends
+    waited = max(took for _, took in short)
+    assert waited > 1.0  # some waited for the promotion, within the time it took
+    assert waited < time.monotonic() - killed_at
+    for i in range(6):
+        whole = await whole_log(nodes[(i + 1) % 2], f"s{i}")
+        assert whole.text == expected and whole.end == replies[i][1].end
+    for node in nodes:
+        await node.logged("answers again (another server: a failover)")
+
+
+async def test_a_frozen_node_cannot_write_after_a_failover_and_a_takeover(
+    sentinels: Sentinels, server_process: Callable[..., ServerProcess]
+) -> None:
+    """SIGSTOP of the node running a reply, then kill -9 of the primary: after the promotion
+    the other node takes the reply over (the client resumed there); SIGCONT: the frozen
+    node's next write is refused (its fencing token is behind the new primary's counter, which
+    the replica held before the claim went on), and the log holds exactly one reply."""
+    owner, survivor = two_nodes(server_process, sentinels, tokens_per_s=300)
+    expected = await undisturbed(survivor, max_tokens=600)  # type: ignore[arg-type]
+    ws, reading = await begin(owner, "frozen", 600, until_seq=50)
+    owner.signal(signal.SIGSTOP)
+    try:
+        old = sentinels.primary()
+        old.stop(kill=True)
+        await asyncio.to_thread(sentinels.wait_failover, old)
+        resumed, _ = await resume(survivor, "frozen", reading)  # type: ignore[arg-type]
+        async with resumed:
+            await read(resumed, reading, until_seq=reading.last_seq + 20)
+            await survivor.logged("request r1 taken over at seq")
+            owner.signal(signal.SIGCONT)
+            await owner.logged("Redis refused this node's frames")
+            await read(resumed, reading)
+        with contextlib.suppress(ConnectionClosed, asyncio.TimeoutError):
+            await ws.close()
+    finally:
+        owner.signal(signal.SIGCONT)
+    assert reading.end is not None and reading.end["type"] == "done"
+    assert reading.text == expected and reading.last_seq == 599
+    whole = await whole_log(survivor, "frozen")
+    assert whole.text == expected and whole.end == reading.end
+
+
+async def test_a_reply_is_taken_over_through_a_failover(
+    sentinels: Sentinels, server_process: Callable[..., ServerProcess]
+) -> None:
+    """kill -9 of the node running a reply and of the primary at once: the client resumes
+    on the other node while the sentinels promote the replica; that node takes the reply over
+    where the replica has it (everything the client saw), every seq once, the undisturbed
+    text."""
+    owner, survivor = two_nodes(server_process, sentinels, tokens_per_s=300)
+    expected = await undisturbed(survivor, max_tokens=600)  # type: ignore[arg-type]
+    ws, reading = await begin(owner, "doomed", 600, until_seq=80)
+    old = sentinels.primary()
+    owner.signal(signal.SIGKILL)
+    old.stop(kill=True)
+    with contextlib.suppress(ConnectionClosed, asyncio.TimeoutError):
+        await read(ws, reading)  # what was on its way before the socket went
+    assert reading.end is None
+    resumed, _ = await resume(survivor, "doomed", reading)  # type: ignore[arg-type]
+    async with resumed:
+        await read(resumed, reading)
+    assert reading.end is not None and reading.end["type"] == "done", reading.end
+    assert reading.last_seq == 599 and reading.text == expected
+    await survivor.logged("request r1 taken over at seq")
+    assert sentinels.primary() is not old
+
+
+def test_the_sentinel_url_names_the_service_behind_its_sentinels() -> None:
+    from seedance.cluster.urls import SentinelUrl, valid
+
+    url = SentinelUrl.parse(f"sentinel://:pw@10.0.0.1:26379,[::1]:26380/{SERVICE}/2")
+    assert url.sentinels == (("10.0.0.1", 26379), ("::1", 26380))
+    assert (url.service, url.db, url.password, url.username) == (SERVICE, 2, "pw", None)
+    assert SentinelUrl.parse("sentinel://h:1/s?sentinel_password=x").sentinel_password == "x"
+    for bad, why in [
+        ("sentinel://h:1", "name the service"),
+        ("sentinel://h/s", "is not HOST:PORT"),
+        ("sentinel://h:1/s/x", "not a number"),
+        ("sentinel://h:1/s?db=2", "unknown parameter"),
+    ]:
+        assert not valid(bad)
+        with pytest.raises(ValueError, match=why):
+            SentinelUrl.parse(bad)
