@@ -89,7 +89,8 @@ test-fast: $(VENV)/.installed-test
 # against llama-server and sentence-transformers; schemas, log probabilities and tool calls;
 # guidellm; tensor frames, tritonclient's binary data and a WebAssembly filter: suite 19 builds
 # examples/wasm/redact.c with clang for wasm32-wasi; the cross-region relay over a lossy link
-# between two network namespaces: suite 20, as root);
+# between two network namespaces: suite 20, as root; a Redis primary killed under load behind
+# redis-sentinel: suite 23);
 # rewrites docs/benchmarks.md (~55 min, and about 9 more the first time, to build llama-server).
 # BENCH_ARGS=--quick for a short run,
 # BENCH_ARGS="--suites 5" for one suite.

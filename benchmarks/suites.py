@@ -22,6 +22,7 @@ from benchmarks.embeddings_suite import embeddings_suite
 from benchmarks.fan_out import fan_out
 from benchmarks.gateway_suite import gateway_suite
 from benchmarks.guidellm_suite import guidellm_suite
+from benchmarks.ha_suite import ha_suite
 from benchmarks.harness import Report, cores
 from benchmarks.http_suite import http_suite
 from benchmarks.idle import idle
@@ -45,8 +46,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks.md"))
     parser.add_argument(
         "--suites",
-        default="1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20,21,22",
-        help="which suites to run (default all: 1-22)",
+        default="1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20,21,22,23",
+        help="which suites to run (default all: 1-23)",
     )
     args = parser.parse_args(argv)
     if cores() < 2:
@@ -77,6 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "20": functools.partial(relay_suite, report),
         "21": functools.partial(processes_suite, report),
         "22": functools.partial(native_suite, report),
+        "23": functools.partial(ha_suite, report),
     }
     for key in sorted(chosen, key=int):
         suites[key]()

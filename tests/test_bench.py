@@ -622,3 +622,13 @@ def test_the_processes_suite_sets_an_engine_process_and_workers_beside_one_proce
     for row in ("| 1,000 streams of 128 tokens |", "| 500 clients,", "| gateway mode, 32 users |"):
         assert row in report
     assert "[21e gateway mode] 2/2: gateway, two workers" in progress
+
+
+def test_the_sentinel_suite_kills_the_primary_under_load(tmp_path: Path) -> None:
+    tool("redis-sentinel", "redis-sentinel")
+    report, progress = quick_suite(tmp_path, 23, timeout_s=240)
+    assert "## 23. Redis failover (Sentinel)" in report, progress
+    assert "| `--redis-wait-replicas 0` |" in report and "| `1` (the default) |" in report
+    assert "| tokens lost / repeated | 0 / 0 |" in report, report
+    assert "| new requests failed | 0 of " in report, report
+    assert "[23 sentinel] failover under load" in progress

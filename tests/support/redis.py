@@ -14,7 +14,13 @@ from pathlib import Path
 
 import redis
 
-from seedance.cluster.local import SERVICE, redis_command, sentinel_command, sentinel_url
+from seedance.cluster.local import (
+    SERVICE,
+    acquainted,
+    redis_command,
+    sentinel_command,
+    sentinel_url,
+)
 from seedance.netutil import free_port
 from tests.support.tools import tool
 
@@ -101,17 +107,8 @@ class Sentinels:
             self.sentinels.append(
                 subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
             )
-        wait_for(self._ready, "three sentinels that know each other and the replica")
+        wait_for(lambda: acquainted(self.ports), "three sentinels that know each other")
         return self
-
-    def _ready(self) -> bool:
-        with contextlib.suppress(redis.RedisError):
-            for port in self.ports:
-                state = self._ask(port).sentinel_master(SERVICE)
-                if state["num-other-sentinels"] < 2 or state["num-slaves"] < 1:
-                    return False
-            return True
-        return False
 
     @staticmethod
     def _ask(port: int) -> redis.Redis:

@@ -133,9 +133,30 @@ def start_redis(
     for i, sentinel_port in enumerate(ports):
         args = sentinel_command(sentinel_port, data / f"sentinel{i}", port)
         children.append(subprocess.Popen(args, stdout=subprocess.DEVNULL))
-    for sentinel_port in ports:
-        wait_until(f"127.0.0.1:{sentinel_port}", "redis-sentinel", children)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not acquainted(ports):  # a failover needs the sentinels to know each other
+        if time.monotonic() > deadline or any(p.poll() is not None for p in children):
+            raise ClusterError("the sentinels did not find each other and the replica")
+        time.sleep(0.1)
     return sentinel_url(ports), []
+
+
+def acquainted(ports: Sequence[int]) -> bool:
+    """Whether each sentinel on ``ports`` knows the others and a replica of the primary (they
+    find each other through the primary within a few seconds; a failover needs it)."""
+    import redis
+
+    for port in ports:
+        sentinel = redis.Redis(port=port, socket_timeout=1, decode_responses=True)
+        try:
+            state = sentinel.sentinel_master(SERVICE)
+        except redis.RedisError:
+            return False
+        finally:
+            sentinel.close()
+        if state["num-other-sentinels"] < len(ports) - 1 or state["num-slaves"] < 1:
+            return False
+    return True
 
 
 def replicating(port: int, procs: Sequence[subprocess.Popen[bytes]]) -> None:
