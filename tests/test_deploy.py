@@ -18,6 +18,7 @@ from tests.test_metrics import scrape
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "deploy" / "prometheus" / "rules.yml"
+RULES_TESTS = ROOT / "deploy" / "prometheus" / "rules.test.yml"
 DASHBOARD = ROOT / "deploy" / "grafana" / "seedance.json"
 SUFFIXES = ("_bucket", "_count", "_sum", "_total", "_created")
 
@@ -36,14 +37,57 @@ def used_metrics(text: str) -> set[str]:
 
 @pytest.mark.subprocess
 def test_promtool_accepts_the_rules() -> None:
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        pytest.skip("promtool is not installed (Debian package prometheus; .ci/run installs it)")
     result = subprocess.run(
-        [promtool, "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60
+        [promtool(), "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS" in result.stdout
+
+
+def promtool() -> str:
+    found = shutil.which("promtool")
+    if found is None:
+        pytest.skip("promtool is not installed (Debian package prometheus; .ci/run installs it)")
+    return found
+
+
+@pytest.mark.subprocess
+def test_the_alerts_fire_on_the_series_they_should_and_only_those() -> None:
+    """rules.test.yml feeds series and names the alerts that fire (and those that do not):
+    the design's thresholds, and the burn-rate alerts per SLA tag."""
+    result = subprocess.run(
+        [promtool(), "test", "rules", str(RULES_TESTS)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize(
+    ("threshold", "changed", "alert"),
+    [
+        ("seedance:request_errors:ratio_rate5m > 0.005", "> 0.05", "SeedanceErrorRateHigh"),
+        ("seedance:time_to_first_token_seconds:p95_5m > 0.8", "> 1.5", "TimeToFirstTokenHigh"),
+        ("seedance:slo_errors:ratio_rate5m > 0.072", "> 0.2", "SeedanceSLOErrorBudgetBurn"),
+        ('_bucket{le="0.8"}[6h]', '_bucket{le="1"}[6h]', "SlowFirstTokenBudgetBurn"),
+    ],
+)
+def test_the_alert_tests_fail_against_other_thresholds(
+    tmp_path: Path, threshold: str, changed: str, alert: str
+) -> None:
+    """The same tests against rules whose threshold moved: promtool says which alert did not
+    fire as expected."""
+    rules = RULES.read_text()
+    assert threshold in rules
+    prefix = threshold.split(" > ")[0] + " " if " > " in threshold else ""
+    (tmp_path / "rules.yml").write_text(rules.replace(threshold, prefix + changed))
+    (tmp_path / "rules.test.yml").write_text(RULES_TESTS.read_text())
+    result = subprocess.run(
+        [promtool(), "test", "rules", str(tmp_path / "rules.test.yml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode != 0 and alert in result.stdout + result.stderr, result.stdout
 
 
 def test_the_dashboard_is_grafana_json() -> None:
