@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -36,13 +37,14 @@ pytestmark = pytest.mark.subprocess
 
 
 @contextlib.contextmanager
-def haproxy(nodes: list[int]) -> Iterator[str]:
-    """HAProxy with the deploy configuration in front of ``nodes``; yields its ws:// URL."""
+def haproxy(nodes: list[int], runtime: Path | None = None) -> Iterator[str]:
+    """HAProxy with the deploy configuration in front of ``nodes`` (``runtime``: its runtime
+    API's socket); yields its ws:// URL."""
     binary = tool("haproxy", "haproxy")
     port = free_port()
     proc = subprocess.Popen(
         [binary, "-db", "-f", str(HAPROXY_CFG)],
-        env=haproxy_env(port, nodes),
+        env=haproxy_env(port, nodes, None if runtime is None else str(runtime)),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -139,5 +141,85 @@ async def test_haproxy_keeps_each_session_on_one_node_and_drains_a_stopping_one(
             assert nodes["a"].proc.returncode in (0, -signal.SIGTERM, 128 + signal.SIGTERM)
             assert "Traceback" not in nodes["a"].output
     finally:
+        for node in nodes.values():
+            node.stop()
+
+
+def tell(runtime: Path, command: str) -> str:
+    """One command to HAProxy's runtime API; its answer."""
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.connect(str(runtime))
+        sock.sendall(command.encode() + b"\n")
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    return answer.decode()
+
+
+def server_state(runtime: Path, server: str) -> str:
+    """A server's status as HAProxy's stats show it (UP, DOWN, DRAIN, MAINT, ...)."""
+    lines = tell(runtime, "show stat").splitlines()
+    header = lines[0].lstrip("# ").split(",")
+    for line in lines[1:]:
+        row = dict(zip(header, line.split(","), strict=False))
+        if row.get("pxname") == "seedance_nodes" and row.get("svname") == server:
+            return row["status"]
+    raise AssertionError(f"no server {server}")
+
+
+async def test_haproxy_adds_and_drains_a_node_at_runtime(tmp_path: Path) -> None:
+    """Nodes join and leave through HAProxy's runtime API, without a reload, while requests
+    keep coming: a node put in a spare slot takes new sessions; a node drained takes none,
+    while the reply it runs goes on through the balancer to its done; no request fails."""
+    nodes = {"a": ServerProcess("--synthetic-tokens-per-s", "50"), "b": ServerProcess()}
+    runtime = tmp_path / "haproxy.sock"
+    ended: list[str] = []
+    stop = asyncio.Event()
+
+    async def load(url: str) -> None:
+        i = 0
+        while not stop.is_set():
+            ws, _ = await open_session(url, f"session_id=load-{i}")
+            async with ws:
+                ended.append((await generate(ws, prompt="hi", max_tokens=2))[-1]["type"])
+            i += 1
+            await asyncio.sleep(0.02)
+
+    def homes(prefix: str, count: int) -> set[str]:
+        return {node_of(f"{prefix}-{i}", nodes) for i in range(count)}
+
+    try:
+        # Node a in the first server slot only (b in the second and third).
+        with haproxy([nodes["a"].port, nodes["b"].port, nodes["b"].port], runtime) as url:
+            loading = asyncio.ensure_future(load(url))
+            nodes["c"] = ServerProcess()
+            assert server_state(runtime, "spare1") == "MAINT"
+            tell(runtime, f"set server seedance_nodes/spare1 addr 127.0.0.1 port {nodes['c'].port}")
+            tell(runtime, "set server seedance_nodes/spare1 state ready")
+            await eventually(lambda: server_state(runtime, "spare1") == "UP", 10, "spare1 up")
+            for i in range(24):
+                ws, _ = await open_session(url, f"session_id=after-{i}")
+                await ws.close()
+            assert "c" in homes("after", 24)  # the new node takes its share of new sessions
+
+            # Drain node a: the reply it runs goes on; new sessions go elsewhere.
+            session = next(f"after-{i}" for i in range(24) if node_of(f"after-{i}", nodes) == "a")
+            ws, _ = await open_session(url, f"session_id={session}")
+            await ws.send('{"prompt": "a long one", "max_tokens": 100}')
+            first = await frames_until_token(ws, 5)
+            tell(runtime, "set server seedance_nodes/node1 state drain")
+            assert server_state(runtime, "node1") == "DRAIN"
+            for i in range(24):
+                other, _ = await open_session(url, f"session_id=drained-{i}")
+                await other.close()
+            assert "a" not in homes("drained", 24)
+            frames = first + await collect(ws, timeout=30)
+            assert frames[-1]["type"] == "done" and assert_seq_contiguous(frames) == 100
+            tell(runtime, "set server seedance_nodes/node1 state maint")
+            stop.set()
+            await loading
+        assert ended and set(ended) == {"done"}, ended
+    finally:
+        stop.set()
         for node in nodes.values():
             node.stop()

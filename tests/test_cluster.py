@@ -31,6 +31,7 @@ from seedance.config_loader import load_access, load_config
 from seedance.engines.synthetic import SyntheticEngine
 from seedance.netutil import free_port
 from seedance.tenants.keys import add_key
+from seedance.testing.faults import FaultProxy
 from tests.support.otlp import http_receiver
 from tests.support.redis import RedisServer
 from tests.support.servers import (
@@ -510,6 +511,40 @@ async def test_a_stream_resumes_on_another_node(
     async with ws:
         await read(ws, again)
     assert again.text == expected and again.end == reading.end
+
+
+async def test_entries_whose_replies_were_lost_go_again_as_they_were(
+    redis_server: RedisServer, make_server: Callable[..., RunningServer]
+) -> None:
+    """Redis carries out a reply's exchanges but its answers are lost for a while (a proxy
+    swallows them): the node sends the same entries again, with the same ids and bounds, and
+    Redis keeps every token once: the reply, and a resume of it from the start on another
+    node, read the undisturbed text. (Sent again cut anew, an entry whose id Redis had
+    already taken was skipped, and the tokens it carried beyond the first cut were lost.)"""
+    async with FaultProxy(f"127.0.0.1:{redis_server.port}") as proxy:
+        engine = lambda: slow_engine(tokens_per_s=200)  # noqa: E731
+        first = make_server(
+            [engine()], redis_url=f"redis://127.0.0.1:{proxy.port}/0", node_id="deaf"
+        )
+        (second,) = nodes(make_server, 1, redis_server, engines=engine)
+        expected = await undisturbed(second, max_tokens=400)
+        ws, _ = await open_session(first.url, "session_id=lost-replies")
+        request = {"prompt": PROMPT, "seed": 7, "max_tokens": 400, "resumable": True}
+        await ws.send(json.dumps({**request, "request_id": "r1"}))
+        reading = Reading("r1")
+        await read(ws, reading, until_seq=30)
+        proxy.deaf = True
+        await asyncio.sleep(1.5)  # past the exchange's timeout: sent again, and again
+        proxy.deaf = False
+        async with ws:
+            await read(ws, reading)
+        assert reading.end is not None and reading.end["type"] == "done", reading.end
+        assert reading.text == expected and reading.last_seq == 399
+        again = Reading("r1")
+        resumed, _ = await resume(second, "lost-replies", again)
+        async with resumed:
+            await read(resumed, again)
+        assert again.text == expected and again.end == reading.end
 
 
 @pytest.mark.parametrize("aof", [True, False], ids=["aof-always", "no-persistence"])

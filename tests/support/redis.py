@@ -9,7 +9,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import redis
@@ -30,28 +30,39 @@ class RedisServer:
     (what survives a restart), else no persistence at all."""
 
     def __init__(
-        self, directory: Path, *, aof: bool = False, replica_of: int | None = None
+        self,
+        directory: Path,
+        *,
+        aof: bool = False,
+        replica_of: int | None = None,
+        host: str = "127.0.0.1",
+        prefix: Sequence[str] = (),
     ) -> None:
+        """``host``: the address it listens on (and is checked at) other than the loopback's,
+        on every interface; ``prefix``: before the command (``ip netns exec NS``)."""
         tool("redis-server", "redis-server")  # skips the test when it is missing
         directory.mkdir(parents=True, exist_ok=True)
         self.directory = directory
         self.aof = aof
         self.replica_of = replica_of
+        self.host = host
+        self.prefix = list(prefix)
         self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.url = f"redis://{host}:{self.port}/0"
         self.proc: subprocess.Popen[str] | None = None
 
     def start(self) -> RedisServer:
         appendfsync = "always" if self.aof else None
-        args = redis_command(self.port, str(self.directory), appendfsync, self.replica_of)
+        bind = "127.0.0.1" if self.host == "127.0.0.1" else "0.0.0.0"
+        args = redis_command(self.port, str(self.directory), appendfsync, self.replica_of, bind)
         self.proc = subprocess.Popen(
-            args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            [*self.prefix, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
         deadline = time.monotonic() + 10
         while True:
             with (
                 contextlib.suppress(OSError),
-                socket.create_connection(("127.0.0.1", self.port), 0.2) as sock,
+                socket.create_connection((self.host, self.port), 0.2) as sock,
             ):
                 sock.sendall(b"PING\r\n")
                 if sock.recv(64).startswith(b"+PONG"):

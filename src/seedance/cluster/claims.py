@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
@@ -60,14 +61,16 @@ if KEYS[3] then version = redis.call('HGET', KEYS[3], 'version') end
 return {fence, '', version}
 """
 
-# Renews a claim's lock; takes it again when Redis lost it (a failover longer than the lease,
-# or to a replica that lacked it) and no claim came since: the fencing counter still says
-# this claim's token. KEYS: lock, fence. ARGV: the value the claim set, lease (ms). 0 when
-# the claim is lost.
+# Renews a claim's lock; with ARGV[3] '1', takes it again when Redis lost it (a failover
+# longer than the lease, or to a replica that lacked it) and no claim came since: the fencing
+# counter still says this claim's token. Only a generation's own log asks that, never between
+# its writes (a renewal could take again a lock its end just dropped). KEYS: lock, fence.
+# ARGV: the value the claim set, lease (ms), retake. 0 when the claim is lost.
 _HOLD = """
 local held = redis.call('GET', KEYS[1])
 if held == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-if held or redis.call('GET', KEYS[2]) ~= string.match(ARGV[1], '(%d+)$') then return 0 end
+if held or ARGV[3] ~= '1' then return 0 end
+if redis.call('GET', KEYS[2]) ~= string.match(ARGV[1], '(%d+)$') then return 0 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return 1
 """
@@ -164,6 +167,9 @@ class Claim:
     session_version: int | None = None
     lost: bool = False  # the lock was gone at a renewal
     ending: bool = False  # the end is being written (which drops the lock)
+    #: Called when this node gives the claim up, cut off from Redis past its lease (the
+    #: generation stops: another node may run it by now).
+    on_lost: Callable[[str], None] | None = None
 
 
 class Claims:
@@ -173,6 +179,12 @@ class Claims:
         self.link = link
         self.lease_ms = max(1, int(link.lease_s * 1000))
         self.running: dict[str, Claim] = {}
+        #: Loop time of the last renewal Redis took (or of the last period without claims).
+        self.renewed_at = 0.0
+        #: Cut off from Redis this long, a node gives its claims up: the lease (they expired
+        #: in Redis), or a sentinel failover's longest wait (a claim may be taken again after
+        #: a failover: :data:`_HOLD`).
+        self.cut_off_s = max(link.lease_s, link.ride_s)
         self._lock = script(link, _LOCK)
         self._hold = script(link, _HOLD)
         self._unlock = script(link, _UNLOCK)
@@ -304,6 +316,7 @@ class Claims:
         """Extend every running claim's lease by one period (one pipelined exchange)."""
         claims = list(self.running.values())
         if not claims:
+            self.renewed_at = asyncio.get_running_loop().time()
             return
         locked = [c for c in claims if c.lock is not None]
         by_tenant: dict[str, list[str]] = {}
@@ -314,12 +327,13 @@ class Claims:
         def queue(pipe: Pipeline) -> None:
             for c in locked:
                 assert c.lock is not None
-                self._hold.queue(pipe, [*_lock_keys(c.lock[0])], [c.lock[1], self.lease_ms])
+                self._hold.queue(pipe, [*_lock_keys(c.lock[0])], [c.lock[1], self.lease_ms, "0"])
             for tenant, ids in by_tenant.items():
                 slots = [tenant_key(tenant, "generations")]
                 self._renew_slots.queue(pipe, slots, [self.lease_ms, *ids])
 
         replies = await self.link.exchange(queue)
+        self.renewed_at = asyncio.get_running_loop().time()
         for c, kept in zip(locked, replies, strict=False):
             if not kept and not c.lost and not c.ending:
                 c.lost = True
@@ -331,19 +345,38 @@ class Claims:
 
     async def _renew_forever(self) -> None:
         period = self.link.lease_s / 3
+        loop = asyncio.get_running_loop()
+        self.renewed_at = loop.time()
         while True:
             await asyncio.sleep(period)
             try:
                 await self.renew()
             except Exception as exc:  # Redis down: the link says so; try again next period
                 logger.debug("leases not renewed: %s", exc)
+                if loop.time() - self.renewed_at > self.cut_off_s:
+                    self.give_up()
+
+    def give_up(self) -> None:
+        """Cut off from Redis past the lease: every running claim has expired there, and
+        another node may have taken its generation over; stop them here (their readers move
+        to that node) rather than run on unseen."""
+        why = (
+            f"this node has not reached Redis for over {self.cut_off_s:g} s (its claim expired "
+            "there: another node may run this generation now)"
+        )
+        for claim in list(self.running.values()):
+            # An ending generation whose end is not written yet gives it up too (its readers
+            # wait for it); one whose end is written holds nothing any more.
+            if claim.on_lost is not None and not claim.lost and claim.lock is not None:
+                claim.lost = True
+                claim.on_lost(why)
 
     async def hold(self, lock: tuple[str, str]) -> bool:
         """Whether the claim that set ``lock`` (its key and value) holds it, taken again if
         Redis lost it and no other claim came since (:data:`_HOLD`)."""
+        keys, args = [*_lock_keys(lock[0])], [lock[1], self.lease_ms, "1"]
         (held,) = await self.link.exchange(
-            lambda pipe: self._hold.queue(pipe, [*_lock_keys(lock[0])], [lock[1], self.lease_ms]),
-            idempotent=True,
+            lambda pipe: self._hold.queue(pipe, keys, args), idempotent=True
         )
         return bool(held)
 

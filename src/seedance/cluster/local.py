@@ -18,7 +18,7 @@ import time
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 from seedance.netutil import free_port
 
@@ -59,12 +59,18 @@ def wait_until(check: str, what: str, procs: Sequence[subprocess.Popen[bytes]]) 
 
 
 def redis_command(
-    port: int, directory: str, appendfsync: str | None = None, replica_of: int | None = None
+    port: int,
+    directory: str,
+    appendfsync: str | None = None,
+    replica_of: int | None = None,
+    bind: str = "127.0.0.1",
 ) -> list[str]:
-    """``redis-server`` on 127.0.0.1:``port`` without snapshots; with ``appendfsync``
+    """``redis-server`` on ``bind``:``port`` without snapshots; with ``appendfsync``
     (``always``, ``everysec``) an append-only file fsynced so, else no persistence at all;
-    ``replica_of``: a replica of the server on that port."""
-    args = [program("redis-server", "redis-server"), "--port", str(port), "--bind", "127.0.0.1"]
+    ``replica_of``: a replica of the server on that port of 127.0.0.1."""
+    args = [program("redis-server", "redis-server"), "--port", str(port), "--bind", bind]
+    if bind != "127.0.0.1":  # reached from other hosts (a test's namespaces), no password
+        args += ["--protected-mode", "no"]
     args += ["--dir", directory, "--save", ""]
     if replica_of is not None:
         args += ["--replicaof", "127.0.0.1", str(replica_of)]
@@ -100,12 +106,15 @@ def sentinel_url(ports: Sequence[int]) -> str:
     return f"sentinel://{','.join(f'127.0.0.1:{p}' for p in ports)}/{SERVICE}"
 
 
-def haproxy_env(listen: int, nodes: Sequence[int]) -> dict[str, str]:
-    """The environment deploy/haproxy/haproxy.cfg reads: its listening port, and its three
-    servers taking ``nodes`` in turn (two nodes: the second twice, so that no server is down;
-    none: unused ports, for a check of the file)."""
+def haproxy_env(listen: int, nodes: Sequence[int], socket: str | None = None) -> dict[str, str]:
+    """The environment deploy/haproxy/haproxy.cfg reads: its listening port, its three
+    servers taking ``nodes`` in turn (two nodes: the first twice, so that no server is down;
+    none: unused ports, for a check of the file), and the path of its runtime API's socket
+    (default: the file's own default)."""
     ports = [nodes[i % len(nodes)] for i in range(MAX_NODES)] if nodes else [free_port()] * 3
     env = {f"SEEDANCE_NODE{i}": f"127.0.0.1:{p}" for i, p in enumerate(ports, 1)}
+    if socket is not None:
+        env["SEEDANCE_HAPROXY_SOCKET"] = socket
     return {**os.environ, "SEEDANCE_LISTEN": f"127.0.0.1:{listen}", **env}
 
 
@@ -149,7 +158,7 @@ def acquainted(ports: Sequence[int]) -> bool:
     for port in ports:
         sentinel = redis.Redis(port=port, socket_timeout=1, decode_responses=True)
         try:
-            state = sentinel.sentinel_master(SERVICE)
+            state: Any = sentinel.sentinel_master(SERVICE)
         except redis.RedisError:
             return False
         finally:
@@ -204,14 +213,16 @@ def run(nodes: int, port: int, serve_args: Sequence[str], sentinels: bool = Fals
                 children.append(subprocess.Popen([*node, "--node-id", f"n{i}", *serve_args]))
             for node_port in ports:
                 wait_until(f"http://127.0.0.1:{node_port}/healthz", "a node", children)
-            env = haproxy_env(port, ports)
+            runtime = str(Path(data) / "haproxy.sock")
+            env = haproxy_env(port, ports, runtime)
             children.append(subprocess.Popen([haproxy, "-db", "-f", str(HAPROXY_CFG)], env=env))
             wait_until(f"127.0.0.1:{port}", "haproxy", children)
             vital += children[stores:]
             print(
                 f"seedance cluster: {nodes} node(s) on Redis at {redis_url} behind HAProxy; "
                 f"connect to ws://127.0.0.1:{port}/v2/infer (OpenAI API: "
-                f"http://127.0.0.1:{port}/v1); Ctrl-C stops them all",
+                f"http://127.0.0.1:{port}/v1; HAProxy's runtime API: {runtime}); Ctrl-C stops "
+                "them all",
                 flush=True,
             )
             while not stop and all(p.poll() is None for p in vital):

@@ -182,12 +182,14 @@ def log_keys(tenant: str, session_id: str, request_id: str) -> list[str]:
 class _Plan:
     """One exchange of one log: what it sends, and where the log stands once it is acked."""
 
-    __slots__ = ("args", "end", "entries", "groups", "header", "light", "seq", "start")
+    __slots__ = ("args", "end", "entries", "groups", "header", "light", "seq", "start", "tokens")
 
     def __init__(self) -> None:
         self.args: list[Any] = []
         #: The token entries it sends: (first, after) of the log's texts, and their tokens.
         self.groups: list[tuple[int, int, int]] = []
+        #: Their arguments (ENTRY_ARGS each), sent again as they are if the exchange fails.
+        self.tokens: list[Any] = []
         self.entries = 0
         self.seq = 0
         self.start: StartFrame | None = None
@@ -207,9 +209,11 @@ class ReplicatedLog(StreamLog):
         "_pending_start",
         "_queued",
         "_regaining",
+        "_resend",
         "acked",
         "acked_seq",
         "end_pending",
+        "finished",
         "header",
         "holder",
         "keys",
@@ -248,6 +252,8 @@ class ReplicatedLog(StreamLog):
         self._queued = False  # in the replicator's next exchange
         self._held = False  # held for the rest of the merge window
         self._regaining = False  # its lock was gone: being taken again (Replicator.regain)
+        self.finished = False  # its end is in Redis: nothing more to send
+        self._resend: _Plan | None = None  # an exchange that failed: its entries go again
         self.tokens_at = -1.0  # loop time of the last exchange with tokens (-1: none yet)
         self.ttl_at = -1.0  # loop time the keys' TTLs were last set (-1: never)
         self._deliver: Callable[[str, int], None] | None = None
@@ -315,7 +321,7 @@ class ReplicatedLog(StreamLog):
         """The next exchange at loop time ``now``: entries not yet sent (None: nothing to
         send)."""
         self._queued = self._held = False
-        if self.lost or self.holder is None or self._regaining:
+        if self.lost or self.holder is None or self._regaining or self.finished:
             return None
         plan = _Plan()
         args = plan.args
@@ -323,6 +329,13 @@ class ReplicatedLog(StreamLog):
         if self._pending_start is not None and self.start is None:
             plan.start = self._pending_start
             args += [START_ID, seal(encode_frame(self._pending_start), self.keys[1]), "", "", ""]
+        # Token entries an exchange that failed sent go again as they were (Redis may have
+        # taken them: the same ids are skipped, and a group cut otherwise would lose the
+        # tokens its id already covers).
+        resend, self._resend = self._resend, None
+        if resend is not None:
+            plan.tokens += resend.tokens
+            plan.groups += resend.groups
         # Each group of what was logged since the last exchange is one entry: readers are
         # handed it as one delta, so no cursor can fall inside it.
         texts = self.texts
@@ -332,10 +345,11 @@ class ReplicatedLog(StreamLog):
             for first, after in self._groups(entries):
                 count = after - first + sum(self.multi.get(i, 1) - 1 for i in range(first, after))
                 text = seal("".join(texts[first:after]), self.keys[1])
-                args += [f"{at}-{TOKEN}", text, count, *self._typed(at, count)]
+                plan.tokens += [f"{at}-{TOKEN}", text, count, *self._typed(at, count)]
                 plan.groups.append((first, after, count))
                 at += count
             self.tokens_at = now
+        args += plan.tokens
         plan.entries, plan.seq = entries, seq
         if self.end_pending is not None:
             (frame,) = self.end_pending
@@ -391,12 +405,12 @@ class ReplicatedLog(StreamLog):
     def acked_by(self, plan: _Plan, reply: Any) -> None:
         """Redis answered ``plan``'s exchange: hand its frames to the readers."""
         if isinstance(reply, Exception) or not reply:
-            self.sent, self.sent_seq = self.acked, self.acked_seq  # send them again
+            self._resend = plan  # its entries go again, as they were
             self.ttl_at = -1.0  # and the keys' TTLs with them
             if self.lost:
                 return
             if reply == 0:  # fenced out: the lock is another claim's, or Redis lost it
-                self.replicator.regain(self)
+                self.replicator.regain(self, plan)
             else:
                 self.replicator.retry(self)
             return
@@ -412,17 +426,23 @@ class ReplicatedLog(StreamLog):
         if plan.end and self.saving is not None:
             self.saving.saved(int(reply[1]))
             self.saving = None
-        if plan.end and self._ended is not None and not self._ended.done():
-            self._ended.set_result(True)
+        if plan.end:
+            self.finished = True
+            if self._ended is not None and not self._ended.done():
+                self._ended.set_result(True)
 
-    def _lose(self) -> None:
+    def lose(self, why: str = "") -> None:
+        """This node may not write the log any more: the generation stops here (its readers
+        resume on the node that has it now)."""
         if self.lost:
             return
         self.lost = True
         logger.error(
-            "request %s: Redis refused this node's frames (its lock is another node's now, or "
-            "Redis lost it); the generation stops here",
+            "request %s: %s; the generation stops here",
             self.request_id,
+            why
+            or "Redis refused this node's frames (its lock is another node's now, or Redis "
+            "lost it)",
         )
         if self._ended is not None and not self._ended.done():
             self._ended.set_result(False)
@@ -528,26 +548,52 @@ class Replicator:
         elif log._ended is not None and not log._ended.done():
             log._ended.set_result(False)  # this node stops: its end is not written
 
-    def regain(self, log: ReplicatedLog) -> None:
-        """Redis refused ``log``'s writes: its lock is gone. Its claim takes it again if no
+    def regain(self, log: ReplicatedLog, plan: _Plan) -> None:
+        """Redis refused ``plan``, ``log``'s writes: its lock is gone. If the plan carried the
+        end and Redis has it (the end, which drops the lock, went through, and its reply was
+        lost in a failover), the end is written. Else the claim takes the lock again if no
         other claim came since (a failover to a replica that lacked it, or one longer than
-        the lease); else the log is lost and its generation stops."""
+        the lease), and the entries go again; else the log is lost and its generation
+        stops."""
         log._regaining = True
-        self.link.spawn(self._regain(log), "regain")
+        self.link.spawn(self._regain(log, plan), "regain")
 
-    async def _regain(self, log: ReplicatedLog) -> None:
+    async def _regain(self, log: ReplicatedLog, plan: _Plan) -> None:
         assert log.holder is not None
         try:
+            if plan.end and await self._has_end(log, plan):
+                log._regaining = False
+                log._resend = None
+                log.acked_by(plan, [1, await self._saved_version(log)])
+                return
             held = self.claims is not None and await self.claims.hold((log.keys[0], log.holder))
         except Exception as exc:
             logger.warning("request %s: its lock could not be checked (%s)", log.request_id, exc)
             held = False
         log._regaining = False
         if not held:
-            log._lose()
+            log.lose()
             return
         logger.warning("request %s: its lock was gone from Redis; taken again", log.request_id)
         self.mark(log, now=True)
+
+    async def _has_end(self, log: ReplicatedLog, plan: _Plan) -> bool:
+        end = f"{plan.seq}-{END}"
+        stream = log.keys[1]
+        (found,) = await self.link.exchange(
+            lambda pipe: pipe.xrange(stream, end, end), idempotent=True
+        )
+        return bool(found)
+
+    async def _saved_version(self, log: ReplicatedLog) -> int:
+        """The version the end's save gave the session (0 without a save)."""
+        if log.saving is None:
+            return 0
+        hash_key = log.saving.keys[0]
+        (version,) = await self.link.exchange(
+            lambda pipe: pipe.hget(hash_key, "version"), idempotent=True
+        )
+        return int(version or 0)
 
     def _go(self, log: ReplicatedLog) -> None:
         log._queued = True

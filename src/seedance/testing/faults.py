@@ -9,6 +9,7 @@ SDKs' tests and for demos of what a client does when the network misbehaves.
             proxy.drop()                # close every connection (FIN)
             proxy.reset()               # abort every connection (RST)
             proxy.blackhole = True      # swallow every byte, leave connections open
+            proxy.deaf = True           # swallow only the server's replies
             proxy.reset_rate = 0.048    # reset this share of new connections at once
 
 From a shell, with commands on standard input (``delay 150``, ``drop``, ``reset``,
@@ -83,6 +84,9 @@ class FaultProxy:
         self.delay_s = 0.0
         #: Swallow every byte (both ways), connections left open.
         self.blackhole = False
+        #: Swallow what the target sends back, and only that: the client's requests are
+        #: carried out, their replies never come (a reply lost on its way).
+        self.deaf = False
         #: The share of new connections reset as soon as they are accepted.
         self.reset_rate = 0.0
         self.links: set[_Link] = set()
@@ -153,17 +157,27 @@ class FaultProxy:
         self.links.add(link)
         link.tasks = [
             asyncio.create_task(self._pump(reader, up_writer, link)),
-            asyncio.create_task(self._pump(up_reader, writer, link)),
+            asyncio.create_task(self._pump(up_reader, writer, link, back=True)),
         ]
         await asyncio.gather(*link.tasks, return_exceptions=True)
         self.links.discard(link)
         link.close(abort=False)
 
     async def _pump(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, link: _Link
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        link: _Link,
+        *,
+        back: bool = False,
     ) -> None:
-        """Forward one direction: each chunk goes out ``delay_s`` after it came, in order."""
+        """Forward one direction (``back``: the target's replies): each chunk goes out
+        ``delay_s`` after it came, in order."""
         loop = asyncio.get_running_loop()
+
+        def swallowed() -> bool:
+            return self.blackhole or (back and self.deaf)
+
         due: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
 
         async def send() -> None:
@@ -175,7 +189,7 @@ class FaultProxy:
                 wait = when - loop.time()
                 if wait > 0:
                     await asyncio.sleep(wait)
-                if not self.blackhole:
+                if not swallowed():
                     writer.write(data)
                     await writer.drain()
 
@@ -183,7 +197,7 @@ class FaultProxy:
         try:
             while True:
                 data = await reader.read(CHUNK_BYTES)
-                if self.blackhole and data:
+                if swallowed() and data:
                     continue
                 due.put_nowait((loop.time() + self.delay_s, data))
                 if not data:

@@ -137,6 +137,11 @@ class Regions:
         """The edge-far link up or down (a cut cable)."""
         self._tell("up" if up else "down")
 
+    def edge_reachable(self, up: bool) -> None:
+        """The clean link between this process and the edge up or down (the edge cut off
+        from its clients, while its link to the far side holds)."""
+        _ip("link", "set", self._devices[0], "up" if up else "down")
+
     def exec(self, ns: str, argv: Sequence[str]) -> list[str]:
         """``argv`` as run in namespace ``ns``."""
         return ["ip", "netns", "exec", ns, *argv]

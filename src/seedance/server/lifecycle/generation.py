@@ -346,6 +346,7 @@ class Generation:
         if isinstance(log, ReplicatedLog) and self.claim.lock is not None:
             log.own(self.claim.lock[1], self.header())
             log.on_lost = lambda: self.cancel(silent=True)
+            self.claim.on_lost = log.lose  # cut off from Redis past the lease
 
     async def _release(self) -> None:
         """Cluster mode: the end is in Redis before any reader sees it (None: this node may
@@ -363,15 +364,26 @@ class Generation:
             logger.info("request %s handed over to the cluster", self.request_id)
         elif isinstance(log, ReplicatedLog) and log.owned:
             try:
-                written = await asyncio.wait_for(log.write_end(self.end), 2 * cluster.link.lease_s)
+                # Past a failover too (the claims' cut-off, which gives the end up sooner
+                # when Redis stays away).
+                written = await asyncio.wait_for(
+                    log.write_end(self.end), 2 * cluster.claims.cut_off_s
+                )
             except asyncio.TimeoutError:
                 written = False
             if written:
                 self.claim.lock = None  # the end's script released it
+                self.claim.on_lost = None
             else:
                 log.lost = True
                 self.end = None
-        await cluster.claims.release(self.claim, self.prompt_tokens, self.completion_tokens)
+        release = cluster.claims.release(self.claim, self.prompt_tokens, self.completion_tokens)
+        if isinstance(log, ReplicatedLog) and log.lost:
+            # This node may not write here any more (cut off from Redis, or fenced out): its
+            # readers move now, and the claim is given back meanwhile (or expires).
+            cluster.link.spawn(release, f"release-{self.request_id}")
+        else:
+            await release
 
     def header(self) -> bytes:
         """What a node taking this generation over needs (cluster mode), as Redis keeps it

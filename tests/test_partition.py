@@ -1,0 +1,136 @@
+"""The cluster mode across network partitions, on real links: a node in a network namespace of
+its own (:class:`~seedance.testing.regions.Regions`: the edge), Redis in another (the far
+side), the other node and the clients in this one. Cutting the edge-far link cuts the node off
+from Redis but not from its clients; taking the edge's own link down cuts it off from its
+clients but not from Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from websockets.exceptions import ConnectionClosed
+
+from tests.support.netns import EDGE_ADDRESS, FAR_ADDRESS, FAR_ON_LINK, Regions, need_namespaces
+from tests.support.redis import RedisServer
+from tests.support.servers import ServerProcess
+from tests.support.ws import open_session, recv_json
+from tests.test_cluster import CHAT
+from tests.test_resume import PROMPT, Reading, read, resume, undisturbed
+
+pytestmark = [pytest.mark.slow, pytest.mark.subprocess, pytest.mark.timeout(240)]
+
+LEASE_S = 1.0
+
+
+@pytest.fixture
+def regions() -> Iterator[Regions]:
+    need_namespaces()
+    made = Regions()
+    yield made
+    made.close()
+
+
+def partitioned_cluster(
+    tmp_path: Path, regions: Regions
+) -> tuple[RedisServer, ServerProcess, str, ServerProcess]:
+    """Redis on the far side; a node on the edge (its URL as this process reaches it) and one
+    here, both at 300 tokens/s."""
+    far = regions.exec(regions.far, [])
+    redis = RedisServer(tmp_path, host=FAR_ADDRESS, prefix=far).start()
+    flags = ("--lease", str(LEASE_S), "--synthetic-tokens-per-s", "300")
+    edge_redis = f"redis://{FAR_ON_LINK}:{redis.port}/0"
+    node = ServerProcess(
+        "--host", "0.0.0.0", "--redis", edge_redis, "--node-id", "edge", *flags,
+        prefix=regions.exec(regions.edge, []),
+    )  # fmt: skip
+    other = ServerProcess("--redis", redis.url, "--node-id", "here", *flags)
+    return redis, node, f"ws://{EDGE_ADDRESS}:{node.port}", other
+
+
+async def begin(url: str, session: str, max_tokens: int) -> tuple[object, Reading]:
+    ws, _ = await open_session(url, f"session_id={session}")
+    request = {"prompt": PROMPT, "seed": 7, "max_tokens": max_tokens, "resumable": True}
+    await ws.send(json.dumps({**request, "request_id": "r1"}))
+    reading = Reading("r1")
+    await read(ws, reading, until_seq=50)
+    return ws, reading
+
+
+async def test_a_node_cut_off_from_redis_stops_and_its_reply_goes_on_elsewhere(
+    tmp_path: Path, regions: Regions
+) -> None:
+    """The edge-far link cut under a reply: the cut-off node refuses new requests, gives its
+    reply up within about a lease (its reader is moved with 1001), the client resumes on the
+    other node, which takes the reply over; once the link is back the cut-off node writes
+    nothing: the log holds one reply, every seq once, the undisturbed text."""
+    redis, node, node_url, other = partitioned_cluster(tmp_path, regions)
+    try:
+        expected = await undisturbed(other, max_tokens=1500)  # type: ignore[arg-type]
+        ws, reading = await begin(node_url, "cut", 1500)
+        regions.link(False)
+        cut_at = time.monotonic()
+        with pytest.raises(ConnectionClosed) as closed:
+            await read(ws, reading)  # type: ignore[arg-type]
+        gave_up_s = time.monotonic() - cut_at
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1001
+        assert gave_up_s < LEASE_S + 2, gave_up_s  # the lease, and a Redis timeout
+        await node.logged("has not reached Redis for over")
+        async with httpx.AsyncClient(base_url=f"http://{EDGE_ADDRESS}:{node.port}") as client:
+            refused = await client.post("/v1/chat/completions", json=CHAT)
+        assert refused.status_code == 503 and "does not answer" in refused.text
+
+        resumed, _ = await resume(other, "cut", reading)  # type: ignore[arg-type]
+        async with resumed:
+            await read(resumed, reading)
+        assert reading.end is not None and reading.end["type"] == "done"
+        assert reading.last_seq == 1499 and reading.text == expected
+        await other.logged("request r1 taken over at seq")
+
+        regions.link(True)
+        await node.logged("answers again", timeout_s=15)
+        await asyncio.sleep(1)  # what the node might still send, sent
+        whole = Reading("r1")
+        again, _ = await resume(other, "cut", whole)  # type: ignore[arg-type]
+        async with again:
+            await read(again, whole)
+        assert whole.text == expected and whole.end == reading.end
+        async with httpx.AsyncClient(base_url=f"http://{EDGE_ADDRESS}:{node.port}") as client:
+            assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
+    finally:
+        for proc in (node, other):
+            proc.stop()
+        redis.stop(kill=True)
+
+
+async def test_a_node_cut_off_from_its_clients_lets_them_resume_elsewhere(
+    tmp_path: Path, regions: Regions
+) -> None:
+    """The edge's own link down under a reply (the node still reaches Redis): the client,
+    hearing nothing, resumes on the other node, which follows the reply as its node goes on
+    writing it to Redis: every seq once, the undisturbed text."""
+    redis, node, node_url, other = partitioned_cluster(tmp_path, regions)
+    try:
+        expected = await undisturbed(other, max_tokens=600)  # type: ignore[arg-type]
+        ws, reading = await begin(node_url, "unreachable", 600)
+        regions.edge_reachable(False)
+        with pytest.raises(asyncio.TimeoutError):
+            while True:  # what was on its way, then silence
+                reading.take(await asyncio.wait_for(recv_json(ws), 1.0))  # type: ignore[arg-type]
+        resumed, hello = await resume(other, "unreachable", reading)  # type: ignore[arg-type]
+        assert hello["active"]["state"] == "running"
+        async with resumed:
+            await read(resumed, reading)
+        assert reading.end is not None and reading.end["type"] == "done"
+        assert reading.last_seq == 599 and reading.text == expected
+        assert "taken over" not in other.output  # its own node wrote it to the end
+        regions.edge_reachable(True)
+    finally:
+        for proc in (node, other):
+            proc.stop()
+        redis.stop(kill=True)
