@@ -31,7 +31,13 @@ from seedance.engines.llamacpp.cpu import resolve_repack
 from seedance.engines.llamacpp.native import backend_cwd
 from seedance.engines.local import default_model_path
 from seedance.engines.openai_upstream import OpenAIUpstreamEngine
-from seedance.engines.routing import LatencyWindow, Upstream, choose
+from seedance.engines.routing import (
+    LatencyWindow,
+    PrefixMemory,
+    Upstream,
+    choose,
+    prefix_blocks,
+)
 from seedance.engines.synthetic import SyntheticEngine
 from seedance.netutil import free_port
 from seedance.protocol.errors import SeedanceError
@@ -305,6 +311,101 @@ def test_routing_ranks_by_expected_wait_within_the_requests_class() -> None:
     assert choose(ups, "low") is gold  # none for it nor general: any that is up
     fresh = Upstream.parse("http://new/v1")  # no figures: the median of the others'
     assert choose([fresh], None) is fresh and fresh.ttft.p99() is None
+
+
+SYSTEM_A = "You are a careful assistant for a trading desk. " * 30  # about 1.4 KB
+SYSTEM_B = "You answer questions about support tickets, briefly. " * 30
+
+
+def blocks_of(*contents: str) -> list[bytes]:
+    return prefix_blocks(f"user\x1f{c}" for c in contents)
+
+
+def test_prefix_blocks_are_chained_whole_blocks() -> None:
+    shared = "x" * 600  # two whole blocks, and part of a third
+    one, two = blocks_of(shared + "a" * 400), blocks_of(shared + "b" * 400)
+    assert len(one) == len(two) == 3
+    assert one[:2] == two[:2] and one[2] != two[2]
+    assert blocks_of("short") == []  # no whole block: nothing to route by
+    assert blocks_of("y" + shared[1:])[0] != one[0]  # a block's hash covers what came before
+
+
+def test_prefix_routing_keeps_a_prefix_where_it_went_within_a_load_bound() -> None:
+    a, b, c = (Upstream.parse(f"http://{n}/v1") for n in "abc")
+    ups = [a, b, c]
+    first_turn = blocks_of(SYSTEM_A, "hello")
+    a.prefixes.remember(first_turn)
+    assert choose(ups, None, first_turn) is a
+    # The conversation's next turn, and another conversation under the same system prompt.
+    assert choose(ups, None, blocks_of(SYSTEM_A, "hello", "hi!", "and now?")) is a
+    assert choose(ups, None, blocks_of(SYSTEM_A, "another question")) is a
+    # No upstream holds the prefix: the load-based choice.
+    a.in_flight = 1
+    assert choose(ups, None, blocks_of(SYSTEM_B, "x")) is b
+    # A holder past the bound gives way: 5 > max(ceil(1.25 x 5 / 3), 5 / 3 + 2) = 3.67.
+    a.in_flight = 4
+    assert choose(ups, None, first_turn) is not a
+    b.prefixes.remember(first_turn[:2])  # b holds less of it, but is within the bound
+    assert choose(ups, None, first_turn) is b
+    a.in_flight = 1
+    assert choose(ups, None, first_turn) is a  # the longest run wins while within it
+    # Other routings ignore prefixes; the SLA classes come first.
+    assert choose(ups, None, first_turn, routing="load") is not a
+    assert [choose(ups, None, first_turn, routing="round-robin", turn=t) for t in range(4)] == [
+        a,
+        b,
+        c,
+        a,
+    ]
+    gold = Upstream.parse("http://gold/v1#critical")
+    assert choose([a, gold], "critical", first_turn) is gold
+    # An upstream remembers a bounded number of blocks, the least recently sent forgotten.
+    small = PrefixMemory(limit=4)
+    small.remember(first_turn[:3])
+    small.remember(blocks_of(SYSTEM_B)[:3])
+    assert len(small) == 4 and small.matched(first_turn) == 0
+
+
+@pytest.mark.slow
+@one_process_only("each worker routes by what it sent")
+async def test_conversations_go_where_their_prefix_is(
+    make_server: Callable[..., RunningServer],
+) -> None:
+    """Three Seedance upstreams; four conversations under each of two long system prompts,
+    three turns each: every turn under one system prompt reaches the upstream its first went
+    to (its prefix's KV cache), the two prompts' homes differ (load spread them); with
+    round-robin they scatter."""
+    upstreams = [make_server([SyntheticEngine(name="m")]) for _ in range(3)]
+
+    def served() -> list[int]:
+        return [u.engine.stats.requests_started for u in upstreams]
+
+    async def talk(server: RunningServer, system: str, who: int) -> list[int]:
+        homes = []
+        messages = [{"role": "system", "content": system}]
+        async with httpx.AsyncClient(base_url=server.http_url, timeout=30) as client:
+            for turn in range(3):
+                messages.append({"role": "user", "content": f"question {turn} from {who}"})
+                before = served()
+                body = {"model": "m", "messages": messages, "max_tokens": 4}
+                reply = (await client.post("/v1/chat/completions", json=body)).json()
+                homes.append(
+                    next(i for i, (x, y) in enumerate(zip(before, served(), strict=True)) if y > x)
+                )
+                messages.append(reply["choices"][0]["message"])
+        return homes
+
+    urls = [f"{u.http_url}/v1" for u in upstreams]
+    server = gateway(make_server, *urls, metrics_s=0)
+    homes = {system: set() for system in (SYSTEM_A, SYSTEM_B)}
+    for who in range(4):
+        for system in (SYSTEM_A, SYSTEM_B):
+            homes[system] |= set(await talk(server, system, who))
+    assert all(len(h) == 1 for h in homes.values()), homes
+    assert homes[SYSTEM_A] != homes[SYSTEM_B]
+
+    scattered = gateway(make_server, *urls, metrics_s=0, routing="round-robin")
+    assert len(set(await talk(scattered, SYSTEM_A, 9))) == 3
 
 
 def test_an_upstreams_metrics_give_its_queue_and_kv_cache_use(server: RunningServer) -> None:

@@ -49,13 +49,13 @@ from seedance.engines.base import (
     estimated_tokens,
 )
 from seedance.engines.registry import EngineSpec
-from seedance.engines.routing import Upstream, choose
+from seedance.engines.routing import ROUTINGS, Upstream, choose, prefix_blocks
 from seedance.protocol.errors import EngineError, InvalidRequest
 from seedance.protocol.messages import ChatMessage, FinishReason
 from seedance.protocol.openai import ChunkChoice, decode_stream_chunk, sse_data
 from seedance.protocol.schemas import OutputSchema
 from seedance.protocol.tools import CallWriter
-from seedance.settings import Option, non_negative, positive, urls
+from seedance.settings import Option, non_negative, one_of, positive, urls
 
 if TYPE_CHECKING:
     from seedance.config import ServerConfig
@@ -89,10 +89,13 @@ class OpenAIUpstreamEngine(Engine):
         cooldown_s: float = 10.0,
         metrics_s: float = 5.0,
         max_concurrency: int = 1024,
+        routing: str = "prefix",
     ) -> None:
         if not upstreams:
             raise ConfigError("the openai engine needs --upstream http://host:port/v1")
         self.upstreams = [Upstream.parse(u) for u in upstreams]
+        self.routing = routing
+        self._turn = 0  # requests routed so far (round-robin)
         self.timeout_s = timeout_s
         self.cooldown_s = cooldown_s
         self.metrics_s = metrics_s
@@ -167,10 +170,15 @@ class OpenAIUpstreamEngine(Engine):
 
     # -- upstream choice and health ----------------------------------------------------------
 
-    def _pick(self, exclude: Upstream | None, service_class: str | None) -> Upstream:
-        upstream = choose((u for u in self.upstreams if u is not exclude), service_class)
+    def _pick(
+        self, exclude: Upstream | None, service_class: str | None, blocks: list[bytes]
+    ) -> Upstream:
+        upstreams = (u for u in self.upstreams if u is not exclude)
+        upstream = choose(upstreams, service_class, blocks, routing=self.routing, turn=self._turn)
         if upstream is None:
             raise EngineError("no upstream is available; retry later")
+        self._turn += 1
+        upstream.prefixes.remember(blocks)  # its KV cache holds them now
         return upstream
 
     def _failed(self, upstream: Upstream, why: str) -> None:
@@ -233,9 +241,12 @@ class OpenAIUpstreamEngine(Engine):
             headers = {**headers, "traceparent": request.traceparent}
             if request.tracestate:
                 headers["tracestate"] = request.tracestate
+        blocks = []
+        if self.routing == "prefix":
+            blocks = prefix_blocks(f"{m.role}\x1f{m.content}" for m in request.messages)
         tried: Upstream | None = None
         for attempt in (1, 2):
-            upstream = self._pick(tried, request.qos_class)
+            upstream = self._pick(tried, request.qos_class, blocks)
             tried = upstream
             upstream.in_flight += 1
             upstream.requests += 1
@@ -448,6 +459,7 @@ class UpstreamOptions:
     timeout_s: float = 30.0
     cooldown_s: float = 10.0
     metrics_s: float = 5.0
+    routing: str = "prefix"
 
 
 OPTIONS = (
@@ -491,6 +503,16 @@ OPTIONS = (
         non_negative,
         "0 or more",
     ),
+    Option(
+        "routing",
+        "--upstream-routing",
+        str,
+        "how a request's upstream is chosen among those that serve its class: prefix (where "
+        "the longest run of its prompt's beginning went before, within 1.25x the average load; "
+        "else by load), load (the lowest expected wait), round-robin",
+        one_of(ROUTINGS),
+        ", ".join(ROUTINGS),
+    ),
 )
 
 
@@ -503,6 +525,7 @@ def create_engine(config: ServerConfig, options: UpstreamOptions) -> OpenAIUpstr
         timeout_s=options.timeout_s,
         cooldown_s=options.cooldown_s,
         metrics_s=options.metrics_s,
+        routing=options.routing,
     )
 
 

@@ -1,4 +1,4 @@
-"""Gateway mode's routing by SLA and load: which upstream a request goes to.
+"""Gateway mode's routing by prefix, SLA and load: which upstream a request goes to.
 
 **Policy.** An upstream may name the service classes it is kept for (``http://gpu:8000/v1#
 critical+high``); one that names none serves every class. A request (its ``X-QoS-Priority``
@@ -20,13 +20,32 @@ than to none. Among the candidates, the one with the lowest expected wait::
   ``llamacpp:requests_deferred`` and ``llamacpp:kv_cache_usage_ratio``); 0 when it does not.
 
 Ties go to the upstream that has served fewer requests.
+
+**Prefixes** (``--upstream-routing prefix``, the default). An upstream that served a prompt
+keeps its prefix's KV cache warm (vLLM's prefix caching, llama-server's slots, Seedance's
+sessions), so the next prompt that begins the same way (the conversation's next turn, another
+conversation under the same system prompt) is served fastest there. The gateway remembers, for
+each upstream, the prefix blocks of the prompts it sent there (the chained hashes of the
+prompt's whole :data:`BLOCK_BYTES`-byte blocks, as llm-d and vLLM hash KV blocks, the least
+recently sent forgotten past :data:`REMEMBERED_BLOCKS`) and sends a prompt to the candidate
+holding the longest run of its leading blocks, with bounded load (Mirrokni, Thorup and
+Zadimoghaddam's consistent hashing with bounded loads): an upstream takes a prompt for its
+prefix only while its requests in flight, this one counted, stay within :data:`LOAD_FACTOR`
+times the candidates' average, rounded up, or within :data:`HEADROOM` requests of it,
+whichever is more (a few requests in flight are no queue for a batching server); past that,
+or when no upstream holds any of the prefix, the load-based choice above decides: a prefix
+never leaves a request without an upstream. The SLA classes choose the candidates first.
+``load``: the load-based choice alone; ``round-robin``: the candidates in turn (both for
+comparison).
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
 import statistics
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Final
@@ -38,6 +57,19 @@ WINDOW_REPLIES: Final = 256
 MIN_SAMPLES: Final = 8
 DEFAULT_TTFT_S: Final = 0.1
 MAX_KV: Final = 0.95
+#: A prompt's prefix is hashed in blocks of this many bytes (about 64 tokens of English).
+BLOCK_BYTES: Final = 256
+#: Blocks of a prompt's beginning that count (64 KiB).
+MAX_BLOCKS: Final = 256
+#: Prefix blocks remembered per upstream (8 bytes each, with the dictionary's own).
+REMEMBERED_BLOCKS: Final = 100_000
+#: An upstream takes a prompt for its prefix while its requests in flight stay within this
+#: many times the candidates' average.
+LOAD_FACTOR: Final = 1.25
+#: ... or within this many requests of the average, whichever is more (few requests in flight).
+HEADROOM: Final = 2
+#: How a request's upstream is chosen (--upstream-routing).
+ROUTINGS: Final = ("prefix", "load", "round-robin")
 
 #: Metric families that say how many requests wait at an upstream, and how full its KV cache is.
 WAITING: Final = (
@@ -74,6 +106,46 @@ class LatencyWindow:
         return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
 
 
+def prefix_blocks(parts: Iterable[str]) -> list[bytes]:
+    """The chained hashes of a prompt's whole leading blocks (``parts``: its messages, each as
+    role and content): block i's hash covers every byte before its end, so two prompts share
+    it exactly when they begin with the same bytes up to there."""
+    data = b"\x1e".join(part.encode() for part in parts)[: BLOCK_BYTES * MAX_BLOCKS]
+    chained, blocks = b"", []
+    for at in range(0, len(data) - BLOCK_BYTES + 1, BLOCK_BYTES):
+        chained = hashlib.blake2b(chained + data[at : at + BLOCK_BYTES], digest_size=8).digest()
+        blocks.append(chained)
+    return blocks
+
+
+class PrefixMemory:
+    """The prefix blocks of prompts sent to one upstream, the least recently sent forgotten
+    first."""
+
+    def __init__(self, limit: int = REMEMBERED_BLOCKS) -> None:
+        self._blocks: OrderedDict[bytes, None] = OrderedDict()
+        self.limit = limit
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def matched(self, blocks: list[bytes]) -> int:
+        """How many of ``blocks``, from the first, this upstream was sent."""
+        count = 0
+        for block in blocks:
+            if block not in self._blocks:
+                break
+            count += 1
+        return count
+
+    def remember(self, blocks: list[bytes]) -> None:
+        for block in blocks:
+            self._blocks[block] = None
+            self._blocks.move_to_end(block)
+        while len(self._blocks) > self.limit:
+            self._blocks.popitem(last=False)
+
+
 @dataclass(slots=True, eq=False)
 class Upstream:
     """One OpenAI-compatible server, and what is known of it."""
@@ -87,6 +159,7 @@ class Upstream:
     ttft: LatencyWindow = field(default_factory=LatencyWindow)
     waiting: float = 0.0  # from its /metrics
     kv_use: float | None = None  # from its /metrics
+    prefixes: PrefixMemory = field(default_factory=PrefixMemory)
 
     @staticmethod
     def parse(url: str) -> Upstream:
@@ -115,13 +188,38 @@ class Upstream:
         self.waiting, self.kv_use = waiting, kv
 
 
-def choose(upstreams: Iterable[Upstream], service_class: str | None) -> Upstream | None:
-    """The upstream a request of ``service_class`` goes to (see the module); None: none up."""
+def choose(
+    upstreams: Iterable[Upstream],
+    service_class: str | None,
+    blocks: list[bytes] | None = None,
+    *,
+    routing: str = "prefix",
+    turn: int = 0,
+) -> Upstream | None:
+    """The upstream a request of ``service_class`` goes to (see the module); None: none up.
+    ``blocks``: its prompt's :func:`prefix_blocks`; ``turn``: a count of the requests routed
+    so far (``round-robin``)."""
     up = [u for u in upstreams if u.up]
     if not up:
         return None
     wanted = service_class or "normal"
     candidates = [u for u in up if wanted in u.classes] or [u for u in up if not u.classes] or up
+    if routing == "round-robin":
+        return candidates[turn % len(candidates)]
+    least_loaded = _least_loaded(up, candidates)
+    if routing != "prefix" or not blocks:
+        return least_loaded
+    average = (sum(u.in_flight for u in candidates) + 1) / len(candidates)
+    cap = max(math.ceil(LOAD_FACTOR * average), average + HEADROOM)
+    held = [(u.prefixes.matched(blocks), u) for u in candidates if u.in_flight + 1 <= cap]
+    if not held:
+        return least_loaded
+    matched, best = min(held, key=lambda pair: (-pair[0], pair[1].in_flight, pair[1].requests))
+    return best if matched else least_loaded
+
+
+def _least_loaded(up: list[Upstream], candidates: list[Upstream]) -> Upstream:
+    """The candidate with the lowest expected wait (see the module)."""
     known = [p for p in (u.ttft.p99() for u in up) if p is not None]
     fallback = statistics.median(known) if known else DEFAULT_TTFT_S
 
