@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import pytest
 from benchmarks.peers.openai_sse import create_app as openai_app
+from prometheus_client.parser import text_string_to_metric_families
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -519,6 +520,42 @@ async def test_logprobs_come_from_the_upstream(make_server, smollm: RunningServe
         model=model, prompt="The capital of France is", max_tokens=4, temperature=0, logprobs=2
     )
     assert legacy.choices[0].logprobs and len(legacy.choices[0].logprobs.tokens or []) == 4
+
+
+@pytest.mark.model
+@one_process_only("reads the gateway's upstreams in its process")
+async def test_an_upstreams_prompt_cache_hits_reach_the_gateways_metrics(
+    make_server: Callable[..., RunningServer], smollm: RunningServer
+) -> None:
+    """The embedded engine counts the prompt tokens its cache served (a conversation's next
+    turn reuses the cells of the last); the gateway reads them from the upstream's /metrics
+    and reports them as its own engine's."""
+    server = gateway(make_server, f"{smollm.http_url}/v1", metrics_s=0.2)
+    messages = [{"role": "system", "content": SYSTEM_A}, {"role": "user", "content": "Hi"}]
+    async with httpx.AsyncClient(base_url=server.http_url, timeout=60) as client:
+        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        for _ in range(2):
+            body = {"model": model, "messages": messages, "max_tokens": 4, "temperature": 0}
+            reply = (await client.post("/v1/chat/completions", json=body)).json()
+            messages += [reply["choices"][0]["message"], {"role": "user", "content": "More?"}]
+
+        def figures(text: str) -> tuple[float, float]:
+            found = {
+                s.name: s.value
+                for f in text_string_to_metric_families(text)
+                for s in f.samples
+                if s.name.startswith("seedance_engine_prompt_") and s.name.endswith("_total")
+            }
+            return (
+                found.get("seedance_engine_prompt_tokens_total", 0.0),
+                found.get("seedance_engine_prompt_cached_tokens_total", 0.0),
+            )
+
+        async with httpx.AsyncClient(base_url=smollm.http_url) as direct:
+            prompted, cached = figures((await direct.get("/metrics")).text)
+        assert cached > 0.5 * prompted / 2  # the second turn: mostly the first's cells
+        await eventually(lambda: upstream_engine(server).prompt_cache() == (prompted, cached))
+        assert figures((await client.get("/metrics")).text) == (prompted, cached)
 
 
 @pytest.mark.model

@@ -301,3 +301,9 @@ class Engine(abc.ABC):
     def kv_cache_usage(self) -> float | None:
         """Share of the KV cache in use (0 to 1), where the engine knows it (for /metrics)."""
         return None
+
+    def prompt_cache(self) -> tuple[int, int] | None:
+        """Prompt tokens the engine was given since it started, and how many of them came from
+        its cache instead of a prefill, where it can tell (for /metrics: a gateway in front
+        reads them, vLLM's prefix cache queries and hits alike)."""
+        return None

@@ -447,6 +447,10 @@ class BatchedEngine(PromptedEngine):
         stats = self.loop.stats  # as of the decode thread's last step
         return stats.running + stats.waiting
 
+    def prompt_cache(self) -> tuple[int, int]:
+        stats = self.loop.stats
+        return stats.prompt_tokens, stats.prompt_tokens - stats.prompt_tokens_prefilled
+
     def _use_grammars(self, build: Callable[[], llguidance.LLTokenizer]) -> None:
         """Replies may be bound to schemas; ``build`` reads the vocabulary for llguidance."""
         self.grammars = Grammars(build)

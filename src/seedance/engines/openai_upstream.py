@@ -165,6 +165,14 @@ class OpenAIUpstreamEngine(Engine):
             return EngineHealth(ok=True)
         return EngineHealth(ok=False, detail="every upstream is down")
 
+    def prompt_cache(self) -> tuple[int, int] | None:
+        """Its upstreams' prompt tokens and cache hits, as their /metrics last said (those
+        that say)."""
+        figures = [u.prompt_cache for u in self.upstreams if u.prompt_cache is not None]
+        if not figures:
+            return None
+        return sum(p for p, _ in figures), sum(c for _, c in figures)
+
     def count_tokens(self, text: str) -> int:
         return estimated_tokens(text)  # the upstream's tokenizer is unknown
 

@@ -48,7 +48,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -83,6 +83,10 @@ KV_USE: Final = (
     "vllm:gpu_cache_usage_perc",
     "llamacpp:kv_cache_usage_ratio",
 )
+#: Counter families of the prompt tokens an upstream was given, and of those its prefix cache
+#: served (llama-server exports neither).
+PROMPTED: Final = ("seedance_engine_prompt_tokens", "vllm:prefix_cache_queries")
+CACHED: Final = ("seedance_engine_prompt_cached_tokens", "vllm:prefix_cache_hits")
 
 
 class LatencyWindow:
@@ -159,6 +163,9 @@ class Upstream:
     ttft: LatencyWindow = field(default_factory=LatencyWindow)
     waiting: float = 0.0  # from its /metrics
     kv_use: float | None = None  # from its /metrics
+    #: Prompt tokens it was given, and those its cache served, since it started (its
+    #: /metrics, where it says).
+    prompt_cache: tuple[int, int] | None = None
     prefixes: PrefixMemory = field(default_factory=PrefixMemory)
 
     @staticmethod
@@ -179,13 +186,25 @@ class Upstream:
 
     def read_metrics(self, text: str) -> None:
         waiting, kv = 0.0, None
+        prompted = cached = None
         for family in text_string_to_metric_families(text):
             if family.name in WAITING:
                 waiting += sum(s.value for s in family.samples)
             elif family.name in KV_USE and family.samples:
                 value = max(s.value for s in family.samples)
                 kv = max(kv or 0.0, value / 100 if value > 1 else value)  # some say percent
+            elif family.name in PROMPTED:
+                prompted = (prompted or 0) + _total(family.samples)
+            elif family.name in CACHED:
+                cached = (cached or 0) + _total(family.samples)
         self.waiting, self.kv_use = waiting, kv
+        if prompted is not None and cached is not None:
+            self.prompt_cache = (prompted, cached)
+
+
+def _total(samples: Iterable[Any]) -> int:
+    """A counter family's value (its ``_total`` samples, not its ``_created``)."""
+    return int(sum(s.value for s in samples if not s.name.endswith("_created")))
 
 
 def choose(

@@ -45,6 +45,8 @@ CONDITIONAL_METRICS: Final = (
     "seedance_gpu_memory_total_bytes",
     "seedance_kv_cache_usage_ratio",
     "seedance_engine_requests",
+    "seedance_engine_prompt_tokens",  # engines that count their prompt cache
+    "seedance_engine_prompt_cached_tokens",
     "seedance_tls_certificate_expiry_timestamp_seconds",  # with --tls-cert
     "seedance_tls_certificate_reloads",
 )

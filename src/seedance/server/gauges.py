@@ -43,6 +43,17 @@ def state_metrics(state: Services, gpu: GpuMemory | None) -> Iterator[Metric]:
         "Requests the engine itself holds, running or queued inside it.",
         MODEL_LABELS,
     )
+    prompted = CounterMetricFamily(
+        "seedance_engine_prompt_tokens",
+        "Prompt tokens the engine was given (where it counts its prompt cache).",
+        labels=list(MODEL_LABELS),
+    )
+    cached = CounterMetricFamily(
+        "seedance_engine_prompt_cached_tokens",
+        "Of those, the tokens that came from the engine's cache (a session's earlier turns, a "
+        "shared prefix) instead of a prefill.",
+        labels=list(MODEL_LABELS),
+    )
     for model in state.models.values():
         labels = [model.name, model.engine.info.engine]
         admission = model.admission
@@ -56,6 +67,10 @@ def state_metrics(state: Services, gpu: GpuMemory | None) -> Iterator[Metric]:
         held = model.engine.unfinished_requests()
         if held is not None:
             inside.add_metric(labels, held)
+        cache = model.engine.prompt_cache()
+        if cache is not None:
+            prompted.add_metric(labels, cache[0])
+            cached.add_metric(labels, cache[1])
     merged = CounterMetricFamily(
         "seedance_frames_merged",
         "Token deltas that joined an earlier token frame instead of making their own.",
@@ -75,5 +90,7 @@ def state_metrics(state: Services, gpu: GpuMemory | None) -> Iterator[Metric]:
         yield kv
     if inside.samples:
         yield inside
+    if prompted.samples:
+        yield from (prompted, cached)
     if gpu is not None:
         yield from gpu.collect()

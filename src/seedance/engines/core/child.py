@@ -131,7 +131,11 @@ class EngineCore:
             await asyncio.sleep(wire.STATS_INTERVAL_S)
             health = engine.health()
             stats = wire.Stats(
-                health.ok, health.detail, engine.unfinished_requests(), engine.kv_cache_usage()
+                health.ok,
+                health.detail,
+                engine.unfinished_requests(),
+                engine.kv_cache_usage(),
+                engine.prompt_cache(),
             )
             for peer in self._peers:
                 self._send(peer, stats)

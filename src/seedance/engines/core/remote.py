@@ -327,6 +327,9 @@ class RemoteEngine(Engine):
     def kv_cache_usage(self) -> float | None:
         return self._stats.kv_cache_usage
 
+    def prompt_cache(self) -> tuple[int, int] | None:
+        return self._stats.prompt_cache
+
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
         wait_s = self.config.engine_restart_wait_s
         attempt: GenerationRequest | None = request

@@ -88,6 +88,7 @@ class Stats(msgspec.Struct, tag="stats", array_like=True):
     detail: str
     unfinished: int | None
     kv_cache_usage: float | None
+    prompt_cache: tuple[int, int] | None = None
 
 
 ToEngine = Hello | Submit | Cancel | Forget
