@@ -90,7 +90,7 @@ test-fast: $(VENV)/.installed-test
 # guidellm; tensor frames, tritonclient's binary data and a WebAssembly filter: suite 19 builds
 # examples/wasm/redact.c with clang for wasm32-wasi; the cross-region relay over a lossy link
 # between two network namespaces: suite 20, as root; a Redis primary killed under load behind
-# redis-sentinel: suite 23);
+# redis-sentinel: suite 23; gateway routing by prefix in front of three embedded models: 24);
 # rewrites docs/benchmarks.md (~55 min, and about 9 more the first time, to build llama-server).
 # BENCH_ARGS=--quick for a short run,
 # BENCH_ARGS="--suites 5" for one suite.

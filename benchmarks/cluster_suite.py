@@ -192,13 +192,21 @@ def _used_memory(url: str) -> int:
 # --------------------------------------------------------------------------- the suite
 
 
-def cluster_suite(report: Report) -> None:
+def lacks(report: Report, tag: str, title: str, *programs: str) -> bool:
+    """Whether a suite cannot run for want of one of ``programs`` (each from the Debian
+    package of its name); its section then says so."""
     try:
-        program("redis-server", "redis-server")
-        program("haproxy", "haproxy")
+        for name in programs:
+            program(name, name)
     except ClusterError as exc:
-        report.log(f"[10 cluster] skipped: {exc}")
-        report.sections.append(f"## 10. Cluster mode\n\nNot run: {exc}.\n")
+        report.log(f"[{tag}] skipped: {exc}")
+        report.sections.append(f"## {title}\n\nNot run: {exc}.\n")
+        return True
+    return False
+
+
+def cluster_suite(report: Report) -> None:
+    if lacks(report, "10 cluster", "10. Cluster mode", "redis-server", "haproxy"):
         return
     with tempfile.TemporaryDirectory() as data, redis(data) as url:
         # Fan-out: one node with Redis against one in memory.

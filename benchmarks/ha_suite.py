@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from benchmarks.cluster_suite import lacks
 from benchmarks.harness import fmt, ratio, run_bench, seedance, servers, verdict
-from seedance.cluster.local import ClusterError, program, start_redis
+from seedance.cluster.local import start_redis
 
 if TYPE_CHECKING:
     from benchmarks.harness import Report
@@ -155,12 +156,8 @@ def _redis_cost(report: Report, url: str) -> list[str]:
 
 
 def ha_suite(report: Report) -> None:
-    try:
-        program("redis-server", "redis-server")
-        program("redis-sentinel", "redis-sentinel")
-    except ClusterError as exc:
-        report.log(f"[23 sentinel] skipped: {exc}")
-        report.sections.append(f"## 23. Redis failover (Sentinel)\n\nNot run: {exc}.\n")
+    title = "23. Redis failover (Sentinel)"
+    if lacks(report, "23 sentinel", title, "redis-server", "redis-sentinel"):
         return
     streams, rate, duration_s = (20, 5.0, 8.0) if report.quick else (100, 20.0, 15.0)
     children: list[subprocess.Popen[bytes]] = []

@@ -29,6 +29,7 @@ from benchmarks.idle import idle
 from benchmarks.llama_suite import llama_suite, native_suite
 from benchmarks.observability_suite import observability_suite
 from benchmarks.openai_suite import openai_suite
+from benchmarks.prefix_suite import prefix_suite
 from benchmarks.processes_suite import processes_suite
 from benchmarks.qos_suite import qos_suite
 from benchmarks.relay_suite import relay_suite
@@ -46,8 +47,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks.md"))
     parser.add_argument(
         "--suites",
-        default="1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20,21,22,23",
-        help="which suites to run (default all: 1-23)",
+        default="1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20,21,22,23,24",
+        help="which suites to run (default all: 1-24)",
     )
     args = parser.parse_args(argv)
     if cores() < 2:
@@ -79,6 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "21": functools.partial(processes_suite, report),
         "22": functools.partial(native_suite, report),
         "23": functools.partial(ha_suite, report),
+        "24": functools.partial(prefix_suite, report),
     }
     for key in sorted(chosen, key=int):
         suites[key]()

@@ -16,6 +16,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from seedance.engines.base import Engine
 from seedance.observability.tracing import Tracing
+from tests.support.netns import Regions, need_namespaces
 from tests.support.redis import RedisServer
 from tests.support.servers import THREADS, RunningServer, ServerProcess, server_config
 
@@ -69,6 +70,15 @@ def smollm() -> Iterator[RunningServer]:
     server = RunningServer(server_config(engine="llamacpp", parallel=2, n_ctx=4096), None).start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def regions() -> Iterator[Regions]:
+    """Two network namespaces and their links (skipped where they cannot be made)."""
+    need_namespaces()
+    made = Regions()
+    yield made
+    made.close()
 
 
 @pytest.fixture

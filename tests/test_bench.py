@@ -632,3 +632,14 @@ def test_the_sentinel_suite_kills_the_primary_under_load(tmp_path: Path) -> None
     assert "| tokens lost / repeated | 0 / 0 |" in report, report
     assert "| new requests failed | 0 of " in report, report
     assert "[23 sentinel] failover under load" in progress
+
+
+@pytest.mark.model
+@pytest.mark.timeout(330)
+def test_the_prefix_suite_routes_one_trace_three_ways(tmp_path: Path) -> None:
+    report, progress = quick_suite(tmp_path, 24, timeout_s=300)
+    assert "## 24. Gateway mode: routing by prefix" in report, progress
+    for routing in ("prefix", "load", "round-robin"):
+        assert f"| {routing} | " in report
+        assert f"[24 prefix routing] {routing}, round 1" in progress
+    assert "First error" not in report, report

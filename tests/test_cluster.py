@@ -54,7 +54,7 @@ from tests.support.ws import (
 from tests.support.ws import raw_connect as raw
 from tests.test_balancer import haproxy
 from tests.test_lifecycle import BODY, content, dropped_at, sse
-from tests.test_resume import PROMPT, Reading, read, resume, undisturbed
+from tests.test_resume import PROMPT, Reading, begin, read, read_whole, resume, undisturbed
 from tests.test_tensor_frames import PROMPT as TENSOR_PROMPT
 from tests.test_tensor_frames import begin_and_drop, check_pairs, detokenize, read_frames
 
@@ -506,10 +506,7 @@ async def test_a_stream_resumes_on_another_node(
     assert reading.end["usage"]["completion_tokens"] == 120 and reading.last_seq == 119
     assert reading.text == expected and reading.starts == 2
 
-    again = Reading("r1")
-    ws, _ = await resume(third, "trip", again)
-    async with ws:
-        await read(ws, again)
+    again = await read_whole(third, "trip")
     assert again.text == expected and again.end == reading.end
 
 
@@ -528,11 +525,7 @@ async def test_entries_whose_replies_were_lost_go_again_as_they_were(
         )
         (second,) = nodes(make_server, 1, redis_server, engines=engine)
         expected = await undisturbed(second, max_tokens=400)
-        ws, _ = await open_session(first.url, "session_id=lost-replies")
-        request = {"prompt": PROMPT, "seed": 7, "max_tokens": 400, "resumable": True}
-        await ws.send(json.dumps({**request, "request_id": "r1"}))
-        reading = Reading("r1")
-        await read(ws, reading, until_seq=30)
+        ws, reading = await begin(first.url, "lost-replies", 400, until_seq=30)
         proxy.deaf = True
         await asyncio.sleep(1.5)  # past the exchange's timeout: sent again, and again
         proxy.deaf = False
@@ -540,10 +533,7 @@ async def test_entries_whose_replies_were_lost_go_again_as_they_were(
             await read(ws, reading)
         assert reading.end is not None and reading.end["type"] == "done", reading.end
         assert reading.text == expected and reading.last_seq == 399
-        again = Reading("r1")
-        resumed, _ = await resume(second, "lost-replies", again)
-        async with resumed:
-            await read(resumed, again)
+        again = await read_whole(second, "lost-replies")
         assert again.text == expected and again.end == reading.end
 
 
@@ -722,12 +712,7 @@ async def test_a_frozen_node_cannot_write_after_the_takeover(
     )
     owner.signal(signal.SIGSTOP)
     try:
-        resumed, _ = await resume(survivor, "frozen", reading)  # type: ignore[arg-type]
-        async with resumed:
-            await read(resumed, reading, until_seq=reading.last_seq + 20)
-            await survivor.logged("request r1 taken over at seq")
-        owner.signal(signal.SIGCONT)
-        await owner.logged("Redis refused this node's frames")
+        await taken_over_then_fenced(owner, survivor, "frozen", reading)
         await ws.close()
     finally:
         owner.signal(signal.SIGCONT)
@@ -735,6 +720,20 @@ async def test_a_frozen_node_cannot_write_after_the_takeover(
     await eventually_done(survivor, "frozen", whole)
     assert whole.text == expected and whole.last_seq == 599
     assert whole.end is not None and whole.end["usage"]["completion_tokens"] == 600
+
+
+async def taken_over_then_fenced(
+    owner: ServerProcess, survivor: ServerProcess, session: str, reading: Reading
+) -> None:
+    """The frozen ``owner``'s reply, resumed on ``survivor``, goes on there past a takeover;
+    SIGCONT: the owner's next write is refused; the reply is read to its end."""
+    resumed, _ = await resume(survivor, session, reading)  # type: ignore[arg-type]
+    async with resumed:
+        await read(resumed, reading, until_seq=reading.last_seq + 20)
+        await survivor.logged("request r1 taken over at seq")
+        owner.signal(signal.SIGCONT)
+        await owner.logged("Redis refused this node's frames")
+        await read(resumed, reading)
 
 
 async def eventually_done(node: Any, session: str, reading: Reading) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -22,7 +21,8 @@ from seedance.cluster.local import SERVICE
 from tests.support.redis import Sentinels
 from tests.support.servers import ServerProcess
 from tests.support.ws import generate, open_session
-from tests.test_resume import PROMPT, Reading, read, resume, undisturbed
+from tests.test_cluster import taken_over_then_fenced
+from tests.test_resume import begin, read, read_whole, resume, undisturbed
 
 pytestmark = [pytest.mark.slow, pytest.mark.subprocess, pytest.mark.timeout(240)]
 
@@ -43,29 +43,10 @@ def two_nodes(
     return first, second
 
 
-async def begin(node: ServerProcess, session: str, max_tokens: int, until_seq: int) -> Any:
-    """A resumable reply ``r1`` begun on ``node``, read up to ``until_seq``."""
-    ws, _ = await open_session(node.url, f"session_id={session}")
-    request = {"prompt": PROMPT, "seed": 7, "max_tokens": max_tokens, "resumable": True}
-    await ws.send(json.dumps({**request, "request_id": "r1"}))
-    reading = Reading("r1")
-    await read(ws, reading, until_seq=until_seq)
-    return ws, reading
-
-
 def end_of(frames: list[dict[str, Any]]) -> str:
     """How a reply ended: done, or its error's code."""
     end = frames[-1]
     return "done" if end["type"] == "done" else str(end.get("error", end))
-
-
-async def whole_log(node: ServerProcess, session: str) -> Reading:
-    """The reply ``r1`` of ``session`` as Redis keeps it, read from the start."""
-    reading = Reading("r1")
-    ws, _ = await resume(node, session, reading)  # type: ignore[arg-type]
-    async with ws:
-        await read(ws, reading)
-    return reading
 
 
 async def test_a_primary_killed_under_load_loses_no_token_and_refuses_nothing(
@@ -77,7 +58,7 @@ async def test_a_primary_killed_under_load_loses_no_token_and_refuses_nothing(
     the new primary holds each reply whole (what a client saw had reached the replica)."""
     nodes = two_nodes(server_process, sentinels, tokens_per_s=150)
     expected = await undisturbed(nodes[0], max_tokens=450)  # type: ignore[arg-type]
-    replies = [await begin(nodes[i % 2], f"s{i}", 450, until_seq=20) for i in range(6)]
+    replies = [await begin(nodes[i % 2].url, f"s{i}", 450, until_seq=20) for i in range(6)]
     short: list[tuple[str, float]] = []  # each new request's end, and how long it took
     stop = asyncio.Event()
 
@@ -122,7 +103,7 @@ async def test_a_primary_killed_under_load_loses_no_token_and_refuses_nothing(
     assert waited > 1.0  # some waited for the promotion, within the time it took
     assert waited < time.monotonic() - killed_at
     for i in range(6):
-        whole = await whole_log(nodes[(i + 1) % 2], f"s{i}")
+        whole = await read_whole(nodes[(i + 1) % 2], f"s{i}")
         assert whole.text == expected and whole.end == replies[i][1].end
     for node in nodes:
         await node.logged("answers again (another server: a failover)")
@@ -137,26 +118,20 @@ async def test_a_frozen_node_cannot_write_after_a_failover_and_a_takeover(
     the replica held before the claim went on), and the log holds exactly one reply."""
     owner, survivor = two_nodes(server_process, sentinels, tokens_per_s=300)
     expected = await undisturbed(survivor, max_tokens=600)  # type: ignore[arg-type]
-    ws, reading = await begin(owner, "frozen", 600, until_seq=50)
+    ws, reading = await begin(owner.url, "frozen", 600, until_seq=50)
     owner.signal(signal.SIGSTOP)
     try:
         old = sentinels.primary()
         old.stop(kill=True)
         await asyncio.to_thread(sentinels.wait_failover, old)
-        resumed, _ = await resume(survivor, "frozen", reading)  # type: ignore[arg-type]
-        async with resumed:
-            await read(resumed, reading, until_seq=reading.last_seq + 20)
-            await survivor.logged("request r1 taken over at seq")
-            owner.signal(signal.SIGCONT)
-            await owner.logged("Redis refused this node's frames")
-            await read(resumed, reading)
+        await taken_over_then_fenced(owner, survivor, "frozen", reading)
         with contextlib.suppress(ConnectionClosed, asyncio.TimeoutError):
             await ws.close()
     finally:
         owner.signal(signal.SIGCONT)
     assert reading.end is not None and reading.end["type"] == "done"
     assert reading.text == expected and reading.last_seq == 599
-    whole = await whole_log(survivor, "frozen")
+    whole = await read_whole(survivor, "frozen")
     assert whole.text == expected and whole.end == reading.end
 
 
@@ -169,7 +144,7 @@ async def test_a_reply_is_taken_over_through_a_failover(
     text."""
     owner, survivor = two_nodes(server_process, sentinels, tokens_per_s=300)
     expected = await undisturbed(survivor, max_tokens=600)  # type: ignore[arg-type]
-    ws, reading = await begin(owner, "doomed", 600, until_seq=80)
+    ws, reading = await begin(owner.url, "doomed", 600, until_seq=80)
     old = sentinels.primary()
     owner.signal(signal.SIGKILL)
     old.stop(kill=True)

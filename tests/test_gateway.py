@@ -336,22 +336,23 @@ def test_prefix_routing_keeps_a_prefix_where_it_went_within_a_load_bound() -> No
     ups = [a, b, c]
     first_turn = blocks_of(SYSTEM_A, "hello")
     a.prefixes.remember(first_turn)
-    assert choose(ups, None, first_turn) is a
+    assert choose(ups, None, first_turn, routing="prefix") is a
     # The conversation's next turn, and another conversation under the same system prompt.
-    assert choose(ups, None, blocks_of(SYSTEM_A, "hello", "hi!", "and now?")) is a
-    assert choose(ups, None, blocks_of(SYSTEM_A, "another question")) is a
+    assert choose(ups, None, blocks_of(SYSTEM_A, "hello", "hi!", "and now?"), routing="prefix") is a
+    assert choose(ups, None, blocks_of(SYSTEM_A, "another question"), routing="prefix") is a
     # No upstream holds the prefix: the load-based choice.
     a.in_flight = 1
-    assert choose(ups, None, blocks_of(SYSTEM_B, "x")) is b
-    # A holder past the bound gives way: 5 > max(ceil(1.25 x 5 / 3), 5 / 3 + 2) = 3.67.
-    a.in_flight = 4
-    assert choose(ups, None, first_turn) is not a
+    assert choose(ups, None, blocks_of(SYSTEM_B, "x"), routing="prefix") is b
+    # A holder past the bound gives way: 4 > max(ceil(1.25 x 4 / 3), 0 + 1 + 1) = 2.
+    a.in_flight = 3
+    assert choose(ups, None, first_turn, routing="prefix") is not a
     b.prefixes.remember(first_turn[:2])  # b holds less of it, but is within the bound
-    assert choose(ups, None, first_turn) is b
+    assert choose(ups, None, first_turn, routing="prefix") is b
     a.in_flight = 1
-    assert choose(ups, None, first_turn) is a  # the longest run wins while within it
-    # Other routings ignore prefixes; the SLA classes come first.
-    assert choose(ups, None, first_turn, routing="load") is not a
+    # The longest run wins while within the bound.
+    assert choose(ups, None, first_turn, routing="prefix") is a
+    # The other routings ignore prefixes (load, the default); the SLA classes come first.
+    assert choose(ups, None, first_turn) is not a
     assert [choose(ups, None, first_turn, routing="round-robin", turn=t) for t in range(4)] == [
         a,
         b,
@@ -359,7 +360,7 @@ def test_prefix_routing_keeps_a_prefix_where_it_went_within_a_load_bound() -> No
         a,
     ]
     gold = Upstream.parse("http://gold/v1#critical")
-    assert choose([a, gold], "critical", first_turn) is gold
+    assert choose([a, gold], "critical", first_turn, routing="prefix") is gold
     # An upstream remembers a bounded number of blocks, the least recently sent forgotten.
     small = PrefixMemory(limit=4)
     small.remember(first_turn[:3])
@@ -397,7 +398,7 @@ async def test_conversations_go_where_their_prefix_is(
         return homes
 
     urls = [f"{u.http_url}/v1" for u in upstreams]
-    server = gateway(make_server, *urls, metrics_s=0)
+    server = gateway(make_server, *urls, metrics_s=0, routing="prefix")
     homes = {system: set() for system in (SYSTEM_A, SYSTEM_B)}
     for who in range(4):
         for system in (SYSTEM_A, SYSTEM_B):

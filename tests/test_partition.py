@@ -7,33 +7,23 @@ clients but not from Redis."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 from websockets.exceptions import ConnectionClosed
 
-from tests.support.netns import EDGE_ADDRESS, FAR_ADDRESS, FAR_ON_LINK, Regions, need_namespaces
+from tests.support.netns import EDGE_ADDRESS, FAR_ADDRESS, FAR_ON_LINK, Regions
 from tests.support.redis import RedisServer
 from tests.support.servers import ServerProcess
-from tests.support.ws import open_session, recv_json
+from tests.support.ws import recv_json
 from tests.test_cluster import CHAT
-from tests.test_resume import PROMPT, Reading, read, resume, undisturbed
+from tests.test_resume import begin, read, read_whole, resume, undisturbed
 
 pytestmark = [pytest.mark.slow, pytest.mark.subprocess, pytest.mark.timeout(240)]
 
 LEASE_S = 1.0
-
-
-@pytest.fixture
-def regions() -> Iterator[Regions]:
-    need_namespaces()
-    made = Regions()
-    yield made
-    made.close()
 
 
 def partitioned_cluster(
@@ -53,15 +43,6 @@ def partitioned_cluster(
     return redis, node, f"ws://{EDGE_ADDRESS}:{node.port}", other
 
 
-async def begin(url: str, session: str, max_tokens: int) -> tuple[object, Reading]:
-    ws, _ = await open_session(url, f"session_id={session}")
-    request = {"prompt": PROMPT, "seed": 7, "max_tokens": max_tokens, "resumable": True}
-    await ws.send(json.dumps({**request, "request_id": "r1"}))
-    reading = Reading("r1")
-    await read(ws, reading, until_seq=50)
-    return ws, reading
-
-
 async def test_a_node_cut_off_from_redis_stops_and_its_reply_goes_on_elsewhere(
     tmp_path: Path, regions: Regions
 ) -> None:
@@ -72,7 +53,7 @@ async def test_a_node_cut_off_from_redis_stops_and_its_reply_goes_on_elsewhere(
     redis, node, node_url, other = partitioned_cluster(tmp_path, regions)
     try:
         expected = await undisturbed(other, max_tokens=1500)  # type: ignore[arg-type]
-        ws, reading = await begin(node_url, "cut", 1500)
+        ws, reading = await begin(node_url, "cut", 1500, until_seq=50)
         regions.link(False)
         cut_at = time.monotonic()
         with pytest.raises(ConnectionClosed) as closed:
@@ -95,10 +76,7 @@ async def test_a_node_cut_off_from_redis_stops_and_its_reply_goes_on_elsewhere(
         regions.link(True)
         await node.logged("answers again", timeout_s=15)
         await asyncio.sleep(1)  # what the node might still send, sent
-        whole = Reading("r1")
-        again, _ = await resume(other, "cut", whole)  # type: ignore[arg-type]
-        async with again:
-            await read(again, whole)
+        whole = await read_whole(other, "cut")
         assert whole.text == expected and whole.end == reading.end
         async with httpx.AsyncClient(base_url=f"http://{EDGE_ADDRESS}:{node.port}") as client:
             assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
@@ -117,7 +95,7 @@ async def test_a_node_cut_off_from_its_clients_lets_them_resume_elsewhere(
     redis, node, node_url, other = partitioned_cluster(tmp_path, regions)
     try:
         expected = await undisturbed(other, max_tokens=600)  # type: ignore[arg-type]
-        ws, reading = await begin(node_url, "unreachable", 600)
+        ws, reading = await begin(node_url, "unreachable", 600, until_seq=50)
         regions.edge_reachable(False)
         with pytest.raises(asyncio.TimeoutError):
             while True:  # what was on its way, then silence

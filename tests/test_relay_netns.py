@@ -7,13 +7,13 @@ packets lost, and a reply goes on whole across a cut of the cable."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from seedance.client import connect
-from tests.support.netns import EDGE_ADDRESS, FAR_ADDRESS, FAR_ON_LINK, Regions, need_namespaces
+from tests.support.netns import EDGE_ADDRESS, FAR_ADDRESS, FAR_ON_LINK, Regions
 from tests.support.servers import TEST_WORKERS, ServerProcess
 
 pytest.importorskip("aioquic", reason="the relay needs aioquic, which needs Python 3.11")
@@ -21,14 +21,6 @@ pytest.importorskip("aioquic", reason="the relay needs aioquic, which needs Pyth
 from tests.support.relay import Region
 
 pytestmark = pytest.mark.subprocess
-
-
-@pytest.fixture
-def regions() -> Iterator[Regions]:
-    need_namespaces()
-    made = Regions()
-    yield made
-    made.close()
 
 
 def start(

@@ -64,6 +64,18 @@ async def read(ws: ClientConnection, reading: Reading, until_seq: int | None = N
             return
 
 
+async def begin(
+    url: str, session: str, max_tokens: int, until_seq: int
+) -> tuple[ClientConnection, Reading]:
+    """A resumable reply ``r1`` begun in ``session`` at ``url``, read up to ``until_seq``."""
+    ws, _ = await open_session(url, f"session_id={session}")
+    request = {"prompt": PROMPT, "seed": 7, "max_tokens": max_tokens, "resumable": True}
+    await ws.send(json.dumps({**request, "request_id": "r1"}))
+    reading = Reading("r1")
+    await read(ws, reading, until_seq=until_seq)
+    return ws, reading
+
+
 async def resume(
     server: RunningServer, session: str, reading: Reading, epoch: str | None = None
 ) -> tuple[ClientConnection, dict[str, Any]]:
@@ -71,6 +83,16 @@ async def resume(
     resume = {"type": "resume", "request_id": reading.request_id, "after_seq": reading.last_seq}
     await ws.send(json.dumps({**resume, "epoch": epoch or hello["epoch"]}))
     return ws, hello
+
+
+async def read_whole(server: Any, session: str) -> Reading:
+    """The reply ``r1`` of ``session``, resumed on ``server`` from its start and read to its
+    end (a server of a cluster reads it as Redis keeps it)."""
+    reading = Reading("r1")
+    ws, _ = await resume(server, session, reading)
+    async with ws:
+        await read(ws, reading)
+    return reading
 
 
 async def undisturbed(server: RunningServer, **fields: Any) -> str:

@@ -89,7 +89,7 @@ class OpenAIUpstreamEngine(Engine):
         cooldown_s: float = 10.0,
         metrics_s: float = 5.0,
         max_concurrency: int = 1024,
-        routing: str = "prefix",
+        routing: str = "load",
     ) -> None:
         if not upstreams:
             raise ConfigError("the openai engine needs --upstream http://host:port/v1")
@@ -467,7 +467,7 @@ class UpstreamOptions:
     timeout_s: float = 30.0
     cooldown_s: float = 10.0
     metrics_s: float = 5.0
-    routing: str = "prefix"
+    routing: str = "load"
 
 
 OPTIONS = (
@@ -515,9 +515,9 @@ OPTIONS = (
         "routing",
         "--upstream-routing",
         str,
-        "how a request's upstream is chosen among those that serve its class: prefix (where "
-        "the longest run of its prompt's beginning went before, within 1.25x the average load; "
-        "else by load), load (the lowest expected wait), round-robin",
+        "how a request's upstream is chosen among those that serve its class: load (the "
+        "lowest expected wait), prefix (where the longest run of its prompt's beginning went "
+        "before, within a bound on its load; else by load), round-robin",
         one_of(ROUTINGS),
         ", ".join(ROUTINGS),
     ),

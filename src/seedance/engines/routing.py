@@ -21,7 +21,7 @@ than to none. Among the candidates, the one with the lowest expected wait::
 
 Ties go to the upstream that has served fewer requests.
 
-**Prefixes** (``--upstream-routing prefix``, the default). An upstream that served a prompt
+**Prefixes** (``--upstream-routing prefix``). An upstream that served a prompt
 keeps its prefix's KV cache warm (vLLM's prefix caching, llama-server's slots, Seedance's
 sessions), so the next prompt that begins the same way (the conversation's next turn, another
 conversation under the same system prompt) is served fastest there. The gateway remembers, for
@@ -31,8 +31,9 @@ recently sent forgotten past :data:`REMEMBERED_BLOCKS`) and sends a prompt to th
 holding the longest run of its leading blocks, with bounded load (Mirrokni, Thorup and
 Zadimoghaddam's consistent hashing with bounded loads): an upstream takes a prompt for its
 prefix only while its requests in flight, this one counted, stay within :data:`LOAD_FACTOR`
-times the candidates' average, rounded up, or within :data:`HEADROOM` requests of it,
-whichever is more (a few requests in flight are no queue for a batching server); past that,
+times the candidates' average, rounded up, or within :data:`HEADROOM` request more than the
+least loaded candidate holds, whichever is more (at low load the rounding alone would send a
+conversation's next turn away from an upstream that runs one other request); past that,
 or when no upstream holds any of the prefix, the load-based choice above decides: a prefix
 never leaves a request without an upstream. The SLA classes choose the candidates first.
 ``load``: the load-based choice alone; ``round-robin``: the candidates in turn (both for
@@ -66,8 +67,9 @@ REMEMBERED_BLOCKS: Final = 100_000
 #: An upstream takes a prompt for its prefix while its requests in flight stay within this
 #: many times the candidates' average.
 LOAD_FACTOR: Final = 1.25
-#: ... or within this many requests of the average, whichever is more (few requests in flight).
-HEADROOM: Final = 2
+#: ... or hold at most this many more than the least loaded candidate, whichever is more (a
+#: few requests in flight: a batching server's queue is no longer for one more).
+HEADROOM: Final = 1
 #: How a request's upstream is chosen (--upstream-routing).
 ROUTINGS: Final = ("prefix", "load", "round-robin")
 
@@ -212,7 +214,7 @@ def choose(
     service_class: str | None,
     blocks: list[bytes] | None = None,
     *,
-    routing: str = "prefix",
+    routing: str = "load",
     turn: int = 0,
 ) -> Upstream | None:
     """The upstream a request of ``service_class`` goes to (see the module); None: none up.
@@ -229,7 +231,8 @@ def choose(
     if routing != "prefix" or not blocks:
         return least_loaded
     average = (sum(u.in_flight for u in candidates) + 1) / len(candidates)
-    cap = max(math.ceil(LOAD_FACTOR * average), average + HEADROOM)
+    least = min(u.in_flight for u in candidates)
+    cap = max(math.ceil(LOAD_FACTOR * average), least + 1 + HEADROOM)
     held = [(u.prefixes.matched(blocks), u) for u in candidates if u.in_flight + 1 <= cap]
     if not held:
         return least_loaded
