@@ -62,6 +62,7 @@ async def frames_until_token(ws: ClientConnection, count: int) -> list[dict[str,
     frames: list[dict[str, Any]] = []
     while sum(1 for f in frames if f["type"] == "token") < count:
         frames.append(await recv_json(ws))
+        assert frames[-1]["type"] not in ("done", "error"), frames
     return frames
 
 
@@ -206,7 +207,11 @@ async def test_haproxy_adds_and_drains_a_node_at_runtime(tmp_path: Path) -> None
             session = next(f"after-{i}" for i in range(24) if node_of(f"after-{i}", nodes) == "a")
             ws, _ = await open_session(url, f"session_id={session}")
             await ws.send('{"prompt": "a long one", "max_tokens": 100}')
-            first = await frames_until_token(ws, 5)
+            try:
+                first = await frames_until_token(ws, 5)
+            except asyncio.TimeoutError:  # say where it went and what the nodes logged
+                logs = {name: node.output[-2000:] for name, node in nodes.items()}
+                raise AssertionError(f"no tokens for {session}: {logs}") from None
             tell(runtime, "set server seedance_nodes/node1 state drain")
             assert server_state(runtime, "node1") == "DRAIN"
             for i in range(24):
