@@ -146,6 +146,19 @@ async def test_haproxy_keeps_each_session_on_one_node_and_drains_a_stopping_one(
             node.stop()
 
 
+async def connection_to(url: str, name: str, nodes: dict[str, ServerProcess]) -> ClientConnection:
+    """A new session's connection through the balancer that reached node ``name``."""
+    for i in range(100):
+        session = f"to-{name}-{i}"
+        ws, _ = await open_session(url, f"session_id={session}")
+        logged = f"session={session} "
+        await eventually(lambda: any(logged in n.output for n in nodes.values()), 5, "its log")  # noqa: B023
+        if node_of(session, nodes) == name:
+            return ws
+        await ws.close()
+    raise AssertionError(f"no connection reached node {name}")
+
+
 def tell(runtime: Path, command: str) -> str:
     """One command to HAProxy's runtime API; its answer."""
     with socket.socket(socket.AF_UNIX) as sock:
@@ -203,15 +216,12 @@ async def test_haproxy_adds_and_drains_a_node_at_runtime(tmp_path: Path) -> None
                 await ws.close()
             assert "c" in homes("after", 24)  # the new node takes its share of new sessions
 
-            # Drain node a: the reply it runs goes on; new sessions go elsewhere.
-            session = next(f"after-{i}" for i in range(24) if node_of(f"after-{i}", nodes) == "a")
-            ws, _ = await open_session(url, f"session_id={session}")
+            # Drain node a: the reply it runs goes on; new sessions go elsewhere. (A session's
+            # next connection may land elsewhere under load, hash-balance-factor: the reply's
+            # own connection is the one that reached node a.)
+            ws = await connection_to(url, "a", nodes)
             await ws.send('{"prompt": "a long one", "max_tokens": 100}')
-            try:
-                first = await frames_until_token(ws, 5)
-            except asyncio.TimeoutError:  # say where it went and what the nodes logged
-                logs = {name: node.output[-2000:] for name, node in nodes.items()}
-                raise AssertionError(f"no tokens for {session}: {logs}") from None
+            first = await frames_until_token(ws, 5)
             tell(runtime, "set server seedance_nodes/node1 state drain")
             assert server_state(runtime, "node1") == "DRAIN"
             for i in range(24):
