@@ -114,9 +114,7 @@ def _client(
         pool_class: Any = (
             SentinelConnectionPool if max_connections is None else _BlockingSentinelPool
         )
-        connection: type = SentinelManagedConnection
-        if packing is not None:
-            connection = type("Hiredis" + connection.__name__, (packing, connection), {})
+        connection = _packed(SentinelManagedConnection, packing)
         pool = pool_class(target.service, sentinels, connection_class=connection, **kwargs)
     elif max_connections is not None:
         pool = aioredis.BlockingConnectionPool.from_url(
@@ -124,11 +122,15 @@ def _client(
         )
     else:
         pool = aioredis.ConnectionPool.from_url(url, **options)
-        if packing is not None:
-            pool.connection_class = type(
-                "Hiredis" + pool.connection_class.__name__, (packing, pool.connection_class), {}
-            )
+        pool.connection_class = _packed(pool.connection_class, packing)
     return aioredis.Redis(connection_pool=pool)
+
+
+def _packed(connection: type, packing: type | None) -> type:
+    """``connection`` with ``packing`` mixed in (None: as it is)."""
+    if packing is None:
+        return connection
+    return type("Hiredis" + connection.__name__, (packing, connection), {})
 
 
 class _BlockingSentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionPool):
@@ -149,13 +151,13 @@ class ClusterLink:
         self.node_id = config.cluster.node_id or default_node_id(config)
         self.lease_s = config.cluster.lease_s
         url = config.cluster.redis_url
-        self.sentinel = is_sentinel(url)
+        sentinel = is_sentinel(url)
         wait = config.cluster.wait_replicas
         #: Replicas every exchange's writes wait for (WAIT), when that many are connected.
-        self.wait_replicas = (1 if self.sentinel else 0) if wait is None else wait
+        self.wait_replicas = (1 if sentinel else 0) if wait is None else wait
         #: How long a new request waits for Redis to answer again before it is refused: a
         #: sentinel's failover (a plain Redis gone: refused at once).
-        self.ride_s = RIDE_THROUGH_S if self.sentinel else 0.0
+        self.ride_s = RIDE_THROUGH_S if sentinel else 0.0
         # A bounded pool that waits for a free connection (the default one refuses).
         self.redis: aioredis.Redis = _client(
             url,
@@ -266,16 +268,20 @@ class ClusterLink:
     def riding(self) -> bool:
         """Whether Redis went away less than ``ride_s`` ago, when it answered before: a
         failover under way, which new requests wait out (:meth:`ready`)."""
-        if self.error is None or self._run_id is None:
-            return False
-        return time.monotonic() - self._down_since < self.ride_s
+        return self.error is not None and self._ride_left() > 0
+
+    def _ride_left(self) -> float:
+        """Seconds left to wait for Redis (0 when it never answered: nothing to fail over)."""
+        if self._run_id is None:
+            return 0.0
+        return self.ride_s - (time.monotonic() - self._down_since)
 
     async def ready(self) -> None:
         """Return once Redis answers; ``overloaded`` when it does not within what is left of
         ``ride_s`` (at once without a sentinel)."""
         while self.error is not None:
-            left = self.ride_s - (time.monotonic() - self._down_since)
-            if self._run_id is None or left <= 0:
+            left = self._ride_left()
+            if left <= 0:
                 raise self.unreachable()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._up.wait(), left)

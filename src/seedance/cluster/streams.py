@@ -561,10 +561,11 @@ class Replicator:
     async def _regain(self, log: ReplicatedLog, plan: _Plan) -> None:
         assert log.holder is not None
         try:
-            if plan.end and await self._has_end(log, plan):
+            version = await self._written_end(log, plan) if plan.end else None
+            if version is not None:
                 log._regaining = False
                 log._resend = None
-                log.acked_by(plan, [1, await self._saved_version(log)])
+                log.acked_by(plan, [1, version])
                 return
             held = self.claims is not None and await self.claims.hold((log.keys[0], log.holder))
         except Exception as exc:
@@ -577,23 +578,22 @@ class Replicator:
         logger.warning("request %s: its lock was gone from Redis; taken again", log.request_id)
         self.mark(log, now=True)
 
-    async def _has_end(self, log: ReplicatedLog, plan: _Plan) -> bool:
+    async def _written_end(self, log: ReplicatedLog, plan: _Plan) -> int | None:
+        """None unless Redis has ``plan``'s end entry; then the version its save gave the
+        session (0 without a save). One exchange."""
         end = f"{plan.seq}-{END}"
         stream = log.keys[1]
-        (found,) = await self.link.exchange(
-            lambda pipe: pipe.xrange(stream, end, end), idempotent=True
-        )
-        return bool(found)
+        hash_key = None if log.saving is None else log.saving.keys[0]
 
-    async def _saved_version(self, log: ReplicatedLog) -> int:
-        """The version the end's save gave the session (0 without a save)."""
-        if log.saving is None:
-            return 0
-        hash_key = log.saving.keys[0]
-        (version,) = await self.link.exchange(
-            lambda pipe: pipe.hget(hash_key, "version"), idempotent=True
-        )
-        return int(version or 0)
+        def queue(pipe: Pipeline) -> None:
+            pipe.xrange(stream, end, end)
+            if hash_key is not None:
+                pipe.hget(hash_key, "version")
+
+        found, *version = await self.link.exchange(queue, idempotent=True)
+        if not found:
+            return None
+        return int(version[0] or 0) if version else 0
 
     def _go(self, log: ReplicatedLog) -> None:
         log._queued = True
