@@ -9,7 +9,7 @@ LITELLM_VERSION ?= 1.108.7
 GUIDELLM_VENV    ?= .venv-guidellm
 GUIDELLM_VERSION ?= 0.8.1
 
-.PHONY: serve cluster test test-bench test-workers test-fast bench bench-compare soak gpu-smoke lint clean
+.PHONY: serve cluster wheelhouse test test-bench test-workers test-fast bench bench-compare soak gpu-smoke lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,13 @@ $(VENV)/.installed-%: pyproject.toml $(VENV)/.llama-cpp-$(LLAMA_BUILD_ID) | $(BI
 $(VENV)/.installed-base: pyproject.toml $(VENV)/.llama-cpp-$(LLAMA_BUILD_ID) | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e .
 	@touch $@
+
+# The wheels of the project and of everything it needs, llama-cpp-python built as above, in
+# $(WHEELHOUSE): what the Containerfile's first stage makes, and what a machine without an
+# index installs with `pip install --no-index --find-links $(WHEELHOUSE) seedance`.
+WHEELHOUSE ?= wheelhouse
+wheelhouse: $(LLAMA_WHEELS)/.built | $(BIN)/python
+	$(BIN)/python -m pip wheel --quiet --wheel-dir $(WHEELHOUSE) --find-links $(LLAMA_WHEELS) .
 
 # The embedded default model (SmolLM2-135M-Instruct on llama.cpp); SERVE_ARGS for more flags.
 serve: $(VENV)/.installed-base

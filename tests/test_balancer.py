@@ -18,6 +18,7 @@ from websockets.asyncio.client import ClientConnection
 
 from seedance.cluster.local import haproxy_env
 from seedance.netutil import free_port
+from tests.support.dns import Dns
 from tests.support.servers import ServerProcess
 from tests.support.tools import tool, wait_listening
 from tests.support.waits import eventually
@@ -37,14 +38,16 @@ pytestmark = pytest.mark.subprocess
 
 
 @contextlib.contextmanager
-def haproxy(nodes: list[int], runtime: Path | None = None) -> Iterator[str]:
+def haproxy(
+    nodes: list[int], runtime: Path | None = None, env: dict[str, str] | None = None
+) -> Iterator[str]:
     """HAProxy with the deploy configuration in front of ``nodes`` (``runtime``: its runtime
-    API's socket); yields its ws:// URL."""
+    API's socket; ``env``: more of the configuration's variables); yields its ws:// URL."""
     binary = tool("haproxy", "haproxy")
     port = free_port()
     proc = subprocess.Popen(
         [binary, "-db", "-f", str(HAPROXY_CFG)],
-        env=haproxy_env(port, nodes, None if runtime is None else str(runtime)),
+        env={**haproxy_env(port, nodes, None if runtime is None else str(runtime)), **(env or {})},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -170,15 +173,51 @@ def tell(runtime: Path, command: str) -> str:
     return answer.decode()
 
 
-def server_state(runtime: Path, server: str) -> str:
-    """A server's status as HAProxy's stats show it (UP, DOWN, DRAIN, MAINT, ...)."""
+def servers(runtime: Path) -> list[dict[str, str]]:
+    """The backend's servers as HAProxy's stats show them: ``svname``, ``addr`` (HOST:PORT),
+    ``status`` (UP, DOWN, DRAIN, MAINT, ...)."""
     lines = tell(runtime, "show stat").splitlines()
     header = lines[0].lstrip("# ").split(",")
-    for line in lines[1:]:
-        row = dict(zip(header, line.split(","), strict=False))
-        if row.get("pxname") == "seedance_nodes" and row.get("svname") == server:
-            return row["status"]
-    raise AssertionError(f"no server {server}")
+    rows = [dict(zip(header, line.split(","), strict=False)) for line in lines[1:] if line]
+    return [
+        row for row in rows
+        if row.get("pxname") == "seedance_nodes" and row["svname"] not in ("BACKEND", "FRONTEND")
+    ]  # fmt: skip
+
+
+def server_state(runtime: Path, server: str) -> str:
+    """A server's status (UP, DOWN, DRAIN, MAINT, ...)."""
+    found = [row["status"] for row in servers(runtime) if row["svname"] == server]
+    assert found, f"no server {server}"
+    return found[0]
+
+
+def up_at(runtime: Path) -> set[str]:
+    """The addresses of the servers that are up."""
+    return {row["addr"] for row in servers(runtime) if row["status"] == "UP"}
+
+
+async def load(url: str, ended: list[str], stop: asyncio.Event) -> None:
+    """New sessions, one short reply each, one after another until ``stop``; how each reply
+    ended in ``ended``."""
+    i = 0
+    while not stop.is_set():
+        ws, _ = await open_session(url, f"session_id=load-{i}")
+        async with ws:
+            ended.append((await generate(ws, prompt="hi", max_tokens=2))[-1]["type"])
+        i += 1
+        await asyncio.sleep(0.02)
+
+
+async def homes(
+    url: str, prefix: str, nodes: dict[str, ServerProcess], count: int = 24
+) -> set[str]:
+    """The nodes that ``count`` new sessions through the balancer reached."""
+    for i in range(count):
+        ws, _ = await open_session(url, f"session_id={prefix}-{i}")
+        await ws.close()
+    await asyncio.sleep(0.2)  # their logs
+    return {node_of(f"{prefix}-{i}", nodes) for i in range(count)}
 
 
 async def test_haproxy_adds_and_drains_a_node_at_runtime(tmp_path: Path) -> None:
@@ -189,32 +228,16 @@ async def test_haproxy_adds_and_drains_a_node_at_runtime(tmp_path: Path) -> None
     runtime = tmp_path / "haproxy.sock"
     ended: list[str] = []
     stop = asyncio.Event()
-
-    async def load(url: str) -> None:
-        i = 0
-        while not stop.is_set():
-            ws, _ = await open_session(url, f"session_id=load-{i}")
-            async with ws:
-                ended.append((await generate(ws, prompt="hi", max_tokens=2))[-1]["type"])
-            i += 1
-            await asyncio.sleep(0.02)
-
-    def homes(prefix: str, count: int) -> set[str]:
-        return {node_of(f"{prefix}-{i}", nodes) for i in range(count)}
-
     try:
         # Node a in the first server slot only (b in the second and third).
         with haproxy([nodes["a"].port, nodes["b"].port, nodes["b"].port], runtime) as url:
-            loading = asyncio.ensure_future(load(url))
+            loading = asyncio.ensure_future(load(url, ended, stop))
             nodes["c"] = ServerProcess()
             assert server_state(runtime, "spare1") == "MAINT"
             tell(runtime, f"set server seedance_nodes/spare1 addr 127.0.0.1 port {nodes['c'].port}")
             tell(runtime, "set server seedance_nodes/spare1 state ready")
             await eventually(lambda: server_state(runtime, "spare1") == "UP", 10, "spare1 up")
-            for i in range(24):
-                ws, _ = await open_session(url, f"session_id=after-{i}")
-                await ws.close()
-            assert "c" in homes("after", 24)  # the new node takes its share of new sessions
+            assert "c" in await homes(url, "after", nodes)  # the new node takes its share
 
             # Drain node a: the reply it runs goes on; new sessions go elsewhere. (A session's
             # next connection may land elsewhere under load, hash-balance-factor: the reply's
@@ -224,10 +247,7 @@ async def test_haproxy_adds_and_drains_a_node_at_runtime(tmp_path: Path) -> None
             first = await frames_until_token(ws, 5)
             tell(runtime, "set server seedance_nodes/node1 state drain")
             assert server_state(runtime, "node1") == "DRAIN"
-            for i in range(24):
-                other, _ = await open_session(url, f"session_id=drained-{i}")
-                await other.close()
-            assert "a" not in homes("drained", 24)
+            assert "a" not in await homes(url, "drained", nodes)
             frames = first + await collect(ws, timeout=30)
             assert frames[-1]["type"] == "done" and assert_seq_contiguous(frames) == 100
             tell(runtime, "set server seedance_nodes/node1 state maint")
@@ -238,3 +258,58 @@ async def test_haproxy_adds_and_drains_a_node_at_runtime(tmp_path: Path) -> None
         stop.set()
         for node in nodes.values():
             node.stop()
+
+
+async def test_haproxy_finds_nodes_by_dns_as_they_come_and_go(tmp_path: Path) -> None:
+    """The nodes as a Kubernetes headless Service gives them: one name, an address per node,
+    served by a real DNS server (dnsmasq). HAProxy, given the name (SEEDANCE_NODES_DNS), sends
+    sessions to every address it has; a node whose address is added takes new sessions, without
+    a reload; a node whose address is gone takes none, while the reply it runs goes on to its
+    done; no request fails meanwhile."""
+    dns = Dns(tmp_path)
+    name = "seedance-nodes.seedance.test"
+    addresses = {"a": "127.0.0.2", "b": "127.0.0.3", "c": "127.0.0.4"}
+    port = free_port()
+    nodes: dict[str, ServerProcess] = {}
+    runtime = tmp_path / "haproxy.sock"
+    ended: list[str] = []
+    stop = asyncio.Event()
+
+    def start(node: str, *args: str) -> None:
+        nodes[node] = ServerProcess("--host", addresses[node], "--port", str(port), *args)
+
+    def serve(*names: str) -> None:
+        dns.serve(name, [addresses[n] for n in names])
+
+    try:
+        start("a", "--synthetic-tokens-per-s", "50")
+        start("b")
+        serve("a", "b")
+        found = {"SEEDANCE_NODES_DNS": f"{name}:{port}", "SEEDANCE_RESOLVER": dns.address}
+        with haproxy([], runtime, found) as url:
+            at = {n: f"{addresses[n]}:{port}" for n in addresses}
+            await eventually(lambda: up_at(runtime) == {at["a"], at["b"]}, 15, "a and b found")
+            loading = asyncio.ensure_future(load(url, ended, stop))
+            assert await homes(url, "first", nodes) == {"a", "b"}
+
+            start("c")
+            serve("a", "b", "c")
+            await eventually(lambda: at["c"] in up_at(runtime), 15, "c found")
+            assert "c" in await homes(url, "added", nodes)
+
+            ws = await connection_to(url, "a", nodes)
+            await ws.send('{"prompt": "a long one", "max_tokens": 100}')
+            first = await frames_until_token(ws, 5)
+            serve("b", "c")
+            await eventually(lambda: at["a"] not in up_at(runtime), 15, "a gone")
+            assert "a" not in await homes(url, "removed", nodes)
+            frames = first + await collect(ws, timeout=30)
+            assert frames[-1]["type"] == "done" and assert_seq_contiguous(frames) == 100
+            stop.set()
+            await loading
+        assert ended and set(ended) == {"done"}, ended
+    finally:
+        stop.set()
+        for node in nodes.values():
+            node.stop()
+        dns.stop()

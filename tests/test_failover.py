@@ -17,9 +17,10 @@ from typing import Any
 import pytest
 from websockets.exceptions import ConnectionClosed
 
-from seedance.cluster.local import SERVICE
-from tests.support.redis import Sentinels
+from seedance.cluster.local import SERVICE, acquainted, sentinel_url
+from tests.support.redis import RedisPods, Sentinels
 from tests.support.servers import ServerProcess
+from tests.support.waits import wait_for
 from tests.support.ws import generate, open_session
 from tests.test_cluster import taken_over_then_fenced
 from tests.test_resume import begin, read, read_whole, resume, undisturbed
@@ -158,6 +159,43 @@ async def test_a_reply_is_taken_over_through_a_failover(
     assert reading.last_seq == 599 and reading.text == expected
     await survivor.logged("request r1 taken over at seq")
     assert sentinels.primary() is not old
+
+
+async def test_the_kubernetes_redis_pods_fail_over_and_a_primary_back_follows_the_new_one(
+    tmp_path: Path, server_process: Callable[..., ServerProcess]
+) -> None:
+    """The Kubernetes manifests' three Redis pods (deploy/k8s/redis.yaml's scripts, each pod a
+    redis-server and a sentinel): the first starts as the primary, the others follow it; a
+    node's session outlives the first pod's death (kill -9 of both its processes, the
+    sentinel the node asks first among them); started
+    again, the first pod asks the sentinels and comes back as a replica of the new primary,
+    not as a second primary."""
+    pods = RedisPods(tmp_path)
+    try:
+        for i in range(3):
+            pods.start(i)
+        wait_for(lambda: pods.role(0) == ("master", 2), "two replicas of the first pod")
+        wait_for(lambda: acquainted(pods.sentinel_ports), "the sentinels knowing each other")
+        node = server_process("--redis", sentinel_url(pods.sentinel_ports), "--lease", "1")
+        ws, hello = await open_session(node.url, "session_id=kept")
+        async with ws:
+            assert end_of(await generate(ws, prompt="one", max_tokens=3)) == "done"
+
+        pods.kill(0)
+        wait_for(lambda: pods.primary() not in (0, None), "the sentinels' failover", 30)
+        new = pods.primary()
+        assert new is not None
+        ws, hello = await open_session(node.url, "session_id=kept")
+        async with ws:
+            assert not hello["created"] and hello["context_turns"] == 2
+            assert end_of(await generate(ws, prompt="two", max_tokens=3)) == "done"
+
+        pods.start(0)
+        wait_for(lambda: pods.role(0) == ("slave", 0), "the first pod following again")
+        assert pods.follows(0) == pods.redis_ports[new] and pods.primary() == new
+        wait_for(lambda: pods.role(new) == ("master", 2), "the new primary's two replicas")
+    finally:
+        pods.stop()
 
 
 def test_the_sentinel_url_names_the_service_behind_its_sentinels() -> None:

@@ -1,16 +1,19 @@
 """A real ``redis-server`` for the cluster tests: started on a free port in the test's own
 directory, stopped (or killed, or restarted with its data) by the test; and a primary, a
-replica and three ``redis-sentinel`` processes watching them (:class:`Sentinels`)."""
+replica and three ``redis-sentinel`` processes watching them (:class:`Sentinels`); and the
+Kubernetes manifests' Redis pods, started by their own scripts (:class:`RedisPods`)."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -23,6 +26,7 @@ from seedance.cluster.local import (
 )
 from seedance.netutil import free_port
 from tests.support.tools import tool
+from tests.support.waits import wait_for
 
 
 class RedisServer:
@@ -85,14 +89,6 @@ class RedisServer:
         """Stop (as Redis shuts down on SIGTERM) and start again on the same port."""
         self.stop()
         self.start()
-
-
-def wait_for(check: Callable[[], bool], what: str, timeout_s: float = 20) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{what} did not happen within {timeout_s:g} s")
-        time.sleep(0.05)
 
 
 class Sentinels:
@@ -166,3 +162,92 @@ class Sentinels:
             if server.proc is not None and server.proc.poll() is None:
                 server.proc.send_signal(signal.SIGCONT)  # a frozen one too
             server.stop(kill=True)
+
+
+class RedisPods:
+    """The Kubernetes manifests' Redis pods (deploy/k8s/redis.yaml) as processes here: each pod
+    a redis-server and a redis-sentinel started by the ConfigMap's scripts with the environment
+    the StatefulSet gives them, but a port each on 127.0.0.1 instead of an address each."""
+
+    MANIFEST = Path(__file__).parents[2] / "deploy" / "k8s" / "redis.yaml"
+
+    def __init__(self, directory: Path) -> None:
+        import yaml
+
+        tool("redis-sentinel", "redis-sentinel")
+        documents = yaml.safe_load_all(self.MANIFEST.read_text())
+        config_map = next(d for d in documents if d["kind"] == "ConfigMap")
+        self.scripts = directory / "scripts"
+        self.scripts.mkdir()
+        for name, text in config_map["data"].items():
+            (self.scripts / name).write_text(text)
+        self.directory = directory
+        self.redis_ports = [free_port() for _ in range(3)]
+        self.sentinel_ports = [free_port() for _ in range(3)]
+        self.procs: dict[int, list[subprocess.Popen[bytes]]] = {}
+
+    def start(self, i: int) -> None:
+        """Pod ``i``'s two containers (again, after :meth:`kill`: its data kept)."""
+        data, sentinel = (
+            self.directory / f"pod{i}" / "data",
+            self.directory / f"pod{i}" / "sentinel",
+        )
+        data.mkdir(parents=True, exist_ok=True)
+        sentinel.mkdir(exist_ok=True)
+        env = {
+            "PATH": os.environ["PATH"],
+            "ME": "127.0.0.1",
+            "SERVICE": SERVICE,
+            "FIRST": f"127.0.0.1:{self.redis_ports[0]}",
+            "SENTINELS": " ".join(f"127.0.0.1:{p}" for p in self.sentinel_ports),
+            "REDIS_PORT": str(self.redis_ports[i]),
+            "SENTINEL_PORT": str(self.sentinel_ports[i]),
+            "REDIS_DIR": str(data),
+            "SENTINEL_DIR": str(sentinel),
+            "DOWN_AFTER_MS": "1000",
+        }
+        log = open(self.directory / f"pod{i}.log", "ab")  # noqa: SIM115  # the children's
+        self.procs[i] = [
+            subprocess.Popen(["sh", str(self.scripts / script)], env=env, stdout=log, stderr=log)
+            for script in ("redis.sh", "sentinel.sh")
+        ]
+        log.close()
+
+    def kill(self, i: int) -> None:
+        for proc in self.procs.pop(i, []):
+            proc.kill()
+            proc.wait(10)
+
+    def _info(self, i: int) -> dict[str, Any]:
+        return redis.Redis(port=self.redis_ports[i], socket_timeout=1).info("replication")
+
+    def role(self, i: int) -> tuple[str, int] | None:
+        """Pod ``i``'s server's role and its replicas online (None: it does not answer)."""
+        with contextlib.suppress(redis.RedisError):
+            info = self._info(i)
+            online = sum(
+                1 for key, value in info.items()
+                if key.startswith("slave") and isinstance(value, dict)
+                if value.get("state") == "online"
+            )  # fmt: skip
+            return str(info["role"]), online
+        return None
+
+    def follows(self, i: int) -> int:
+        """The port of the primary pod ``i``'s server replicates."""
+        return int(self._info(i)["master_port"])
+
+    def primary(self) -> int | None:
+        """The pod the live sentinels name as the primary (None: none answers)."""
+        for i in self.procs:
+            with contextlib.suppress(redis.RedisError):
+                ask = redis.Redis(
+                    port=self.sentinel_ports[i], socket_timeout=1, decode_responses=True
+                )
+                _, port = ask.sentinel_get_master_addr_by_name(SERVICE)
+                return self.redis_ports.index(int(port))
+        return None
+
+    def stop(self) -> None:
+        for i in list(self.procs):
+            self.kill(i)

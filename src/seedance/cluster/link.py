@@ -22,7 +22,9 @@ from urllib.parse import urlsplit
 import hiredis
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
+from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
+from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ReadOnlyError, RedisError
 
@@ -101,6 +103,10 @@ def _client(
                 "password": target.sentinel_password or target.password,
                 "socket_timeout": TIMEOUT_S,
                 "socket_connect_timeout": TIMEOUT_S,
+                # A sentinel that does not answer is passed over for the next one at once:
+                # redis-py's own retries (ten, backing off) spent a connection's whole time on
+                # a dead first sentinel, and no connection to the primary was ever made.
+                "retry": Retry(NoBackoff(), 0),
             },
         )
         kwargs: dict[str, Any] = {
