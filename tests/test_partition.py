@@ -1,6 +1,7 @@
 """The cluster mode across network partitions, on real links: a node in a network namespace of
 its own (:class:`~seedance.testing.regions.Regions`: the edge), Redis in another (the far
-side), the other node and the clients in this one. Cutting the edge-far link cuts the node off
+side: one ``redis-server``, or a primary, a replica and three sentinels), the other node and the
+clients in this one. Cutting the edge-far link cuts the node off
 from Redis but not from its clients; taking the edge's own link down cuts it off from its
 clients but not from Redis."""
 
@@ -14,8 +15,9 @@ import httpx
 import pytest
 from websockets.exceptions import ConnectionClosed
 
+from seedance.cluster.link import RIDE_THROUGH_S
 from tests.support.netns import EDGE_ADDRESS, FAR_ADDRESS, FAR_ON_LINK, Regions
-from tests.support.redis import RedisServer
+from tests.support.redis import RedisServer, Sentinels
 from tests.support.servers import ServerProcess
 from tests.support.ws import recv_json
 from tests.test_cluster import CHAT
@@ -27,14 +29,20 @@ LEASE_S = 1.0
 
 
 def partitioned_cluster(
-    tmp_path: Path, regions: Regions
-) -> tuple[RedisServer, ServerProcess, str, ServerProcess]:
-    """Redis on the far side; a node on the edge (its URL as this process reaches it) and one
-    here, both at 300 tokens/s."""
+    tmp_path: Path, regions: Regions, store: str = "redis"
+) -> tuple[RedisServer | Sentinels, ServerProcess, str, ServerProcess]:
+    """Redis on the far side (``store``: ``redis``, one server; ``sentinels``, a primary, a
+    replica and three sentinels); a node on the edge (its URL as this process reaches it) and
+    one here, both at 300 tokens/s."""
     far = regions.exec(regions.far, [])
-    redis = RedisServer(tmp_path, host=FAR_ADDRESS, prefix=far).start()
+    redis: RedisServer | Sentinels
+    if store == "sentinels":
+        redis = Sentinels(tmp_path, host=FAR_ADDRESS, prefix=far).start()
+        edge_redis = redis.url  # the edge reaches FAR_ADDRESS across the link
+    else:
+        redis = RedisServer(tmp_path, host=FAR_ADDRESS, prefix=far).start()
+        edge_redis = f"redis://{FAR_ON_LINK}:{redis.port}/0"
     flags = ("--lease", str(LEASE_S), "--synthetic-tokens-per-s", "300")
-    edge_redis = f"redis://{FAR_ON_LINK}:{redis.port}/0"
     node = ServerProcess(
         "--host", "0.0.0.0", "--redis", edge_redis, "--node-id", "edge", *flags,
         prefix=regions.exec(regions.edge, []),
@@ -43,24 +51,36 @@ def partitioned_cluster(
     return redis, node, f"ws://{EDGE_ADDRESS}:{node.port}", other
 
 
+def stop_store(redis: RedisServer | Sentinels) -> None:
+    if isinstance(redis, Sentinels):
+        redis.stop()
+    else:
+        redis.stop(kill=True)
+
+
+@pytest.mark.parametrize("store", ["redis", "sentinels"])
 async def test_a_node_cut_off_from_redis_stops_and_its_reply_goes_on_elsewhere(
-    tmp_path: Path, regions: Regions
+    tmp_path: Path, regions: Regions, store: str
 ) -> None:
     """The edge-far link cut under a reply: the cut-off node refuses new requests, gives its
-    reply up within about a lease (its reader is moved with 1001), the client resumes on the
-    other node, which takes the reply over; once the link is back the cut-off node writes
-    nothing: the log holds one reply, every seq once, the undisturbed text."""
-    redis, node, node_url, other = partitioned_cluster(tmp_path, regions)
+    reply up within about a lease (behind sentinels: once a failover's wait is over, as the
+    node cannot tell a cut from a failover), its reader is moved with 1001, the client resumes
+    on the other node, which takes the reply over; once the link is back the cut-off node
+    writes nothing: the log holds one reply, every seq once, the undisturbed text."""
+    redis, node, node_url, other = partitioned_cluster(tmp_path, regions, store)
+    waits_s = LEASE_S if store == "redis" else RIDE_THROUGH_S
+    tokens = 1500 if store == "redis" else 5000  # 17 s at 300 tokens/s: past the wait
     try:
-        expected = await undisturbed(other, max_tokens=1500)  # type: ignore[arg-type]
-        ws, reading = await begin(node_url, "cut", 1500, until_seq=50)
+        expected = await undisturbed(other, max_tokens=tokens)  # type: ignore[arg-type]
+        ws, reading = await begin(node_url, "cut", tokens, until_seq=50)
         regions.link(False)
         cut_at = time.monotonic()
         with pytest.raises(ConnectionClosed) as closed:
-            await read(ws, reading)  # type: ignore[arg-type]
+            while reading.end is None:  # the reply pauses, silent, while the node waits
+                reading.take(await recv_json(ws, waits_s + 5))  # type: ignore[arg-type]
         gave_up_s = time.monotonic() - cut_at
         assert closed.value.rcvd is not None and closed.value.rcvd.code == 1001
-        assert gave_up_s < LEASE_S + 2, gave_up_s  # the lease, and a Redis timeout
+        assert gave_up_s < waits_s + 2, gave_up_s  # the wait, and a Redis timeout
         await node.logged("has not reached Redis for over")
         async with httpx.AsyncClient(base_url=f"http://{EDGE_ADDRESS}:{node.port}") as client:
             refused = await client.post("/v1/chat/completions", json=CHAT)
@@ -70,7 +90,7 @@ async def test_a_node_cut_off_from_redis_stops_and_its_reply_goes_on_elsewhere(
         async with resumed:
             await read(resumed, reading)
         assert reading.end is not None and reading.end["type"] == "done"
-        assert reading.last_seq == 1499 and reading.text == expected
+        assert reading.last_seq == tokens - 1 and reading.text == expected
         await other.logged("request r1 taken over at seq")
 
         regions.link(True)
@@ -83,7 +103,7 @@ async def test_a_node_cut_off_from_redis_stops_and_its_reply_goes_on_elsewhere(
     finally:
         for proc in (node, other):
             proc.stop()
-        redis.stop(kill=True)
+        stop_store(redis)
 
 
 async def test_a_node_cut_off_from_its_clients_lets_them_resume_elsewhere(
@@ -111,4 +131,4 @@ async def test_a_node_cut_off_from_its_clients_lets_them_resume_elsewhere(
     finally:
         for proc in (node, other):
             proc.stop()
-        redis.stop(kill=True)
+        stop_store(redis)

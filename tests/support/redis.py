@@ -58,7 +58,9 @@ class RedisServer:
     def start(self) -> RedisServer:
         appendfsync = "always" if self.aof else None
         bind = "127.0.0.1" if self.host == "127.0.0.1" else "0.0.0.0"
-        args = redis_command(self.port, str(self.directory), appendfsync, self.replica_of, bind)
+        args = redis_command(
+            self.port, str(self.directory), appendfsync, self.replica_of, bind, self.host
+        )
         self.proc = subprocess.Popen(
             [*self.prefix, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
@@ -94,37 +96,46 @@ class RedisServer:
 class Sentinels:
     """A primary and a replica watched by three sentinels (quorum 2, a primary called down
     after a second without an answer): the ``--redis`` URL a node is given, and the failover
-    a test brings about by killing, freezing or stopping the primary."""
+    a test brings about by killing, freezing or stopping the primary. ``host`` and ``prefix``:
+    all of them on that address, run with that prefix (in a test's network namespace)."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(
+        self, directory: Path, host: str = "127.0.0.1", prefix: Sequence[str] = ()
+    ) -> None:
         tool("redis-sentinel", "redis-sentinel")
         self.directory = directory
+        self.host = host
+        self.prefix = list(prefix)
         self.servers: list[RedisServer] = []
         self.sentinels: list[subprocess.Popen[str]] = []
         self.ports = [free_port() for _ in range(3)]
-        self.url = sentinel_url(self.ports)
+        self.url = sentinel_url(self.ports, host)
 
     def start(self) -> Sentinels:
-        primary = RedisServer(self.directory / "primary").start()
-        self.servers = [primary, RedisServer(self.directory / "replica", replica_of=primary.port)]
-        self.servers[1].start()
+        def server(name: str, replica_of: int | None = None) -> RedisServer:
+            where = {"host": self.host, "prefix": self.prefix}
+            return RedisServer(self.directory / name, replica_of=replica_of, **where).start()
+
+        primary = server("primary")
+        self.servers = [primary, server("replica", replica_of=primary.port)]
         wait_for(lambda: self.replicas(primary) == 1, "the replica's link to the primary")
         for i, port in enumerate(self.ports):
-            args = sentinel_command(port, self.directory / f"sentinel{i}", primary.port)
+            args = sentinel_command(port, self.directory / f"sentinel{i}", primary.port, self.host)
             self.sentinels.append(
-                subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+                subprocess.Popen(
+                    [*self.prefix, *args], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+                )
             )
-        wait_for(lambda: acquainted(self.ports), "three sentinels that know each other")
+        wait_for(lambda: acquainted(self.ports, self.host), "three sentinels that know each other")
         return self
 
-    @staticmethod
-    def _ask(port: int) -> redis.Redis:
-        return redis.Redis(port=port, socket_timeout=1, decode_responses=True)
+    def _ask(self, port: int) -> redis.Redis:
+        return redis.Redis(host=self.host, port=port, socket_timeout=1, decode_responses=True)
 
     @staticmethod
     def replicas(server: RedisServer) -> int:
         with contextlib.suppress(redis.RedisError):
-            info = redis.Redis(port=server.port, socket_timeout=1).info("replication")
+            info = redis.Redis(server.host, server.port, socket_timeout=1).info("replication")
             return sum(
                 1
                 for key, value in info.items()
@@ -147,7 +158,8 @@ class Sentinels:
         def promoted() -> bool:
             with contextlib.suppress(RuntimeError, redis.RedisError):
                 new = self.primary()
-                role = redis.Redis(port=new.port, socket_timeout=1).info("replication")["role"]
+                ask = redis.Redis(new.host, new.port, socket_timeout=1)
+                role = ask.info("replication")["role"]
                 return new is not old and role == "master"
             return False
 

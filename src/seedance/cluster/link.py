@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 
 import hiredis
 import redis.asyncio as aioredis
-from redis.asyncio.client import Pipeline
+from redis.asyncio.client import Pipeline, PubSub
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
 from redis.backoff import NoBackoff
@@ -50,6 +50,8 @@ MAX_BLOCKING_CONNECTIONS: Final = 256
 PREFIX: Final = "sd:"
 #: How long a listener waits before it subscribes again after Redis went away.
 RESUBSCRIBE_S: Final = 0.5
+#: How long a listener's read waits for a message before it reads again.
+LISTEN_POLL_S: Final = 1.0
 #: How long new requests wait for a sentinel's failover (being called down, the sentinels'
 #: vote, the promotion: 3 to 5 s with a ``down-after-milliseconds`` of 1 s) before they are
 #: refused.
@@ -239,14 +241,12 @@ class ClusterLink:
         subscribed: Callable[[], Awaitable[None]] | None,
     ) -> None:
         while True:
-            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            pubsub = self.redis.pubsub()
             try:
                 await pubsub.subscribe(channel)
                 if subscribed is not None:
                     await subscribed()
-                async for message in pubsub.listen():
-                    if message.get("type") == "message":
-                        received(message["data"])
+                await _messages(pubsub, received)
             except (RedisError, OSError) as exc:
                 logger.debug("%s: subscription lost (%s); subscribing again", channel, exc)
             finally:
@@ -420,6 +420,21 @@ class ClusterLink:
         while True:
             await asyncio.sleep(PING_INTERVAL_S)
             await self._ping()
+
+
+async def _messages(pubsub: PubSub, received: Callable[[bytes], None]) -> None:
+    """Hand each message to ``received`` until the subscription is lost. A read that comes back
+    empty long before its time is up is a connection that is gone: redis-py's own blocking
+    ``listen()`` spun on such a connection after a network cut healed, never letting the event
+    loop run again (the node stopped answering anyone)."""
+    while True:
+        began = time.monotonic()
+        message = await pubsub.get_message(timeout=LISTEN_POLL_S)
+        if message is None:
+            if time.monotonic() - began < LISTEN_POLL_S / 2:
+                raise RedisConnectionError("the subscription's connection reads nothing")
+        elif message.get("type") == "message":
+            received(message["data"])
 
 
 class HiredisPacking:

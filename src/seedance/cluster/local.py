@@ -64,16 +64,17 @@ def redis_command(
     appendfsync: str | None = None,
     replica_of: int | None = None,
     bind: str = "127.0.0.1",
+    primary_host: str = "127.0.0.1",
 ) -> list[str]:
     """``redis-server`` on ``bind``:``port`` without snapshots; with ``appendfsync``
     (``always``, ``everysec``) an append-only file fsynced so, else no persistence at all;
-    ``replica_of``: a replica of the server on that port of 127.0.0.1."""
+    ``replica_of``: a replica of the server on that port of ``primary_host``."""
     args = [program("redis-server", "redis-server"), "--port", str(port), "--bind", bind]
     if bind != "127.0.0.1":  # reached from other hosts (a test's namespaces), no password
         args += ["--protected-mode", "no"]
     args += ["--dir", directory, "--save", ""]
     if replica_of is not None:
-        args += ["--replicaof", "127.0.0.1", str(replica_of)]
+        args += ["--replicaof", primary_host, str(replica_of)]
     if appendfsync is None:
         return [*args, "--appendonly", "no"]
     return [*args, "--appendonly", "yes", "--appendfsync", appendfsync]
@@ -85,15 +86,19 @@ SERVICE: Final = "seedance"
 DOWN_AFTER_MS: Final = 1000
 
 
-def sentinel_command(port: int, directory: Path, primary: int) -> list[str]:
-    """``redis-sentinel`` on 127.0.0.1:``port`` watching the primary on port ``primary`` as
+def sentinel_command(
+    port: int, directory: Path, primary: int, host: str = "127.0.0.1"
+) -> list[str]:
+    """``redis-sentinel`` on ``port`` watching the primary on ``host``:``primary`` as
     :data:`SERVICE` (a quorum of two: three sentinels survive one's loss); its configuration
-    file (which a sentinel rewrites as it learns) in ``directory``."""
+    file (which a sentinel rewrites as it learns) in ``directory``. It listens on the loopback,
+    or on every interface (no password) for a ``host`` other than 127.0.0.1."""
     directory.mkdir(parents=True, exist_ok=True)
     config = directory / "sentinel.conf"
+    listen = "bind 127.0.0.1" if host == "127.0.0.1" else "bind 0.0.0.0\nprotected-mode no"
     config.write_text(
-        f"port {port}\nbind 127.0.0.1\ndir {directory}\n"
-        f"sentinel monitor {SERVICE} 127.0.0.1 {primary} 2\n"
+        f"port {port}\n{listen}\ndir {directory}\n"
+        f"sentinel monitor {SERVICE} {host} {primary} 2\n"
         f"sentinel down-after-milliseconds {SERVICE} {DOWN_AFTER_MS}\n"
         f"sentinel failover-timeout {SERVICE} {DOWN_AFTER_MS * 5}\n"
         f"sentinel parallel-syncs {SERVICE} 1\n"
@@ -101,9 +106,9 @@ def sentinel_command(port: int, directory: Path, primary: int) -> list[str]:
     return [program("redis-sentinel", "redis-sentinel"), str(config)]
 
 
-def sentinel_url(ports: Sequence[int]) -> str:
-    """The ``--redis`` URL of :data:`SERVICE` behind the sentinels on ``ports``."""
-    return f"sentinel://{','.join(f'127.0.0.1:{p}' for p in ports)}/{SERVICE}"
+def sentinel_url(ports: Sequence[int], host: str = "127.0.0.1") -> str:
+    """The ``--redis`` URL of :data:`SERVICE` behind the sentinels on ``host``:``ports``."""
+    return f"sentinel://{','.join(f'{host}:{p}' for p in ports)}/{SERVICE}"
 
 
 def haproxy_env(listen: int, nodes: Sequence[int], socket: str | None = None) -> dict[str, str]:
@@ -150,13 +155,14 @@ def start_redis(
     return sentinel_url(ports), []
 
 
-def acquainted(ports: Sequence[int]) -> bool:
-    """Whether each sentinel on ``ports`` knows the others and a replica of the primary (they
-    find each other through the primary within a few seconds; a failover needs it)."""
+def acquainted(ports: Sequence[int], host: str = "127.0.0.1") -> bool:
+    """Whether each sentinel on ``host``:``ports`` knows the others and a replica of the
+    primary (they find each other through the primary within a few seconds; a failover needs
+    it)."""
     import redis
 
     for port in ports:
-        sentinel = redis.Redis(port=port, socket_timeout=1, decode_responses=True)
+        sentinel = redis.Redis(host=host, port=port, socket_timeout=1, decode_responses=True)
         try:
             state: Any = sentinel.sentinel_master(SERVICE)
         except redis.RedisError:

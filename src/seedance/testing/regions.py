@@ -7,6 +7,9 @@
     this process (10.70.2.1) --- far  (10.70.2.2)          veth, clean (to compare with direct)
     edge (10.70.3.1) ========== far (10.70.3.2)            the "long-distance" link
 
+The edge reaches the far side's own address (10.70.2.2) across the long-distance link too, as
+it would a server in another region; this process reaches it directly.
+
 The long-distance link is :mod:`seedance.testing.wire`: ``tc netem``'s delay and loss on IP
 packets, done in user space over TUN devices, because the kernels this project runs on
 (Firecracker's) are built without ``sch_netem``. A program runs in a namespace with
@@ -91,6 +94,7 @@ class Regions:
                 text=True,
             )  # fmt: skip
             self._answer()  # "ready"
+            _ip("-n", self.edge, "route", "add", f"{FAR_ADDRESS}/32", "via", FAR_ON_LINK)
         except BaseException:
             self.close()
             raise
