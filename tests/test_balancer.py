@@ -9,7 +9,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -197,16 +197,38 @@ def up_at(runtime: Path) -> set[str]:
     return {row["addr"] for row in servers(runtime) if row["status"] == "UP"}
 
 
-async def load(url: str, ended: list[str], stop: asyncio.Event) -> None:
-    """New sessions, one short reply each, one after another until ``stop``; how each reply
-    ended in ``ended``."""
-    i = 0
-    while not stop.is_set():
-        ws, _ = await open_session(url, f"session_id=load-{i}")
-        async with ws:
-            ended.append((await generate(ws, prompt="hi", max_tokens=2))[-1]["type"])
-        i += 1
-        await asyncio.sleep(0.02)
+@contextlib.asynccontextmanager
+async def under_load(url: str) -> AsyncIterator[None]:
+    """New sessions through ``url``, one short reply each, one after another while the block
+    runs; every one of those replies must end ``done``."""
+    ended: list[str] = []
+    stop = asyncio.Event()
+
+    async def load() -> None:
+        i = 0
+        while not stop.is_set():
+            ws, _ = await open_session(url, f"session_id=load-{i}")
+            async with ws:
+                ended.append((await generate(ws, prompt="hi", max_tokens=2))[-1]["type"])
+            i += 1
+            await asyncio.sleep(0.02)
+
+    loading = asyncio.ensure_future(load())
+    try:
+        yield
+    finally:
+        stop.set()
+        await loading
+    assert ended and set(ended) == {"done"}, ended
+
+
+@pytest.fixture
+def nodes() -> Iterator[dict[str, ServerProcess]]:
+    """The test's nodes by name, stopped at its end."""
+    started: dict[str, ServerProcess] = {}
+    yield started
+    for node in started.values():
+        node.stop()
 
 
 async def homes(
@@ -220,18 +242,32 @@ async def homes(
     return {node_of(f"{prefix}-{i}", nodes) for i in range(count)}
 
 
-async def test_haproxy_adds_and_drains_a_node_at_runtime(tmp_path: Path) -> None:
+async def leaves_while_replying(
+    url: str, nodes: dict[str, ServerProcess], take_out: Callable[[], Awaitable[None]], prefix: str
+) -> None:
+    """Node a taken out of the balancer (``take_out``) while it runs a 100-token reply: new
+    sessions (``prefix``-N) reach only the other nodes, and the reply ends whole through the
+    balancer."""
+    ws = await connection_to(url, "a", nodes)
+    await ws.send('{"prompt": "a long one", "max_tokens": 100}')
+    first = await frames_until_token(ws, 5)
+    await take_out()
+    assert "a" not in await homes(url, prefix, nodes)
+    frames = first + await collect(ws, timeout=30)
+    assert frames[-1]["type"] == "done" and assert_seq_contiguous(frames) == 100
+
+
+async def test_haproxy_adds_and_drains_a_node_at_runtime(
+    tmp_path: Path, nodes: dict[str, ServerProcess]
+) -> None:
     """Nodes join and leave through HAProxy's runtime API, without a reload, while requests
     keep coming: a node put in a spare slot takes new sessions; a node drained takes none,
     while the reply it runs goes on through the balancer to its done; no request fails."""
-    nodes = {"a": ServerProcess("--synthetic-tokens-per-s", "50"), "b": ServerProcess()}
+    nodes |= {"a": ServerProcess("--synthetic-tokens-per-s", "50"), "b": ServerProcess()}
     runtime = tmp_path / "haproxy.sock"
-    ended: list[str] = []
-    stop = asyncio.Event()
-    try:
-        # Node a in the first server slot only (b in the second and third).
-        with haproxy([nodes["a"].port, nodes["b"].port, nodes["b"].port], runtime) as url:
-            loading = asyncio.ensure_future(load(url, ended, stop))
+    # Node a in the first server slot only (b in the second and third).
+    with haproxy([nodes["a"].port, nodes["b"].port, nodes["b"].port], runtime) as url:
+        async with under_load(url):
             nodes["c"] = ServerProcess()
             assert server_state(runtime, "spare1") == "MAINT"
             tell(runtime, f"set server seedance_nodes/spare1 addr 127.0.0.1 port {nodes['c'].port}")
@@ -242,25 +278,17 @@ async def test_haproxy_adds_and_drains_a_node_at_runtime(tmp_path: Path) -> None
             # Drain node a: the reply it runs goes on; new sessions go elsewhere. (A session's
             # next connection may land elsewhere under load, hash-balance-factor: the reply's
             # own connection is the one that reached node a.)
-            ws = await connection_to(url, "a", nodes)
-            await ws.send('{"prompt": "a long one", "max_tokens": 100}')
-            first = await frames_until_token(ws, 5)
-            tell(runtime, "set server seedance_nodes/node1 state drain")
-            assert server_state(runtime, "node1") == "DRAIN"
-            assert "a" not in await homes(url, "drained", nodes)
-            frames = first + await collect(ws, timeout=30)
-            assert frames[-1]["type"] == "done" and assert_seq_contiguous(frames) == 100
+            async def drain() -> None:
+                tell(runtime, "set server seedance_nodes/node1 state drain")
+                assert server_state(runtime, "node1") == "DRAIN"
+
+            await leaves_while_replying(url, nodes, drain, "drained")
             tell(runtime, "set server seedance_nodes/node1 state maint")
-            stop.set()
-            await loading
-        assert ended and set(ended) == {"done"}, ended
-    finally:
-        stop.set()
-        for node in nodes.values():
-            node.stop()
 
 
-async def test_haproxy_finds_nodes_by_dns_as_they_come_and_go(tmp_path: Path) -> None:
+async def test_haproxy_finds_nodes_by_dns_as_they_come_and_go(
+    tmp_path: Path, nodes: dict[str, ServerProcess]
+) -> None:
     """The nodes as a Kubernetes headless Service gives them: one name, an address per node,
     served by a real DNS server (dnsmasq). HAProxy, given the name (SEEDANCE_NODES_DNS), sends
     sessions to every address it has; a node whose address is added takes new sessions, without
@@ -270,10 +298,8 @@ async def test_haproxy_finds_nodes_by_dns_as_they_come_and_go(tmp_path: Path) ->
     name = "seedance-nodes.seedance.test"
     addresses = {"a": "127.0.0.2", "b": "127.0.0.3", "c": "127.0.0.4"}
     port = free_port()
-    nodes: dict[str, ServerProcess] = {}
+    at = {n: f"{addresses[n]}:{port}" for n in addresses}
     runtime = tmp_path / "haproxy.sock"
-    ended: list[str] = []
-    stop = asyncio.Event()
 
     def start(node: str, *args: str) -> None:
         nodes[node] = ServerProcess("--host", addresses[node], "--port", str(port), *args)
@@ -287,29 +313,19 @@ async def test_haproxy_finds_nodes_by_dns_as_they_come_and_go(tmp_path: Path) ->
         serve("a", "b")
         found = {"SEEDANCE_NODES_DNS": f"{name}:{port}", "SEEDANCE_RESOLVER": dns.address}
         with haproxy([], runtime, found) as url:
-            at = {n: f"{addresses[n]}:{port}" for n in addresses}
             await eventually(lambda: up_at(runtime) == {at["a"], at["b"]}, 15, "a and b found")
-            loading = asyncio.ensure_future(load(url, ended, stop))
-            assert await homes(url, "first", nodes) == {"a", "b"}
+            async with under_load(url):
+                assert await homes(url, "first", nodes) == {"a", "b"}
 
-            start("c")
-            serve("a", "b", "c")
-            await eventually(lambda: at["c"] in up_at(runtime), 15, "c found")
-            assert "c" in await homes(url, "added", nodes)
+                start("c")
+                serve("a", "b", "c")
+                await eventually(lambda: at["c"] in up_at(runtime), 15, "c found")
+                assert "c" in await homes(url, "added", nodes)
 
-            ws = await connection_to(url, "a", nodes)
-            await ws.send('{"prompt": "a long one", "max_tokens": 100}')
-            first = await frames_until_token(ws, 5)
-            serve("b", "c")
-            await eventually(lambda: at["a"] not in up_at(runtime), 15, "a gone")
-            assert "a" not in await homes(url, "removed", nodes)
-            frames = first + await collect(ws, timeout=30)
-            assert frames[-1]["type"] == "done" and assert_seq_contiguous(frames) == 100
-            stop.set()
-            await loading
-        assert ended and set(ended) == {"done"}, ended
+                async def unlist() -> None:
+                    serve("b", "c")
+                    await eventually(lambda: at["a"] not in up_at(runtime), 15, "a gone")
+
+                await leaves_while_replying(url, nodes, unlist, "removed")
     finally:
-        stop.set()
-        for node in nodes.values():
-            node.stop()
         dns.stop()
