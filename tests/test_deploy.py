@@ -185,6 +185,10 @@ def manifests() -> list[dict[str, object]]:
     return [d for p in sorted(K8S.glob("*.yaml")) for d in yaml.safe_load_all(p.read_text()) if d]
 
 
+#: The chart's values for a Redis of one's own (its URL in the Secret redis-url).
+OWN_REDIS: dict[str, object] = {"redis": {"urlSecret": "redis-url"}}
+
+
 def by_name(documents: list[dict[str, object]]) -> dict[tuple[str, str], dict[str, object]]:
     return {(str(d["kind"]), str(d["metadata"]["name"])): d for d in documents}  # type: ignore[index]
 
@@ -207,7 +211,7 @@ def test_the_kubernetes_manifests_and_the_chart_validate_against_the_schemas(ver
         ("Service", "seedance-redis"),
         ("StatefulSet", "seedance-redis"),
     ]
-    own_redis = render_chart(CHART, "other", {"redis": {"urlSecret": "redis-url"}})
+    own_redis = render_chart(CHART, "other", OWN_REDIS)
     for document in [*documents, *render_chart(CHART), *render_chart(CHART, "other"), *own_redis]:
         kubernetes_validate.validate(document, version, strict=True)
 
@@ -217,7 +221,7 @@ def test_the_chart_with_its_defaults_renders_the_plain_manifests() -> None:
 
 
 def test_the_chart_with_a_redis_of_ones_own_makes_no_redis_and_reads_its_url() -> None:
-    documents = render_chart(CHART, "other", {"redis": {"urlSecret": "redis-url"}})
+    documents = render_chart(CHART, "other", OWN_REDIS)
     assert not [d for d in documents if "redis" in str(d["metadata"]["name"])]  # type: ignore[index]
     node = by_name(documents)["Deployment", "other"]
     container = node["spec"]["template"]["spec"]["containers"][0]  # type: ignore[index]

@@ -166,10 +166,9 @@ async def test_the_kubernetes_redis_pods_fail_over_and_a_primary_back_follows_th
 ) -> None:
     """The Kubernetes manifests' three Redis pods (deploy/k8s/redis.yaml's scripts, each pod a
     redis-server and a sentinel): the first starts as the primary, the others follow it; a
-    node's session outlives the first pod's death (kill -9 of both its processes, the
-    sentinel the node asks first among them); started
-    again, the first pod asks the sentinels and comes back as a replica of the new primary,
-    not as a second primary."""
+    node's session outlives the first pod's death (kill -9 of both its processes, the sentinel
+    the node asks first among them); started again, the first pod asks the sentinels and comes
+    back as a replica of the new primary, not as a second primary."""
     pods = RedisPods(tmp_path)
     try:
         for i in range(3):

@@ -29,6 +29,16 @@ from tests.support.tools import tool
 from tests.support.waits import wait_for
 
 
+def online_replicas(replication: dict[str, Any]) -> int:
+    """The replicas in sync with a server, from its ``INFO replication``."""
+    return sum(
+        1
+        for key, value in replication.items()
+        if key.startswith("slave") and isinstance(value, dict)
+        if value.get("state") == "online"
+    )
+
+
 class RedisServer:
     """``redis-server`` on 127.0.0.1; ``aof``: append-only file with ``appendfsync always``
     (what survives a restart), else no persistence at all."""
@@ -136,12 +146,7 @@ class Sentinels:
     def replicas(server: RedisServer) -> int:
         with contextlib.suppress(redis.RedisError):
             info = redis.Redis(server.host, server.port, socket_timeout=1).info("replication")
-            return sum(
-                1
-                for key, value in info.items()
-                if key.startswith("slave") and isinstance(value, dict)
-                if value.get("state") == "online"
-            )
+            return online_replicas(info)
         return 0
 
     def primary(self) -> RedisServer:
@@ -237,12 +242,7 @@ class RedisPods:
         """Pod ``i``'s server's role and its replicas online (None: it does not answer)."""
         with contextlib.suppress(redis.RedisError):
             info = self._info(i)
-            online = sum(
-                1 for key, value in info.items()
-                if key.startswith("slave") and isinstance(value, dict)
-                if value.get("state") == "online"
-            )  # fmt: skip
-            return str(info["role"]), online
+            return str(info["role"]), online_replicas(info)
         return None
 
     def follows(self, i: int) -> int:
