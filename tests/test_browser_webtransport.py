@@ -36,7 +36,7 @@ async def test_the_sdk_streams_over_webtransport_where_the_server_offers_it(
     async with tab(browser, page_of(server)) as page:
         result = await page.sdk(
             """const session = await sd.connect("", {sessionId: "wt-browser"});
-            const reply = session.generate("hello over QUIC", {max_tokens: 40, resumable: true});
+            const reply = session.generate("hello over QUIC", {max_tokens: 160, resumable: true});
             let tokens = 0, dropped = false;
             for await (const chunk of reply) {
               tokens += chunk.n;
@@ -51,7 +51,7 @@ async def test_the_sdk_streams_over_webtransport_where_the_server_offers_it(
         )
         page.check()
     assert result["transport"] == "webtransport"
-    assert result["tokens"] == 40 == result["usage"]
+    assert result["tokens"] == 160 == result["usage"]
     assert result["resumes"] == 1 and result["reconnects"] == 1  # resumed over WebTransport
     assert result["rtt"] and result["again"] == "length" and result["session"] == "wt-browser"
 
