@@ -343,14 +343,22 @@ def test_prefix_routing_keeps_a_prefix_where_it_went_within_a_load_bound() -> No
     # No upstream holds the prefix: the load-based choice.
     a.in_flight = 1
     assert choose(ups, None, blocks_of(SYSTEM_B, "x"), routing="prefix") is b
-    # A holder past the bound gives way: 4 > max(ceil(1.25 x 4 / 3), 0 + 1 + 1) = 2.
+    # A holder past the bound gives way: 4 > max(ceil(1.25 x 4 / 3), 0 + 1) = 2.
     a.in_flight = 3
     assert choose(ups, None, first_turn, routing="prefix") is not a
     b.prefixes.remember(first_turn[:2])  # b holds less of it, but is within the bound
     assert choose(ups, None, first_turn, routing="prefix") is b
+    # One request more than the least loaded holds is past the bound too, unless the holder
+    # has much more of the prompt: 3 blocks more than b is not enough ...
     a.in_flight = 1
-    # The longest run wins while within the bound.
-    assert choose(ups, None, first_turn, routing="prefix") is a
+    assert len(first_turn) == 5
+    assert choose(ups, None, first_turn, routing="prefix") is b
+    # ... a long conversation's history is (STRETCH_BLOCKS more), but not for two requests more.
+    history = blocks_of(SYSTEM_A, "hello", "a long answer. " * 100, "and then?")
+    a.prefixes.remember(history)
+    assert choose(ups, None, history, routing="prefix") is a
+    a.in_flight = 2
+    assert choose(ups, None, history, routing="prefix") is not a
     # The other routings ignore prefixes (load, the default); the SLA classes come first.
     assert choose(ups, None, first_turn) is not a
     assert [choose(ups, None, first_turn, routing="round-robin", turn=t) for t in range(4)] == [
