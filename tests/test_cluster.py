@@ -726,13 +726,16 @@ async def taken_over_then_fenced(
     owner: ServerProcess, survivor: ServerProcess, session: str, reading: Reading
 ) -> None:
     """The frozen ``owner``'s reply, resumed on ``survivor``, goes on there past a takeover;
-    SIGCONT: the owner's next write is refused; the reply is read to its end."""
+    SIGCONT: the owner stops its generation (its next write is refused, or, when an exchange
+    that was in flight across the freeze times out first, it gives the reply up as cut off
+    from Redis past its lease: either way it writes nothing more); the reply is read to its
+    end."""
     resumed, _ = await resume(survivor, session, reading)  # type: ignore[arg-type]
     async with resumed:
         await read(resumed, reading, until_seq=reading.last_seq + 20)
         await survivor.logged("request r1 taken over at seq")
         owner.signal(signal.SIGCONT)
-        await owner.logged("Redis refused this node's frames")
+        await owner.logged("; the generation stops here")
         await read(resumed, reading)
 
 
