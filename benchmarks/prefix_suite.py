@@ -138,7 +138,7 @@ def _p(values: list[float], q: float) -> float:
 
 
 def prefix_suite(report: Report) -> None:
-    # The full run's system prompts are about 4.7 KB (660 tokens, 15 MB of SmolLM2's KV cells:
+    # The full run's system prompts are about 4.8 KB (660 tokens, 15 MB of SmolLM2's KV cells:
     # an agent's instructions and tools), so that 20 of them and the conversations saved
     # after them outgrow an upstream's 512 MiB host cache; the quick run's are 1.2 KB.
     conversations, users, prompts, words = (40, 6, 8, 180) if report.quick else (200, 8, 20, 650)
@@ -207,9 +207,9 @@ def prefix_suite(report: Report) -> None:
                 f"Three upstreams (`seedance serve`, the embedded SmolLM2, one thread and four "
                 f"sequences each) behind three gateways (`--upstream-routing prefix`, `load`, "
                 f"`round-robin`), nothing pinned. A trace of {conversations} conversations over "
-                f"{prompts} system prompts of about {len(sample[0]) / 1000:.1f} KB, two turns each "
-                f"(16-token replies), "
-                f"{users} users at once; each run with system prompts of its own, "
+                f"{prompts} system prompts of about {len(sample[0]) / 1000:.1f} KB, two turns "
+                f"each (16-token replies), {users} users at once; each run with system prompts "
+                f"of its own, "
                 f"{report.rounds} round(s), the routings in alternating order; medians. Goal: "
                 f"TTFT p50 at least 30% below round-robin's and below least-loaded's, p99 no "
                 f"worse than least-loaded's, no error: {verdict(ok)}.",

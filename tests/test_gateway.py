@@ -357,6 +357,9 @@ def test_prefix_routing_keeps_a_prefix_where_it_went_within_a_load_bound() -> No
     history = blocks_of(SYSTEM_A, "hello", "a long answer. " * 100, "and then?")
     a.prefixes.remember(history)
     assert choose(ups, None, history, routing="prefix") is a
+    # Within the bound, the longest run wins whatever its length (b holds 2 of the 5 blocks).
+    a.in_flight = 0
+    assert choose(ups, None, first_turn, routing="prefix") is a
     a.in_flight = 2
     assert choose(ups, None, history, routing="prefix") is not a
     # The other routings ignore prefixes (load, the default); the SLA classes come first.
