@@ -210,6 +210,8 @@ async def test_the_workers_share_one_engine_process(
         return server.output.count("engine process started")
 
     assert engines_started() == 1
+    loaded = [line for line in server.lines if "llama.cpp decode thread" in line]
+    assert len(loaded) == 1 and "process=engine" in loaded[0], loaded  # not in the workers
     connections = await on_each_worker(server)
     for ws, _ in connections.values():
         await ws.send(

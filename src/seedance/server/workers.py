@@ -196,6 +196,7 @@ class Supervisor:
             await asyncio.to_thread(engine.start)  # the model loads once, here
             assert self._loop is not None
             engine.keep_alive(self._loop)
+            config = config.replace(engine_process=True)  # each worker attaches to it
         local = None
         if config.tls.http3 and config.tls.cert is None:  # one certificate, for every worker
             from seedance.server.runner import require_aioquic
