@@ -21,6 +21,7 @@ from seedance.client.session import TokenChunk
 from seedance.engines.base import GenerationRequest, SamplingParams
 from seedance.engines.llamacpp.engine import LlamaCppEngine
 from seedance.engines.local import default_model_path
+from seedance.eventloop import timeout
 from seedance.protocol.errors import SeedanceError
 from seedance.protocol.messages import ChatMessage, RequestId
 from tests.support.servers import (
@@ -474,6 +475,28 @@ async def test_restoring_a_saved_state_into_a_full_cache_keeps_both() -> None:
         assert (stats.states_saved, stats.states_restored) == (3, 2)
         assert again_a == first_a and again_b
         assert engine.health().ok
+    finally:
+        await engine.close()
+
+
+async def test_requests_beyond_the_sequences_wait_and_all_complete() -> None:
+    # The workers that share an engine process may give it more requests than it has
+    # sequences: the rest wait, and run when the last running ones end (here in one step).
+    engine = LlamaCppEngine(
+        model_path=default_model_path(), name="t", parallel=1, n_ctx=N_CTX_SEQ, threads=THREADS
+    )
+    await engine.start()
+    try:
+
+        async def ask(seed: int) -> int:
+            params = SamplingParams(max_tokens=6, temperature=0.8, seed=seed, ignore_eos=True)
+            request = GenerationRequest(
+                RequestId(f"r{seed}"), (ChatMessage("user", "Hello"),), params, 0
+            )
+            return sum([d.tokens async for d in engine.generate(request)])
+
+        async with timeout(30):
+            assert await asyncio.gather(*(ask(seed) for seed in range(3))) == [6, 6, 6]
     finally:
         await engine.close()
 

@@ -230,6 +230,24 @@ async def test_the_workers_share_one_engine_process(
     await eventually(lambda: engines_started() == 2, 60, "the engine process started again")
 
 
+@pytest.mark.model
+async def test_an_engine_process_with_fewer_sequences_than_requests_runs_them_all(
+    workers: Callable[..., ServerProcess],
+) -> None:
+    """Each worker admits as many requests as the engine has sequences, so the engine process
+    they share gets more: the rest wait for a sequence and run when it is free."""
+    server = workers("--parallel", "1", "--repack", "off", env={"SEEDANCE_ENGINE": "llamacpp"})
+    connections = await on_each_worker(server)
+    for ws, _ in connections.values():
+        await ws.send(json.dumps({"prompt": "Hello", "max_tokens": 200, "ignore_eos": True}))
+    replies = [collect(ws, timeout=60) for ws, _ in connections.values()]
+    for frames in await asyncio.gather(*replies):
+        assert frames[-1]["type"] == "done", frames[-1]
+        assert frames[-1]["usage"]["completion_tokens"] == 200
+    for ws, _ in connections.values():
+        await ws.close()
+
+
 async def test_the_workers_write_one_audit_chain(
     workers: Callable[..., ServerProcess], tmp_path: Path
 ) -> None:

@@ -223,7 +223,8 @@ class DecodeLoop(abc.ABC):
 
     @abc.abstractmethod
     def _admit(self) -> None:
-        """Move jobs from ``_waiting`` to ``_active`` while there is room."""
+        """Move jobs from ``_waiting`` to ``_active`` while there is room (with nothing
+        active, at least one: the thread waits for nothing else while a job waits)."""
 
     @abc.abstractmethod
     def _step(self) -> None:
@@ -240,7 +241,16 @@ class DecodeLoop(abc.ABC):
         try:
             while True:
                 with self._cond:
-                    while not (self._incoming or self._cancelled or self._active or self._stopping):
+                    # Jobs left waiting count: when the last running ones end in one step,
+                    # the next round admits them (the workers that share an engine process
+                    # may submit more jobs than it has rows).
+                    while not (
+                        self._incoming
+                        or self._cancelled
+                        or self._active
+                        or self._waiting
+                        or self._stopping
+                    ):
                         self._cond.wait()
                     if self._stopping:
                         break
