@@ -3,7 +3,9 @@ least-loaded routing, in front of the same three upstreams, in one run.
 
 The upstreams are ``seedance serve`` with the embedded SmolLM2 (one thread each; each keeps a
 conversation's or a shared prefix's KV cells and restores them from its host-memory cache, so
-a prompt that begins like an earlier one prefills only the rest). A trace of conversations
+a prompt that begins like an earlier one prefills only the rest; the cache, ``--cache-ram``,
+holds about a third of the trace's system prompts, as one replica's KV memory holds a part of
+a fleet's prefixes). A trace of conversations
 over a few long shared system prompts (a support desk's, a trading desk's) goes through a
 gateway per routing (``--upstream-routing prefix|load|round-robin``), a few users at once, two
 turns each: the first token's time of every request, the errors, and the share of prompt
@@ -43,10 +45,11 @@ WORDS = (
 ).split()
 
 
-def _upstream(key: str) -> Contender:
+def _upstream(key: str, cache_mb: int) -> Contender:
     exe = str(Path(sys.executable).with_name("seedance"))
     argv = [exe, "serve", "--port", "{port}", "--log-level", "warning", "--threads", "1"]
-    contender = Contender(key, f"upstream {key}", [*argv, "--parallel", "4"], "/v1")
+    argv += ["--parallel", "4", "--cache-ram", str(cache_mb)]
+    contender = Contender(key, f"upstream {key}", argv, "/v1")
     contender.pinned = False
     return contender
 
@@ -139,10 +142,14 @@ def _p(values: list[float], q: float) -> float:
 
 def prefix_suite(report: Report) -> None:
     # The full run's system prompts are about 4.8 KB (660 tokens, 15 MB of SmolLM2's KV cells:
-    # an agent's instructions and tools), so that 20 of them and the conversations saved
-    # after them outgrow an upstream's 512 MiB host cache; the quick run's are 1.2 KB.
-    conversations, users, prompts, words = (40, 6, 8, 180) if report.quick else (200, 8, 20, 650)
-    upstreams = [_upstream(f"u{i}") for i in range(UPSTREAMS)]
+    # an agent's instructions and tools); the quick run's are 1.2 KB (3.9 MB). Each upstream
+    # keeps 128 MiB (16) of saved states in host memory, about 8 prompts' cells: the three
+    # together hold all of them, one does not, as a fleet's prefixes outgrow one replica's KV
+    # memory (a GPU's KV cache, here the host cache of --cache-ram).
+    conversations, users, prompts, words, cache_mb = (
+        (40, 6, 8, 180, 16) if report.quick else (200, 8, 20, 650, 128)
+    )
+    upstreams = [_upstream(f"u{i}", cache_mb) for i in range(UPSTREAMS)]
     results: dict[str, list[dict[str, Any]]] = {r: [] for r in ROUTINGS}
     with servers(upstreams) as running:
         urls = [s.url for s in running.values()]
@@ -204,8 +211,10 @@ def prefix_suite(report: Report) -> None:
             [
                 "## 24. Gateway mode: routing by prefix",
                 "",
-                f"Three upstreams (`seedance serve`, the embedded SmolLM2, one thread and four "
-                f"sequences each) behind three gateways (`--upstream-routing prefix`, `load`, "
+                f"Three upstreams (`seedance serve`, the embedded SmolLM2, one thread, four "
+                f"sequences and `--cache-ram {cache_mb}` MiB each: about 8 system prompts' "
+                f"saved cells, the three together hold every prompt, one does not) behind "
+                f"three gateways (`--upstream-routing prefix`, `load`, "
                 f"`round-robin`), nothing pinned. A trace of {conversations} conversations over "
                 f"{prompts} system prompts of about {len(sample[0]) / 1000:.1f} KB, two turns "
                 f"each (16-token replies), {users} users at once; each run with system prompts "

@@ -248,6 +248,26 @@ async def test_a_saved_conversation_comes_back_after_other_requests_took_its_seq
         server.stop()
 
 
+@one_process_only("reads the llama.cpp engine in the server's process")
+async def test_cache_ram_0_prefills_a_conversation_that_lost_its_sequence_again() -> None:
+    server = llama_server(parallel=1, n_ctx=N_CTX_SEQ, cache_ram=0)  # --cache-ram 0
+    try:
+        engine = engine_of(server)
+        long_prompt = "Remember these words: " + ", ".join(f"item{i}" for i in range(40))
+        async with connect(server.url, session_id="unsaved") as session:
+            first = await session.generate(long_prompt, temperature=0, max_tokens=5).collect()
+        async with connect(server.url) as other:  # takes the only sequence
+            await other.generate("Say hello.", temperature=0, max_tokens=5).collect()
+        prefilled = engine.stats.prompt_tokens_prefilled
+        async with connect(server.url, session_id="unsaved") as session:
+            await session.generate("What was the first word?", max_tokens=5).collect()
+        assert (engine.stats.states_saved, engine.stats.states_restored) == (0, 0)
+        # The first turn again (all but the chat template's opening, which the sequence kept).
+        assert engine.stats.prompt_tokens_prefilled - prefilled > first.usage.prompt_tokens * 0.75
+    finally:
+        server.stop()
+
+
 async def test_multibyte_characters_arrive_whole(llama: RunningServer) -> None:
     async with connect(llama.url) as session:
         stream = session.generate(

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from seedance.engines.local import CHAT_TEMPLATE, N_CTX, PARALLEL, THREADS
 from seedance.engines.registry import EngineSpec
-from seedance.settings import Option, boolean
+from seedance.settings import Option, boolean, non_negative
 
 if TYPE_CHECKING:
     from seedance.config import ServerConfig
@@ -30,6 +30,7 @@ class LlamaCppOptions:
     n_ctx: int = 0
     threads: int = 0
     kv_reuse: bool = True
+    cache_ram: int = 512
     repack: str = "auto"
     flash_attn: str = "auto"
     chat_template: str | None = None
@@ -45,6 +46,16 @@ OPTIONS = (
         "--kv-reuse",
         boolean,
         "reuse the KV cache of earlier turns (off: every prompt is prefilled whole)",
+    ),
+    Option(
+        "cache_ram",
+        "--cache-ram",
+        int,
+        "MiB of host memory for the KV cells of conversations and prompts that left their "
+        "sequence, restored when a later prompt begins with one (least recently used dropped "
+        "first; 0: none), as llama-server's --cache-ram",
+        non_negative,
+        "0 or more",
     ),
     Option(
         "repack",
@@ -81,6 +92,7 @@ def create_engine(config: ServerConfig, options: LlamaCppOptions) -> LlamaCppEng
         n_ctx=options.n_ctx,
         threads=options.threads,
         kv_reuse=options.kv_reuse,
+        state_cache_mb=options.cache_ram,
         repack=options.repack,
         flash_attn=options.flash_attn,
         chat_template=chat_template_source(options.chat_template),
