@@ -71,33 +71,41 @@ def _system_prompts(seed: int, count: int, words: int) -> list[str]:
     ]
 
 
-def _cache(urls: list[str]) -> tuple[float, float]:
-    """Prompt tokens and cached tokens, summed over the upstreams' /metrics."""
+def _cache(urls: list[str]) -> tuple[float, float, list[float]]:
+    """Prompt tokens and cached tokens, summed over the upstreams' /metrics, and each
+    upstream's requests."""
     prompted = cached = 0.0
+    requests = []
     for url in urls:
         with urllib.request.urlopen(url.removesuffix("/v1") + "/metrics", timeout=10) as reply:
             text = reply.read().decode()
+        served = 0.0
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 if sample.name == "seedance_engine_prompt_tokens_total":
                     prompted += sample.value
                 elif sample.name == "seedance_engine_prompt_cached_tokens_total":
                     cached += sample.value
-    return prompted, cached
+                elif sample.name == "seedance_requests_total":
+                    served += sample.value
+        requests.append(served)
+    return prompted, cached, requests
 
 
 async def _trace(url: str, prompts: list[str], conversations: int, users: int) -> dict[str, Any]:
-    """``conversations`` of two turns over ``prompts``, ``users`` at a time: TTFTs, errors."""
+    """``conversations`` of two turns over ``prompts``, ``users`` at a time: TTFTs (all, and
+    of each turn), errors."""
     import aiohttp
 
     queue: asyncio.Queue[int] = asyncio.Queue()
     for i in range(conversations):
         queue.put_nowait(i)
     ttfts: list[float] = []
+    turns: tuple[list[float], list[float]] = ([], [])
     errors: list[str] = []
     model = ""
 
-    async def ask(session: aiohttp.ClientSession, messages: list[dict[str, str]]) -> str:
+    async def ask(session: aiohttp.ClientSession, messages: list[dict[str, str]], turn: int) -> str:
         body = {"model": model, "messages": messages, "max_tokens": 16, "stream": True}
         sent, text, first = time.perf_counter(), "", None
         async with session.post(f"{url}/chat/completions", json=body) as reply:
@@ -111,6 +119,7 @@ async def _trace(url: str, prompts: list[str], conversations: int, users: int) -
                     first = time.perf_counter() - sent
                 text += delta
         ttfts.append(first if first is not None else time.perf_counter() - sent)
+        turns[turn].append(ttfts[-1])
         return text
 
     async def user(session: aiohttp.ClientSession) -> None:
@@ -121,9 +130,9 @@ async def _trace(url: str, prompts: list[str], conversations: int, users: int) -
                 {"role": "user", "content": f"Customer {i} asks about order {i * 7}."},
             ]
             try:
-                messages.append({"role": "assistant", "content": await ask(session, messages)})
+                messages.append({"role": "assistant", "content": await ask(session, messages, 0)})
                 messages.append({"role": "user", "content": "And when will it arrive?"})
-                await ask(session, messages)
+                await ask(session, messages, 1)
             except Exception as exc:  # counted, and the trace goes on
                 errors.append(f"{type(exc).__name__}: {exc}")
 
@@ -132,7 +141,7 @@ async def _trace(url: str, prompts: list[str], conversations: int, users: int) -
         async with session.get(f"{url}/models") as reply:
             model = (await reply.json())["data"][0]["id"]
         await asyncio.gather(*(user(session) for _ in range(users)))
-    return {"ttfts": ttfts, "errors": errors}
+    return {"ttfts": ttfts, "turns": turns, "errors": errors}
 
 
 def _p(values: list[float], q: float) -> float:
@@ -173,14 +182,22 @@ def prefix_suite(report: Report) -> None:
                     after = _cache(urls)
                     prompted = after[0] - before[0]
                     run["hit"] = (after[1] - before[1]) / prompted if prompted else float("nan")
+                    run["spread"] = [b - a for a, b in zip(before[2], after[2], strict=True)]
                     results[routing].append(run)
 
     def figure(routing: str, what: str) -> float:
         runs = results[routing]
         if what == "hit":
             return float(statistics.median(r["hit"] for r in runs))
+        if what in ("first", "second"):  # each turn's p50
+            turn = 0 if what == "first" else 1
+            return float(statistics.median(_p(r["turns"][turn], 0.5) * 1000 for r in runs))
         q = 0.5 if what == "p50" else 0.99
         return float(statistics.median(_p(r["ttfts"], q) * 1000 for r in runs))
+
+    def spread(routing: str) -> str:
+        """Each upstream's requests in the last run, most first."""
+        return " / ".join(f"{n:.0f}" for n in sorted(results[routing][-1]["spread"])[::-1])
 
     sample = _system_prompts(0, 1, words)
     p50 = {r: figure(r, "p50") for r in ROUTINGS}
@@ -201,7 +218,9 @@ def prefix_suite(report: Report) -> None:
         )
     )
     rows = [
-        f"| {r} | {fmt(p50[r], 0)} | {fmt(p99[r], 0)} | {figure(r, 'hit'):.0%} | {errors[r]} | "
+        f"| {r} | {fmt(p50[r], 0)} | {fmt(figure(r, 'first'), 0)} | "
+        f"{fmt(figure(r, 'second'), 0)} | {fmt(p99[r], 0)} | {figure(r, 'hit'):.0%} | "
+        f"{spread(r)} | {errors[r]} | "
         f"{fmt(statistics.median(run['seconds'] for run in results[r]), 1)} |"
         for r in ROUTINGS
     ]
@@ -223,9 +242,10 @@ def prefix_suite(report: Report) -> None:
                 f"TTFT p50 at least 30% below round-robin's and below least-loaded's, p99 no "
                 f"worse than least-loaded's, no error: {verdict(ok)}.",
                 "",
-                "| routing | TTFT p50 ms | TTFT p99 ms | prompt tokens from the upstreams' "
-                "caches | errors | seconds per run |",
-                "|---|---|---|---|---|---|",
+                "| routing | TTFT p50 ms | first turns' p50 | second turns' p50 | TTFT p99 ms | "
+                "prompt tokens from the upstreams' caches | requests per upstream | errors | "
+                "seconds per run |",
+                "|---|---|---|---|---|---|---|---|---|",
                 *rows,
                 "",
                 *([f"First error: `{first_error}`", ""] if first_error else []),

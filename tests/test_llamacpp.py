@@ -521,6 +521,49 @@ async def test_requests_beyond_the_sequences_wait_and_all_complete() -> None:
         await engine.close()
 
 
+async def test_a_prompt_that_begins_like_a_running_sequence_copies_its_cells() -> None:
+    # Two conversations under one system prompt at once: the second gets the first's cells
+    # for the shared prefix instead of prefilling it, and answers as a full prefill does.
+    system = "You are a support agent. " + " ".join(f"rule{i}: be kind" for i in range(60))
+
+    def request(user: str, max_tokens: int) -> GenerationRequest:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        messages = (ChatMessage("system", system), ChatMessage("user", user))
+        return GenerationRequest(RequestId(user), messages, params, 0)
+
+    async def text(engine: LlamaCppEngine, asked: GenerationRequest) -> str:
+        return "".join([d.text async for d in engine.generate(asked)])
+
+    def engine(kv_reuse: bool) -> LlamaCppEngine:
+        return LlamaCppEngine(
+            model_path=default_model_path(),
+            name="t",
+            parallel=2,
+            n_ctx=2 * N_CTX_SEQ,
+            threads=THREADS,
+            kv_reuse=kv_reuse,
+        )
+
+    sharing = engine(kv_reuse=True)
+    await sharing.start()
+    try:
+        first = sharing.generate(request("Tell me a story.", 200))
+        await anext(first)  # running, its prompt's cells in place
+        prefilled = sharing.stats.prompt_tokens_prefilled
+        second = await text(sharing, request("Where is my order?", 8))
+        assert sharing.stats.states_shared == 1
+        assert sharing.stats.prompt_tokens_prefilled - prefilled < 20  # the user's words
+        await first.aclose()
+    finally:
+        await sharing.close()
+    alone = engine(kv_reuse=False)
+    await alone.start()
+    try:
+        assert await text(alone, request("Where is my order?", 8)) == second
+    finally:
+        await alone.close()
+
+
 @one_process_only("reads the llama.cpp engine in the server's process")
 async def test_the_openai_package_drives_the_real_model(llama: RunningServer) -> None:
     import openai

@@ -15,7 +15,10 @@ prefills the rest. When no slot is free, a request waits; when a request needs a
 the free one sharing the longest prefix with its prompt (at least 64 tokens), else the lowest
 free one with nothing to save, else the lowest: the running sequences' ids stay together.
 Before a slot's cells are overwritten, its state is saved to a host-memory cache (LRU, bounded
-in bytes) from which a later turn of that conversation restores it. Reuse is by exact token
+in bytes) from which a later turn of that conversation restores it. A request whose prompt
+begins like a running sequence's cells (two conversations under one system prompt at once)
+gets a copy of them (saved and loaded: a fiftieth of a prefill's cost per token) instead of
+prefilling that prefix again. Reuse is by exact token
 prefix, so a reused cell always holds what a fresh prefill would compute.
 """
 
@@ -225,7 +228,19 @@ class Scheduler(DecodeLoop):
             if not self._reuse:
                 keep = 0
             cached_key, cached_len = self.cache.best(prompt)
-            if cached_len > keep:  # a saved conversation beats what the slots hold
+            running, shared = self._running_prefix(prompt)
+            if shared > max(keep, cached_len):  # a running sequence begins the same way
+                slot, _ = min(((s, 0) for s in free), key=_cheapest)  # all its cells go
+                self._evict(slot)
+                assert running is not None
+                if self.ctx.load_state(slot.seq, self.ctx.save_state(running.seq)):
+                    slot.tokens = list(running.tokens)  # cut to the shared prefix below
+                    keep = shared
+                    self.stats.states_shared += 1
+                else:  # pragma: no cover - a state this context saved always loads
+                    self.ctx.forget(slot.seq)
+                    keep = 0
+            elif cached_len > keep:  # a saved conversation beats what the slots hold
                 tokens, state = self.cache.take(cached_key)  # before _evict adds to the cache
                 slot, _ = min(((s, 0) for s in free), key=_cheapest)  # all its cells go
                 self._evict(slot)
@@ -250,6 +265,20 @@ class Scheduler(DecodeLoop):
             stats.prompt_tokens += len(prompt)
             stats.prompt_tokens_reused += keep
             stats.prompt_tokens_prefilled += len(prompt) - keep
+
+    def _running_prefix(self, prompt: list[int]) -> tuple[Slot | None, int]:
+        """The running sequence whose cells share the longest prefix with ``prompt`` (another
+        conversation under the same system prompt, running now), and that length, when
+        copying its cells is worth it: at least :data:`_MIN_SAVED_TOKENS` shared, and its
+        cells, copied twice (saved, then loaded), cost less than prefilling the shared ones."""
+        best, best_len = None, 0
+        for slot in self._slots:
+            if slot.job is None:
+                continue
+            n = common_prefix(slot.tokens, prompt)
+            if n > best_len and len(slot.tokens) * 2 <= n * _SAVE_PER_PREFILL:
+                best, best_len = slot, n
+        return (best, best_len) if best_len >= _MIN_SAVED_TOKENS else (None, 0)
 
     def _evict(self, slot: Slot, keep: int = 0) -> None:
         """About to overwrite ``slot`` from ``keep`` on: save a conversation worth keeping."""
