@@ -556,10 +556,14 @@ async def test_a_prompt_that_begins_like_a_running_sequence_copies_its_cells() -
         await first.aclose()
     finally:
         await sharing.close()
-    alone = engine(kv_reuse=False)
+    alone = engine(kv_reuse=False)  # --kv-reuse false: every prompt prefilled whole
     await alone.start()
     try:
+        first = alone.generate(request("Tell me a story.", 200))
+        await anext(first)
         assert await text(alone, request("Where is my order?", 8)) == second
+        assert alone.stats.states_shared == 0
+        await first.aclose()
     finally:
         await alone.close()
 

@@ -18,8 +18,8 @@ Before a slot's cells are overwritten, its state is saved to a host-memory cache
 in bytes) from which a later turn of that conversation restores it. A request whose prompt
 begins like a running sequence's cells (two conversations under one system prompt at once)
 gets a copy of them (saved and loaded: a fiftieth of a prefill's cost per token) instead of
-prefilling that prefix again. Reuse is by exact token
-prefix, so a reused cell always holds what a fresh prefill would compute.
+prefilling that prefix again. Reuse is by exact token prefix, so a reused cell always holds
+what a fresh prefill would compute.
 """
 
 from __future__ import annotations
@@ -228,7 +228,7 @@ class Scheduler(DecodeLoop):
             if not self._reuse:
                 keep = 0
             cached_key, cached_len = self.cache.best(prompt)
-            running, shared = self._running_prefix(prompt)
+            running, shared = self._running_prefix(prompt) if self._reuse else (None, 0)
             if shared > max(keep, cached_len):  # a running sequence begins the same way
                 slot, _ = min(((s, 0) for s in free), key=_cheapest)  # all its cells go
                 self._evict(slot)
