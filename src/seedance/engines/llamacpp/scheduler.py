@@ -230,27 +230,16 @@ class Scheduler(DecodeLoop):
             cached_key, cached_len = self.cache.best(prompt)
             running, shared = self._running_prefix(prompt) if self._reuse else (None, 0)
             if shared > max(keep, cached_len):  # a running sequence begins the same way
-                slot, _ = min(((s, 0) for s in free), key=_cheapest)  # all its cells go
-                self._evict(slot)
-                assert running is not None
-                if self.ctx.load_state(slot.seq, self.ctx.save_state(running.seq)):
-                    slot.tokens = list(running.tokens)  # cut to the shared prefix below
-                    keep = shared
-                    self.stats.states_shared += 1
-                else:  # pragma: no cover - a state this context saved always loads
-                    self.ctx.forget(slot.seq)
-                    keep = 0
+                assert running is not None  # its cells, cut to the shared prefix below
+                state = self.ctx.save_state(running.seq)
+                slot, loaded = self._load(free, list(running.tokens), state)
+                keep = shared if loaded else 0
+                self.stats.states_shared += int(loaded)
             elif cached_len > keep:  # a saved conversation beats what the slots hold
                 tokens, state = self.cache.take(cached_key)  # before _evict adds to the cache
-                slot, _ = min(((s, 0) for s in free), key=_cheapest)  # all its cells go
-                self._evict(slot)
-                if self.ctx.load_state(slot.seq, state):
-                    slot.tokens = tokens
-                    keep = cached_len
-                    self.stats.states_restored += 1
-                else:  # pragma: no cover - a state this context saved always loads
-                    self.ctx.forget(slot.seq)
-                    keep = 0
+                slot, loaded = self._load(free, tokens, state)
+                keep = cached_len if loaded else 0
+                self.stats.states_restored += int(loaded)
             elif keep < len(slot.tokens):
                 self._evict(slot, keep)
             keep = min(keep, len(prompt) - 1)  # decode at least one token for the logits
@@ -265,6 +254,18 @@ class Scheduler(DecodeLoop):
             stats.prompt_tokens += len(prompt)
             stats.prompt_tokens_reused += keep
             stats.prompt_tokens_prefilled += len(prompt) - keep
+
+    def _load(self, free: list[Slot], tokens: list[int], state: State) -> tuple[Slot, bool]:
+        """Put saved cells (``state``, holding ``tokens``) into the cheapest free slot, whose
+        own cells go (saved first when worth keeping); whether they loaded."""
+        slot, _ = min(((s, 0) for s in free), key=_cheapest)
+        self._evict(slot)
+        loaded = self.ctx.load_state(slot.seq, state)  # a state this context saved always loads
+        if loaded:
+            slot.tokens = tokens
+        else:  # pragma: no cover
+            self.ctx.forget(slot.seq)
+        return slot, loaded
 
     def _running_prefix(self, prompt: list[int]) -> tuple[Slot | None, int]:
         """The running sequence whose cells share the longest prefix with ``prompt`` (another
