@@ -96,8 +96,12 @@ class RunningServer:
 
     @property
     def connections(self) -> list[Any]:
-        """The open ``/v2/infer`` connections, as the server holds them."""
-        return self.state.peers.of_kind("infer")
+        """The open ``/v2/infer`` connections, as the server holds them.
+
+        The server's thread adds and drops peers while a test reads them: iterating the
+        registry copies it in one step (``Peers.__iter__``), where ``of_kind`` would walk the
+        live dict and fail if it changed size meanwhile."""
+        return [peer for peer in self.state.peers if peer.kind == "infer"]
 
     @property
     def handshakes(self) -> HandshakeLimits:
