@@ -19,6 +19,7 @@ import pytest
 from seedance.client import connect
 from seedance.client.session import TokenChunk
 from seedance.engines.base import GenerationRequest, SamplingParams
+from seedance.engines.batching import SchedulerStats
 from seedance.engines.llamacpp.engine import LlamaCppEngine
 from seedance.engines.local import default_model_path
 from seedance.eventloop import timeout
@@ -566,6 +567,46 @@ async def test_a_prompt_that_begins_like_a_running_sequence_copies_its_cells() -
         await first.aclose()
     finally:
         await alone.close()
+
+
+async def test_prompts_that_arrive_together_prefill_their_shared_prefix_once() -> None:
+    # Three conversations under one system prompt sent at once: the first prefills it, the
+    # other two wait for those cells and copy them, and each answers as a full prefill does.
+    system = "You are a support agent. " + " ".join(f"rule{i}: be kind" for i in range(60))
+    users = ("Tell me a story.", "Where is my order?", "Can I pay later?")
+
+    def request(user: str) -> GenerationRequest:
+        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        messages = (ChatMessage("system", system), ChatMessage("user", user))
+        return GenerationRequest(RequestId(user), messages, params, 0)
+
+    async def text(engine: LlamaCppEngine, asked: GenerationRequest) -> str:
+        return "".join([d.text async for d in engine.generate(asked)])
+
+    async def replies(kv_reuse: bool) -> tuple[list[str], SchedulerStats]:
+        engine = LlamaCppEngine(
+            model_path=default_model_path(),
+            name="t",
+            parallel=3,
+            n_ctx=3 * N_CTX_SEQ,
+            n_batch=128,  # the prefill takes steps: the others arrive while it runs
+            threads=THREADS,
+            kv_reuse=kv_reuse,
+        )
+        await engine.start()
+        try:
+            texts = await asyncio.gather(*(text(engine, request(user)) for user in users))
+            return list(texts), engine.stats
+        finally:
+            await engine.close()
+
+    together, stats = await replies(kv_reuse=True)
+    assert stats.states_shared == 2
+    whole = stats.prompt_tokens / 3  # about 370 tokens each
+    assert stats.prompt_tokens_prefilled < whole + 2 * 20  # one prompt, two users' words
+    alone, alone_stats = await replies(kv_reuse=False)  # every prompt prefilled whole
+    assert alone_stats.states_shared == 0
+    assert together == alone
 
 
 @one_process_only("reads the llama.cpp engine in the server's process")

@@ -18,8 +18,9 @@ Before a slot's cells are overwritten, its state is saved to a host-memory cache
 in bytes) from which a later turn of that conversation restores it. A request whose prompt
 begins like a running sequence's cells (two conversations under one system prompt at once)
 gets a copy of them (saved and loaded: a fiftieth of a prefill's cost per token) instead of
-prefilling that prefix again. Reuse is by exact token prefix, so a reused cell always holds
-what a fresh prefill would compute.
+prefilling that prefix again; one that begins like a prompt still being prefilled (the two
+arrived together) waits for that prefill to pass the shared part, then copies it. Reuse is by
+exact token prefix, so a reused cell always holds what a fresh prefill would compute.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ _SAVE_PER_PREFILL = 50
 class Job(BatchJob):
     """One request inside the decode thread."""
 
-    __slots__ = ("fed", "last", "sampler", "slot")
+    __slots__ = ("fed", "last", "leader", "sampler", "shared", "slot")
 
     def __init__(
         self,
@@ -68,6 +69,10 @@ class Job(BatchJob):
         self.slot: Slot | None = None
         self.fed = 0  # prompt tokens in the slot's cells
         self.last = -1  # the last sampled token, decoded in the next step
+        #: A job prefilling the start of this one's prompt (``shared`` tokens of it): this
+        #: one feeds nothing until those cells are there, then copies them (see _follow).
+        self.leader: Job | None = None
+        self.shared = 0
 
     def close(self) -> None:
         self.sampler.close()
@@ -229,7 +234,13 @@ class Scheduler(DecodeLoop):
                 keep = 0
             cached_key, cached_len = self.cache.best(prompt)
             running, shared = self._running_prefix(prompt) if self._reuse else (None, 0)
-            if shared > max(keep, cached_len):  # a running sequence begins the same way
+            leader, coming = self._prefilling_prefix(prompt) if self._reuse else (None, 0)
+            if coming > max(keep, cached_len, shared):  # it arrived with one that begins so
+                slot, _ = min(((s, 0) for s in free), key=_cheapest)
+                self._evict(slot)
+                keep = 0
+                job.leader, job.shared = leader, min(coming, len(prompt) - 1)
+            elif shared > max(keep, cached_len):  # a running sequence begins the same way
                 assert running is not None  # its cells, cut to the shared prefix below
                 state = self.ctx.save_state(running.seq)
                 slot, loaded = self._load(free, list(running.tokens), state)
@@ -281,6 +292,48 @@ class Scheduler(DecodeLoop):
                 best, best_len = slot, n
         return (best, best_len) if best_len >= _MIN_SAVED_TOKENS else (None, 0)
 
+    def _prefilling_prefix(self, prompt: list[int]) -> tuple[Job | None, int]:
+        """The job still prefilling the start of ``prompt`` (it arrived at about the same
+        time, under the same system prompt), and how many tokens of it they share, when its
+        cells do not hold them yet and copying them will be worth it (as for
+        :meth:`_running_prefix`)."""
+        best, best_len = None, 0
+        for job in self._active:
+            slot = job.slot
+            if job.leader is not None or slot is None or job.fed == len(job.prompt):
+                continue
+            n = common_prefix(job.prompt, prompt)
+            if n > max(best_len, len(slot.tokens)) and len(job.prompt) <= n * _SAVE_PER_PREFILL:
+                best, best_len = job, n
+        return (best, best_len) if best_len >= _MIN_SAVED_TOKENS else (None, 0)
+
+    def _follow(self) -> None:
+        """Give each job that waits for its leader's prefill (see :meth:`_prefilling_prefix`)
+        the leader's cells once they hold the shared prefix; one whose leader left before
+        that prefills its prompt itself."""
+        for job in self._active:
+            leader, slot = job.leader, job.slot
+            if leader is None or slot is None:
+                continue
+            source = leader.slot
+            if source is None or leader.done:
+                job.leader = None
+                continue
+            if len(source.tokens) < job.shared:
+                continue
+            job.leader = None
+            self.ctx.forget(slot.seq)
+            if not self.ctx.load_state(slot.seq, self.ctx.save_state(source.seq)):
+                self.ctx.forget(slot.seq)  # pragma: no cover - a state this context saved
+                continue
+            slot.tokens = source.tokens[: job.shared]
+            self.ctx.forget(slot.seq, job.shared)
+            job.fed = job.shared
+            stats = self.stats
+            stats.states_shared += 1
+            stats.prompt_tokens_reused += job.shared
+            stats.prompt_tokens_prefilled -= job.shared
+
     def _evict(self, slot: Slot, keep: int = 0) -> None:
         """About to overwrite ``slot`` from ``keep`` on: save a conversation worth keeping."""
         if (
@@ -297,8 +350,9 @@ class Scheduler(DecodeLoop):
     # -- one step ----------------------------------------------------------------------------
 
     def _step(self) -> None:
+        self._follow()
         # What each job feeds: its last sampled token, or the next chunk of its prompt while
-        # the batch has room (prompts in admission order).
+        # the batch has room (prompts in admission order; one following a leader waits).
         fed: list[tuple[Job, list[int]]] = [
             (job, [job.last]) for job in self._active if job.fed == len(job.prompt)
         ]
@@ -307,7 +361,7 @@ class Scheduler(DecodeLoop):
         for job in self._active:
             if budget <= 0:
                 break
-            if job.fed < len(job.prompt):
+            if job.fed < len(job.prompt) and job.leader is None:
                 chunk = job.prompt[job.fed : job.fed + budget]
                 fed.append((job, chunk))
                 budget -= len(chunk)
