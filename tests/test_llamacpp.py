@@ -10,7 +10,7 @@ import asyncio
 import json
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ from tests.support.servers import (
     serve_fails,
     server_config,
 )
+from tests.support.waits import eventually
 from tests.support.ws import assert_contiguous, read
 
 pytestmark = pytest.mark.model
@@ -55,14 +56,6 @@ def engine_of(server: RunningServer) -> LlamaCppEngine:
     engine = server.engine
     assert isinstance(engine, LlamaCppEngine)
     return engine
-
-
-async def eventually(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    """The decode thread acts on a cancel at its next step: wait for it."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "condition never held"
-        await asyncio.sleep(0.01)
 
 
 @one_process_only("reads the llama.cpp engine in the server's process")
@@ -140,7 +133,10 @@ async def test_cancel_frees_the_sequence_for_a_new_request() -> None:
             assert inside == 1  # the other stream
             await other.cancel()
             await other.collect()
-        await eventually(lambda: engine.stats.requests_cancelled == 2 and not engine.stats.running)
+        stats = engine.stats
+        await eventually(
+            lambda: stats.requests_cancelled == 2 and not stats.running, 10, "both cancels"
+        )
         samples, _ = scrape(server)
         assert value(samples, "seedance_engine_requests", **labels) == 0
     finally:
@@ -572,11 +568,14 @@ async def test_a_prompt_that_begins_like_a_running_sequence_copies_its_cells() -
 async def test_prompts_that_arrive_together_prefill_their_shared_prefix_once() -> None:
     # Three conversations under one system prompt sent at once: the first prefills it, the
     # other two wait for those cells and copy them, and each answers as a full prefill does.
+    # The first ends in the step its prefill does (one token): its cells are still there.
     system = "You are a support agent. " + " ".join(f"rule{i}: be kind" for i in range(60))
     users = ("Tell me a story.", "Where is my order?", "Can I pay later?")
 
     def request(user: str) -> GenerationRequest:
-        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        params = SamplingParams(
+            max_tokens=1 if user == users[0] else 8, temperature=0, ignore_eos=True
+        )
         messages = (ChatMessage("system", system), ChatMessage("user", user))
         return GenerationRequest(RequestId(user), messages, params, 0)
 
@@ -607,6 +606,38 @@ async def test_prompts_that_arrive_together_prefill_their_shared_prefix_once() -
     alone, alone_stats = await replies(kv_reuse=False)  # every prompt prefilled whole
     assert alone_stats.states_shared == 0
     assert together == alone
+
+
+async def test_a_short_prompt_does_not_wait_behind_a_long_prefill() -> None:
+    # A long new prompt prefills over many steps (64 tokens a step here); a short one that
+    # comes in meanwhile takes its few tokens first and answers before the long one does.
+    engine = LlamaCppEngine(
+        model_path=default_model_path(),
+        name="t",
+        parallel=2,
+        n_ctx=2 * N_CTX_SEQ,
+        n_batch=64,
+        threads=THREADS,
+    )
+    firsts: list[str] = []
+
+    async def first_token(user: str) -> None:
+        params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+        asked = GenerationRequest(RequestId(user), (ChatMessage("user", user),), params, 0)
+        async for _ in engine.generate(asked):
+            firsts.append(user)
+            break
+
+    long = "Summarise: " + " ".join(f"clause {i} of the contract" for i in range(100))
+    await engine.start()
+    try:
+        started = asyncio.create_task(first_token(long))
+        await eventually(lambda: engine.stats.steps >= 1, what="its prefill under way")
+        await first_token("Hi")
+        await started
+        assert firsts == ["Hi", long]
+    finally:
+        await engine.close()
 
 
 @one_process_only("reads the llama.cpp engine in the server's process")

@@ -1,9 +1,9 @@
 """The decode loop: continuous batching of many requests in one llama.cpp context.
 
 One thread owns the context. Each step it builds one batch: the last sampled token of every
-sequence that is generating, then prompt chunks of sequences being prefilled, up to
-``n_batch`` tokens, laid out in sequence order; it calls ``llama_decode`` once, samples each
-sequence that has logits. The step's text goes to the event loop in one
+sequence that is generating, then prompt chunks of sequences being prefilled, the shortest
+rest first, up to ``n_batch`` tokens, laid out in sequence order; it calls ``llama_decode``
+once, samples each sequence that has logits. The step's text goes to the event loop in one
 ``call_soon_threadsafe`` just before the next ``llama_decode`` releases the GIL (after the
 last step: at once), so the event loop handles it while the forward pass runs instead of
 holding up the next batch (one stream: +1.3% tokens/s). Requests join and leave between
@@ -47,7 +47,7 @@ _SAVE_PER_PREFILL = 50
 class Job(BatchJob):
     """One request inside the decode thread."""
 
-    __slots__ = ("fed", "last", "leader", "sampler", "shared", "slot")
+    __slots__ = ("fed", "last", "sampler", "shared", "slot", "source")
 
     def __init__(
         self,
@@ -69,9 +69,9 @@ class Job(BatchJob):
         self.slot: Slot | None = None
         self.fed = 0  # prompt tokens in the slot's cells
         self.last = -1  # the last sampled token, decoded in the next step
-        #: A job prefilling the start of this one's prompt (``shared`` tokens of it): this
-        #: one feeds nothing until those cells are there, then copies them (see _follow).
-        self.leader: Job | None = None
+        #: The slot of a job prefilling the start of this one's prompt (``shared`` tokens of
+        #: it): this one feeds nothing until those cells are there, then copies them.
+        self.source: Slot | None = None
         self.shared = 0
 
     def close(self) -> None:
@@ -141,6 +141,11 @@ def _cheapest(pair: tuple[Slot, int]) -> tuple[bool, int]:
     """Taking this free slot saves its cells first (see ``_evict``); then its id."""
     slot, keep = pair
     return len(slot.tokens) - keep >= _MIN_SAVED_TOKENS, slot.seq
+
+
+def _rest(job: Job) -> int:
+    """The prompt tokens ``job`` has yet to prefill."""
+    return len(job.prompt) - job.fed
 
 
 def _seq_of(entry: tuple[Job, list[int]]) -> int:
@@ -234,12 +239,12 @@ class Scheduler(DecodeLoop):
                 keep = 0
             cached_key, cached_len = self.cache.best(prompt)
             running, shared = self._running_prefix(prompt) if self._reuse else (None, 0)
-            leader, coming = self._prefilling_prefix(prompt) if self._reuse else (None, 0)
+            source, coming = self._prefilling_prefix(prompt) if self._reuse else (None, 0)
             if coming > max(keep, cached_len, shared):  # it arrived with one that begins so
                 slot, _ = min(((s, 0) for s in free), key=_cheapest)
                 self._evict(slot)
                 keep = 0
-                job.leader, job.shared = leader, min(coming, len(prompt) - 1)
+                job.source, job.shared = source, min(coming, len(prompt) - 1)
             elif shared > max(keep, cached_len):  # a running sequence begins the same way
                 assert running is not None  # its cells, cut to the shared prefix below
                 state = self.ctx.save_state(running.seq)
@@ -292,47 +297,53 @@ class Scheduler(DecodeLoop):
                 best, best_len = slot, n
         return (best, best_len) if best_len >= _MIN_SAVED_TOKENS else (None, 0)
 
-    def _prefilling_prefix(self, prompt: list[int]) -> tuple[Job | None, int]:
-        """The job still prefilling the start of ``prompt`` (it arrived at about the same
-        time, under the same system prompt), and how many tokens of it they share, when its
-        cells do not hold them yet and copying them will be worth it (as for
+    def _prefilling_prefix(self, prompt: list[int]) -> tuple[Slot | None, int]:
+        """The sequence still prefilling the start of ``prompt`` (its request arrived at about
+        the same time, under the same system prompt), and how many tokens of it they share,
+        when its cells do not hold them yet and copying them will be worth it (as for
         :meth:`_running_prefix`)."""
-        best, best_len = None, 0
+        best: Slot | None = None
+        best_len = 0
         for job in self._active:
             slot = job.slot
-            if job.leader is not None or slot is None or job.fed == len(job.prompt):
+            if job.source is not None or slot is None or job.fed == len(job.prompt):
                 continue
             n = common_prefix(job.prompt, prompt)
             if n > max(best_len, len(slot.tokens)) and len(job.prompt) <= n * _SAVE_PER_PREFILL:
-                best, best_len = job, n
+                best, best_len = slot, n
         return (best, best_len) if best_len >= _MIN_SAVED_TOKENS else (None, 0)
 
     def _follow(self) -> None:
-        """Give each job that waits for its leader's prefill (see :meth:`_prefilling_prefix`)
-        the leader's cells once they hold the shared prefix; one whose leader left before
-        that prefills its prompt itself."""
+        """Give each job that waits for another's prefill (see :meth:`_prefilling_prefix`)
+        that sequence's cells once they hold the shared prefix; one whose sequence will not
+        (its job left, or was placed elsewhere) prefills its prompt itself."""
         for job in self._active:
-            leader, slot = job.leader, job.slot
-            if leader is None or slot is None:
+            source, slot = job.source, job.slot
+            if source is None or slot is None:
                 continue
-            source = leader.slot
-            if source is None or leader.done:
-                job.leader = None
+            shared = job.shared
+            if len(source.tokens) < shared or source.tokens[:shared] != job.prompt[:shared]:
+                owner = source.job
+                if (
+                    owner is None
+                    or owner.source is not None
+                    or owner.fed == len(owner.prompt)
+                    or owner.prompt[:shared] != job.prompt[:shared]
+                ):
+                    job.source = None  # nothing there will prefill it: on its own
                 continue
-            if len(source.tokens) < job.shared:
-                continue
-            job.leader = None
+            job.source = None
             self.ctx.forget(slot.seq)
             if not self.ctx.load_state(slot.seq, self.ctx.save_state(source.seq)):
                 self.ctx.forget(slot.seq)  # pragma: no cover - a state this context saved
                 continue
-            slot.tokens = source.tokens[: job.shared]
-            self.ctx.forget(slot.seq, job.shared)
-            job.fed = job.shared
+            slot.tokens = source.tokens[:shared]
+            self.ctx.forget(slot.seq, shared)
+            job.fed = shared
             stats = self.stats
             stats.states_shared += 1
-            stats.prompt_tokens_reused += job.shared
-            stats.prompt_tokens_prefilled -= job.shared
+            stats.prompt_tokens_reused += shared
+            stats.prompt_tokens_prefilled -= shared
 
     def _evict(self, slot: Slot, keep: int = 0) -> None:
         """About to overwrite ``slot`` from ``keep`` on: save a conversation worth keeping."""
@@ -352,19 +363,22 @@ class Scheduler(DecodeLoop):
     def _step(self) -> None:
         self._follow()
         # What each job feeds: its last sampled token, or the next chunk of its prompt while
-        # the batch has room (prompts in admission order; one following a leader waits).
+        # the batch has room. Prompts go the shortest rest first (then in admission order):
+        # one that needs a few tokens (a turn whose history is cached) does not wait behind
+        # the whole prefill of a long one, which loses a few tokens of a step. One waiting for
+        # another's prefill of its prefix feeds nothing.
         fed: list[tuple[Job, list[int]]] = [
             (job, [job.last]) for job in self._active if job.fed == len(job.prompt)
         ]
         decoding = len(fed)
         budget = self._n_batch - decoding
-        for job in self._active:
+        prefilling = [j for j in self._active if j.fed < len(j.prompt) and j.source is None]
+        for job in sorted(prefilling, key=_rest):
             if budget <= 0:
                 break
-            if job.fed < len(job.prompt) and job.leader is None:
-                chunk = job.prompt[job.fed : job.fed + budget]
-                fed.append((job, chunk))
-                budget -= len(chunk)
+            chunk = job.prompt[job.fed : job.fed + budget]
+            fed.append((job, chunk))
+            budget -= len(chunk)
         # llama.cpp runs a batch over separate sequence caches as micro-batches of sequences
         # with consecutive ids, taken in batch order. In sequence order a step is one forward
         # pass where it can be; in admission order it was up to one pass per sequence (8
