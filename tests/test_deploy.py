@@ -187,6 +187,8 @@ def manifests() -> list[dict[str, object]]:
 
 #: The chart's values for a Redis of one's own (its URL in the Secret redis-url).
 OWN_REDIS: dict[str, object] = {"redis": {"urlSecret": "redis-url"}}
+#: The chart's values for its Redis pods with a password (the chart makes their Secret).
+PASSWORD: dict[str, object] = {"redis": {"password": "0123abcd"}}
 
 
 def by_name(documents: list[dict[str, object]]) -> dict[tuple[str, str], dict[str, object]]:
@@ -212,7 +214,15 @@ def test_the_kubernetes_manifests_and_the_chart_validate_against_the_schemas(ver
         ("StatefulSet", "seedance-redis"),
     ]
     own_redis = render_chart(CHART, "other", OWN_REDIS)
-    for document in [*documents, *render_chart(CHART), *render_chart(CHART, "other"), *own_redis]:
+    secured = render_chart(CHART, "other", PASSWORD)
+    assert ("Secret", "other-redis") in by_name(secured)
+    for document in [
+        *documents,
+        *render_chart(CHART),
+        *render_chart(CHART, "other"),
+        *own_redis,
+        *secured,
+    ]:
         kubernetes_validate.validate(document, version, strict=True)
 
 
@@ -240,7 +250,12 @@ def test_the_nodes_share_the_redis_and_the_balancer_finds_them() -> None:
     url = next(e["value"] for e in node["env"] if e["name"] == "SEEDANCE_REDIS")
     redis = documents["StatefulSet", "seedance-redis"]["spec"]  # type: ignore[index]
     pods = [f"seedance-redis-{i}.{redis['serviceName']}:26379" for i in range(redis["replicas"])]
-    assert url == f"sentinel://{','.join(pods)}/seedance"
+    assert url == f"sentinel://:$(REDIS_PASSWORD)@{','.join(pods)}/seedance"
+    # ... with the password the Redis pods ask for (Kubernetes puts it in the URL).
+    env = {e["name"]: e for e in node["env"]}
+    template = redis["template"]["spec"]
+    for container in template["containers"]:
+        assert {"name": "REDIS_PASSWORD", **env["REDIS_PASSWORD"]} in container["env"]
     assert documents["Service", "seedance-redis"]["spec"]["clusterIP"] == "None"  # type: ignore[index]
 
     config = documents["ConfigMap", "seedance-balancer"]["data"]["haproxy.cfg"]  # type: ignore[index]

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from websockets.exceptions import ConnectionClosed
 
 from seedance.cluster.local import SERVICE, acquainted, sentinel_url
@@ -161,21 +162,33 @@ async def test_a_reply_is_taken_over_through_a_failover(
     assert sentinels.primary() is not old
 
 
+@pytest.mark.parametrize("password", ["", "0f1e2d3c4b5a"], ids=["no password", "a password"])
 async def test_the_kubernetes_redis_pods_fail_over_and_a_primary_back_follows_the_new_one(
-    tmp_path: Path, server_process: Callable[..., ServerProcess]
+    tmp_path: Path, server_process: Callable[..., ServerProcess], password: str
 ) -> None:
     """The Kubernetes manifests' three Redis pods (deploy/k8s/redis.yaml's scripts, each pod a
     redis-server and a sentinel): the first starts as the primary, the others follow it; a
     node's session outlives the first pod's death (kill -9 of both its processes, the sentinel
     the node asks first among them); started again, the first pod asks the sentinels and comes
-    back as a replica of the new primary, not as a second primary."""
-    pods = RedisPods(tmp_path)
+    back as a replica of the new primary, not as a second primary. With a password in the
+    Secret, the servers and the sentinels ask for it (of each other too), and the node gives
+    it in its URL as deployment.yaml does."""
+    pods = RedisPods(tmp_path, password)
     try:
         for i in range(3):
             pods.start(i)
         wait_for(lambda: pods.role(0) == ("master", 2), "two replicas of the first pod")
-        wait_for(lambda: acquainted(pods.sentinel_ports), "the sentinels knowing each other")
-        node = server_process("--redis", sentinel_url(pods.sentinel_ports), "--lease", "1")
+        wait_for(
+            lambda: acquainted(pods.sentinel_ports, password=password or None),
+            "the sentinels knowing each other",
+        )
+        if password:
+            with pytest.raises(redis.AuthenticationError):  # NOAUTH: no way in without it
+                redis.Redis(port=pods.sentinel_ports[1]).ping()
+            with pytest.raises(redis.AuthenticationError):
+                redis.Redis(port=pods.redis_ports[1]).ping()
+        url = sentinel_url(pods.sentinel_ports).replace("sentinel://", f"sentinel://:{password}@")
+        node = server_process("--redis", url, "--lease", "1")
         ws, hello = await open_session(node.url, "session_id=kept")
         async with ws:
             assert end_of(await generate(ws, prompt="one", max_tokens=3)) == "done"
@@ -217,3 +230,18 @@ def test_the_sentinel_url_names_the_service_behind_its_sentinels() -> None:
         assert not valid(bad)
         with pytest.raises(ValueError, match=why):
             SentinelUrl.parse(bad)
+
+
+def test_the_logs_show_no_redis_password() -> None:
+    from seedance.cluster.urls import redacted
+
+    assert (
+        redacted(f"sentinel://:pw@10.0.0.1:26379,[::1]:26380/{SERVICE}/2?sentinel_password=x")
+        == f"sentinel://:***@10.0.0.1:26379,[::1]:26380/{SERVICE}/2?sentinel_password=***"
+    )  # this raised ValueError (the sentinels' list is no port), and the node did not start
+    assert redacted("rediss://app:pw@redis:6380/1") == "rediss://app:***@redis:6380/1"
+    assert redacted("unix:///run/redis.sock?db=1&password=pw") == (
+        "unix:///run/redis.sock?db=1&password=***"
+    )
+    for plain in ("redis://redis:6379", "redis://app@redis:6379", "unix:///run/redis.sock"):
+        assert redacted(plain) == plain

@@ -184,11 +184,12 @@ class Sentinels:
 class RedisPods:
     """The Kubernetes manifests' Redis pods (deploy/k8s/redis.yaml) as processes here: each pod
     a redis-server and a redis-sentinel started by the ConfigMap's scripts with the environment
-    the StatefulSet gives them, but a port each on 127.0.0.1 instead of an address each."""
+    the StatefulSet gives them (``password``: the Secret's), but a port each on 127.0.0.1
+    instead of an address each."""
 
     MANIFEST = Path(__file__).parents[2] / "deploy" / "k8s" / "redis.yaml"
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, password: str = "") -> None:
         import yaml
 
         tool("redis-sentinel", "redis-sentinel")
@@ -199,6 +200,7 @@ class RedisPods:
         for name, text in config_map["data"].items():
             (self.scripts / name).write_text(text)
         self.directory = directory
+        self.password = password
         self.redis_ports = [free_port() for _ in range(3)]
         self.sentinel_ports = [free_port() for _ in range(3)]
         self.procs: dict[int, list[subprocess.Popen[bytes]]] = {}
@@ -222,6 +224,7 @@ class RedisPods:
             "REDIS_DIR": str(data),
             "SENTINEL_DIR": str(sentinel),
             "DOWN_AFTER_MS": "1000",
+            "REDIS_PASSWORD": self.password,
         }
         log = open(self.directory / f"pod{i}.log", "ab")  # noqa: SIM115  # the children's
         self.procs[i] = [
@@ -236,7 +239,8 @@ class RedisPods:
             proc.wait(10)
 
     def _info(self, i: int) -> dict[str, Any]:
-        return redis.Redis(port=self.redis_ports[i], socket_timeout=1).info("replication")
+        client = redis.Redis(port=self.redis_ports[i], password=self.password, socket_timeout=1)
+        return client.info("replication")
 
     def role(self, i: int) -> tuple[str, int] | None:
         """Pod ``i``'s server's role and its replicas online (None: it does not answer)."""
@@ -254,7 +258,10 @@ class RedisPods:
         for i in self.procs:
             with contextlib.suppress(redis.RedisError):
                 ask = redis.Redis(
-                    port=self.sentinel_ports[i], socket_timeout=1, decode_responses=True
+                    port=self.sentinel_ports[i],
+                    password=self.password,
+                    socket_timeout=1,
+                    decode_responses=True,
                 )
                 _, port = ask.sentinel_get_master_addr_by_name(SERVICE)
                 return self.redis_ports.index(int(port))

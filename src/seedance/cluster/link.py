@@ -17,7 +17,6 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Final, Protocol
-from urllib.parse import urlsplit
 
 import hiredis
 import redis.asyncio as aioredis
@@ -28,7 +27,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ReadOnlyError, RedisError
 
-from seedance.cluster.urls import SentinelUrl, is_sentinel
+from seedance.cluster.urls import SentinelUrl, is_sentinel, redacted
 from seedance.config import ServerConfig
 from seedance.eventloop import timeout
 from seedance.protocol.errors import Overloaded
@@ -72,17 +71,6 @@ def tenant_key(tenant: str, what: str) -> str:
 
 def default_node_id(config: ServerConfig) -> str:
     return f"{socket.gethostname()}:{config.port}-{secrets.token_hex(3)}"
-
-
-def redacted(url: str) -> str:
-    """The URL without its password, for logs and errors."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    port = f":{parts.port}" if parts.port else ""
-    user = f"{parts.username}:***@" if parts.username else ":***@"
-    return parts._replace(netloc=f"{user}{host}{port}").geturl()
 
 
 def _client(

@@ -155,14 +155,16 @@ def start_redis(
     return sentinel_url(ports), []
 
 
-def acquainted(ports: Sequence[int], host: str = "127.0.0.1") -> bool:
-    """Whether each sentinel on ``host``:``ports`` knows the others and a replica of the
-    primary (they find each other through the primary within a few seconds; a failover needs
-    it)."""
+def acquainted(ports: Sequence[int], host: str = "127.0.0.1", password: str | None = None) -> bool:
+    """Whether each sentinel on ``host``:``ports`` (asking for ``password``, if any) knows the
+    others and a replica of the primary (they find each other through the primary within a few
+    seconds; a failover needs it)."""
     import redis
 
     for port in ports:
-        sentinel = redis.Redis(host=host, port=port, socket_timeout=1, decode_responses=True)
+        sentinel = redis.Redis(
+            host=host, port=port, password=password, socket_timeout=1, decode_responses=True
+        )
         try:
             state: Any = sentinel.sentinel_master(SERVICE)
         except redis.RedisError:

@@ -12,7 +12,7 @@ settings check a URL before the cluster mode loads.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import parse_qs, unquote, urlencode, urlsplit
 
 SENTINEL_SCHEME = "sentinel://"
 
@@ -60,6 +60,22 @@ def _host_port(text: str) -> tuple[str, int]:
     if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"{text!r} is not HOST:PORT (a sentinel)")
     return host.strip("[]"), int(port)
+
+
+def redacted(url: str) -> str:
+    """The URL without its passwords, for logs and errors: the one before ``@`` (a
+    ``sentinel://`` URL's list of sentinels too) and a ``password`` or ``sentinel_password``
+    parameter."""
+    head, mark, query = url.partition("?")
+    netloc = urlsplit(head).netloc
+    credentials, at, hosts = netloc.rpartition("@")
+    if at and ":" in credentials:
+        head = head.replace(netloc, f"{credentials.partition(':')[0]}:***@{hosts}", 1)
+    params = parse_qs(query, keep_blank_values=True)
+    hidden = {key: ["***"] for key in ("password", "sentinel_password") if key in params}
+    if hidden:
+        query = urlencode(params | hidden, doseq=True, safe="*")
+    return head + mark + query
 
 
 def is_sentinel(url: str) -> bool:
