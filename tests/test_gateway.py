@@ -33,7 +33,6 @@ from seedance.engines.llamacpp.native import backend_cwd
 from seedance.engines.local import default_model_path
 from seedance.engines.openai_upstream import OpenAIUpstreamEngine
 from seedance.engines.routing import (
-    MIN_REMEMBERED,
     LatencyWindow,
     PrefixMemory,
     Upstream,
@@ -378,46 +377,6 @@ def test_prefix_routing_keeps_a_prefix_where_it_went_within_a_load_bound() -> No
     small.remember(first_turn[:3])
     small.remember(blocks_of(SYSTEM_B)[:3])
     assert len(small) == 4 and small.matched(first_turn) == 0
-
-
-def test_the_prefix_memory_follows_what_the_upstreams_cache_served() -> None:
-    upstream = Upstream.parse("http://a/v1")
-
-    def figures(prompted: int, cached: int) -> None:  # its /metrics, as Seedance writes them
-        upstream.read_metrics(
-            "# TYPE seedance_engine_prompt_tokens_total counter\n"
-            f"seedance_engine_prompt_tokens_total {prompted}\n"
-            "# TYPE seedance_engine_prompt_cached_tokens_total counter\n"
-            f"seedance_engine_prompt_cached_tokens_total {cached}\n"
-        )
-
-    prompts = [blocks_of(f"system prompt {i}. " + "x" * 1200) for i in range(40)]
-    assert {len(p) for p in prompts} == {4}
-    figures(0, 0)
-    for blocks in prompts * 2:  # each prompt twice: the second time, it is thought held
-        upstream.sent(blocks)
-    assert (upstream.blocks_sent, upstream.blocks_expected) == (320, 160)
-    # Its cache served a tenth of the prompt tokens where half was expected: it holds less
-    # than was sent it, so a quarter of the blocks go, the least recently sent first.
-    figures(20_000, 2_000)
-    assert upstream.prefixes.limit == 120 and len(upstream.prefixes) == 120
-    assert upstream.prefixes.matched(prompts[0]) == 0
-    assert upstream.prefixes.matched(prompts[-1]) == 4
-    # Too few blocks sent since to tell: nothing changes, they count on to the next read.
-    upstream.sent(prompts[-1])
-    figures(20_100, 2_050)
-    assert upstream.prefixes.limit == 120 and upstream.blocks_sent == 4
-    # It served what was expected, with the memory full: a quarter more.
-    for blocks in prompts[-10:]:
-        upstream.sent(blocks)
-    figures(22_000, 3_950)  # served 1,900 of 1,900
-    assert upstream.prefixes.limit == 150
-    # A restart (its counters back at zero) starts the count afresh; never below the floor.
-    figures(10, 0)
-    assert upstream.blocks_sent == 0 and upstream.checked_at == (10, 0)
-    for _ in range(20):
-        upstream.prefixes.resize(0.75)
-    assert upstream.prefixes.limit == MIN_REMEMBERED
 
 
 @pytest.mark.slow

@@ -186,7 +186,7 @@ class OpenAIUpstreamEngine(Engine):
         if upstream is None:
             raise EngineError("no upstream is available; retry later")
         self._turn += 1
-        upstream.sent(blocks)
+        upstream.prefixes.remember(blocks)  # its KV cache holds them now
         return upstream
 
     def _failed(self, upstream: Upstream, why: str) -> None:

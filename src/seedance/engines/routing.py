@@ -27,7 +27,7 @@ sessions), so the next prompt that begins the same way (the conversation's next 
 conversation under the same system prompt) is served fastest there. The gateway remembers, for
 each upstream, the prefix blocks of the prompts it sent there (the chained hashes of the
 prompt's whole :data:`BLOCK_BYTES`-byte blocks, as llm-d and vLLM hash KV blocks, the least
-recently sent forgotten past a limit) and sends a prompt to the candidate
+recently sent forgotten past :data:`REMEMBERED_BLOCKS`) and sends a prompt to the candidate
 holding the longest run of its leading blocks, with bounded load (Mirrokni, Thorup and
 Zadimoghaddam's consistent hashing with bounded loads): an upstream takes a prompt for its
 prefix only while its requests in flight, this one counted, stay within :data:`LOAD_FACTOR`
@@ -41,17 +41,6 @@ upstreams for (suite 24 of ``make bench``: with every such gain stretched, the p
 token of a trace came out 1.2x least-loaded routing's). Past that, or when no upstream holds
 any of the prefix, the load-based choice above decides: a prefix never leaves a request
 without an upstream. The SLA classes choose the candidates first.
-
-An upstream's cache is smaller than what the gateway sent it, and it forgets too (least
-recently used, as a rule). Where the upstream says how many prompt tokens its cache served
-(Seedance's and vLLM's counters), the gateway checks what it expected: at each read of its
-``/metrics``, the share of the blocks sent since that the gateway thought it held, against the
-share of prompt tokens its cache served. When the upstream served under :data:`TRUST` of
-what was expected, the gateway remembers a quarter fewer blocks for it (the least recently
-sent go, as they went from its cache), down to :data:`MIN_REMEMBERED`; when it served what
-was expected with the memory full, a quarter more, up to :data:`REMEMBERED_BLOCKS`. Without
-such figures the memory keeps :data:`REMEMBERED_BLOCKS`. A prompt whose prefix the upstream
-has lost then goes by load, not to a busy upstream that prefills it anyway (suite 24).
 ``load``: the load-based choice alone; ``round-robin``: the candidates in turn (both for
 comparison).
 """
@@ -78,16 +67,8 @@ MAX_KV: Final = 0.95
 BLOCK_BYTES: Final = 256
 #: Blocks of a prompt's beginning that count (64 KiB).
 MAX_BLOCKS: Final = 256
-#: Prefix blocks remembered per upstream at most, and at least (8 bytes each, with the
-#: dictionary's own); between them as its cache figures say (see the module).
+#: Prefix blocks remembered per upstream (8 bytes each, with the dictionary's own).
 REMEMBERED_BLOCKS: Final = 100_000
-MIN_REMEMBERED: Final = 64
-#: Below this share of the prompt tokens the gateway expected an upstream's cache to serve,
-#: it remembers fewer blocks for it; at :data:`MET` or more, with its memory full, more.
-TRUST: Final = 0.8
-MET: Final = 0.95
-#: Blocks sent between two reads of the figures for them to count.
-MIN_EXPECTED: Final = 16
 #: An upstream takes a prompt for its prefix while its requests in flight stay within this
 #: many times the candidates' average.
 LOAD_FACTOR: Final = 1.25
@@ -175,16 +156,6 @@ class PrefixMemory:
         for block in blocks:
             self._blocks[block] = None
             self._blocks.move_to_end(block)
-        self._trim()
-
-    def resize(self, factor: float) -> None:
-        """Remember ``factor`` times as many blocks as now (or as the limit, when growing),
-        within :data:`MIN_REMEMBERED` and :data:`REMEMBERED_BLOCKS`."""
-        base = len(self._blocks) if factor < 1 else self.limit
-        self.limit = max(MIN_REMEMBERED, min(REMEMBERED_BLOCKS, int(base * factor)))
-        self._trim()
-
-    def _trim(self) -> None:
         while len(self._blocks) > self.limit:
             self._blocks.popitem(last=False)
 
@@ -206,11 +177,6 @@ class Upstream:
     #: /metrics, where it says).
     prompt_cache: tuple[int, int] | None = None
     prefixes: PrefixMemory = field(default_factory=PrefixMemory)
-    #: Blocks sent since its figures were ``checked_at``, and of those the ones it was
-    #: thought to hold (see :meth:`sent`).
-    blocks_sent: int = 0
-    blocks_expected: int = 0
-    checked_at: tuple[int, int] | None = None
 
     @staticmethod
     def parse(url: str) -> Upstream:
@@ -228,13 +194,6 @@ class Upstream:
         """Its ``/metrics``: beside the API's ``/v1``."""
         return self.base_url.removesuffix("/v1") + "/metrics"
 
-    def sent(self, blocks: list[bytes]) -> None:
-        """A prompt whose :func:`prefix_blocks` are ``blocks`` goes to this upstream: its KV
-        cache holds them once it has prefilled it."""
-        self.blocks_sent += len(blocks)
-        self.blocks_expected += self.prefixes.matched(blocks)
-        self.prefixes.remember(blocks)
-
     def read_metrics(self, text: str) -> None:
         waiting, kv = 0.0, None
         prompted = cached = None
@@ -250,23 +209,7 @@ class Upstream:
                 cached = (cached or 0) + _total(family.samples)
         self.waiting, self.kv_use = waiting, kv
         if prompted is not None and cached is not None:
-            self._check_memory(prompted, cached)
             self.prompt_cache = (prompted, cached)
-
-    def _check_memory(self, prompted: int, cached: int) -> None:
-        """Size the prefix memory by what its cache served since the last figures (see the
-        module)."""
-        last, sent, expected = self.checked_at, self.blocks_sent, self.blocks_expected
-        if last is not None and prompted >= last[0] and cached >= last[1]:
-            if sent < MIN_EXPECTED or prompted == last[0]:
-                return  # too little to tell: counted on until a later read
-            served, hoped = (cached - last[1]) / (prompted - last[0]), expected / sent
-            if served < TRUST * hoped:
-                self.prefixes.resize(0.75)
-            elif served >= MET * hoped and len(self.prefixes) >= self.prefixes.limit:
-                self.prefixes.resize(1.25)
-        # the first figures, or a restart's (counters back at zero): counted from here
-        self.checked_at, self.blocks_sent, self.blocks_expected = (prompted, cached), 0, 0
 
 
 def _total(samples: Iterable[Any]) -> int:
