@@ -7,6 +7,7 @@ start their own.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import urllib.error
 import urllib.request
@@ -518,18 +519,25 @@ async def test_requests_beyond_the_sequences_wait_and_all_complete() -> None:
         await engine.close()
 
 
+#: A system prompt of about 350 tokens, shared by the conversations of the prefix tests.
+SUPPORT = "You are a support agent. " + " ".join(f"rule{i}: be kind" for i in range(60))
+
+
+def support_request(user: str, max_tokens: int) -> GenerationRequest:
+    """A greedy conversation under :data:`SUPPORT` (every token sampled, none stops it)."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    messages = (ChatMessage("system", SUPPORT), ChatMessage("user", user))
+    return GenerationRequest(RequestId(user), messages, params, 0)
+
+
+async def text(engine: LlamaCppEngine, asked: GenerationRequest) -> str:
+    return "".join([d.text async for d in engine.generate(asked)])
+
+
 async def test_a_prompt_that_begins_like_a_running_sequence_copies_its_cells() -> None:
     # Two conversations under one system prompt at once: the second gets the first's cells
     # for the shared prefix instead of prefilling it, and answers as a full prefill does.
-    system = "You are a support agent. " + " ".join(f"rule{i}: be kind" for i in range(60))
-
-    def request(user: str, max_tokens: int) -> GenerationRequest:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-        messages = (ChatMessage("system", system), ChatMessage("user", user))
-        return GenerationRequest(RequestId(user), messages, params, 0)
-
-    async def text(engine: LlamaCppEngine, asked: GenerationRequest) -> str:
-        return "".join([d.text async for d in engine.generate(asked)])
+    request = support_request
 
     def engine(kv_reuse: bool) -> LlamaCppEngine:
         return LlamaCppEngine(
@@ -569,18 +577,10 @@ async def test_prompts_that_arrive_together_prefill_their_shared_prefix_once() -
     # Three conversations under one system prompt sent at once: the first prefills it, the
     # other two wait for those cells and copy them, and each answers as a full prefill does.
     # The first ends in the step its prefill does (one token): its cells are still there.
-    system = "You are a support agent. " + " ".join(f"rule{i}: be kind" for i in range(60))
     users = ("Tell me a story.", "Where is my order?", "Can I pay later?")
 
     def request(user: str) -> GenerationRequest:
-        params = SamplingParams(
-            max_tokens=1 if user == users[0] else 8, temperature=0, ignore_eos=True
-        )
-        messages = (ChatMessage("system", system), ChatMessage("user", user))
-        return GenerationRequest(RequestId(user), messages, params, 0)
-
-    async def text(engine: LlamaCppEngine, asked: GenerationRequest) -> str:
-        return "".join([d.text async for d in engine.generate(asked)])
+        return support_request(user, 1 if user == users[0] else 8)
 
     async def replies(kv_reuse: bool) -> tuple[list[str], SchedulerStats]:
         engine = LlamaCppEngine(
@@ -624,9 +624,9 @@ async def test_a_short_prompt_does_not_wait_behind_a_long_prefill() -> None:
     async def first_token(user: str) -> None:
         params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
         asked = GenerationRequest(RequestId(user), (ChatMessage("user", user),), params, 0)
-        async for _ in engine.generate(asked):
+        async with contextlib.aclosing(engine.generate(asked)) as deltas:
+            await anext(deltas)
             firsts.append(user)
-            break
 
     long = "Summarise: " + " ".join(f"clause {i} of the contract" for i in range(100))
     await engine.start()

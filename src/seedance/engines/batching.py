@@ -87,7 +87,7 @@ class SchedulerStats:
     tokens_generated: int = 0
     states_saved: int = 0
     states_restored: int = 0
-    states_shared: int = 0  # a running sequence's cells copied for a prompt that shares them
+    states_shared: int = 0  # another sequence's cells copied for a prompt that begins the same
     steps: int = 0
     running: int = 0
     waiting: int = 0

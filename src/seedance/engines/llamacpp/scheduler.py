@@ -241,19 +241,19 @@ class Scheduler(DecodeLoop):
             running, shared = self._running_prefix(prompt) if self._reuse else (None, 0)
             source, coming = self._prefilling_prefix(prompt) if self._reuse else (None, 0)
             if coming > max(keep, cached_len, shared):  # it arrived with one that begins so
-                slot, _ = min(((s, 0) for s in free), key=_cheapest)
-                self._evict(slot)
-                keep = 0
+                slot, keep = self._fresh(free), 0
                 job.source, job.shared = source, min(coming, len(prompt) - 1)
             elif shared > max(keep, cached_len):  # a running sequence begins the same way
                 assert running is not None  # its cells, cut to the shared prefix below
                 state = self.ctx.save_state(running.seq)
-                slot, loaded = self._load(free, list(running.tokens), state)
+                slot = self._fresh(free)
+                loaded = self._load(slot, list(running.tokens), state)
                 keep = shared if loaded else 0
                 self.stats.states_shared += int(loaded)
             elif cached_len > keep:  # a saved conversation beats what the slots hold
                 tokens, state = self.cache.take(cached_key)  # before _evict adds to the cache
-                slot, loaded = self._load(free, tokens, state)
+                slot = self._fresh(free)
+                loaded = self._load(slot, tokens, state)
                 keep = cached_len if loaded else 0
                 self.stats.states_restored += int(loaded)
             elif keep < len(slot.tokens):
@@ -271,17 +271,22 @@ class Scheduler(DecodeLoop):
             stats.prompt_tokens_reused += keep
             stats.prompt_tokens_prefilled += len(prompt) - keep
 
-    def _load(self, free: list[Slot], tokens: list[int], state: State) -> tuple[Slot, bool]:
-        """Put saved cells (``state``, holding ``tokens``) into the cheapest free slot, whose
-        own cells go (saved first when worth keeping); whether they loaded."""
+    def _fresh(self, free: list[Slot]) -> Slot:
+        """The cheapest of the ``free`` slots, its cells gone (saved first when worth
+        keeping)."""
         slot, _ = min(((s, 0) for s in free), key=_cheapest)
         self._evict(slot)
+        return slot
+
+    def _load(self, slot: Slot, tokens: list[int], state: State) -> bool:
+        """Put saved cells (``state``, holding ``tokens``) into ``slot``, which holds none;
+        whether they loaded."""
         loaded = self.ctx.load_state(slot.seq, state)  # a state this context saved always loads
         if loaded:
             slot.tokens = tokens
         else:  # pragma: no cover
             self.ctx.forget(slot.seq)
-        return slot, loaded
+        return loaded
 
     def _running_prefix(self, prompt: list[int]) -> tuple[Slot | None, int]:
         """The running sequence whose cells share the longest prefix with ``prompt`` (another
@@ -332,13 +337,11 @@ class Scheduler(DecodeLoop):
                 ):
                     job.source = None  # nothing there will prefill it: on its own
                 continue
-            job.source = None
-            self.ctx.forget(slot.seq)
-            if not self.ctx.load_state(slot.seq, self.ctx.save_state(source.seq)):
-                self.ctx.forget(slot.seq)  # pragma: no cover - a state this context saved
-                continue
-            slot.tokens = source.tokens[:shared]
+            job.source = None  # its slot holds nothing: it has fed nothing since _fresh
+            if not self._load(slot, list(source.tokens), self.ctx.save_state(source.seq)):
+                continue  # pragma: no cover
             self.ctx.forget(slot.seq, shared)
+            del slot.tokens[shared:]
             job.fed = shared
             stats = self.stats
             stats.states_shared += 1
