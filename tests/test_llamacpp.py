@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import json
 import urllib.error
 import urllib.request
@@ -22,6 +23,7 @@ from seedance.client.session import TokenChunk
 from seedance.engines.base import GenerationRequest, SamplingParams
 from seedance.engines.batching import SchedulerStats
 from seedance.engines.llamacpp.engine import LlamaCppEngine
+from seedance.engines.llamacpp.scheduler import StateCache
 from seedance.engines.local import default_model_path
 from seedance.eventloop import timeout
 from seedance.protocol.errors import SeedanceError
@@ -495,6 +497,25 @@ async def test_restoring_a_saved_state_into_a_full_cache_keeps_both() -> None:
         assert engine.health().ok
     finally:
         await engine.close()
+
+
+def test_a_full_state_cache_keeps_every_system_prompt_it_can() -> None:
+    # Room for three states of 100 bytes. Conversations under prompts s1 and s2, two under
+    # s2; a third prompt's state comes: plain LRU would drop s1's only state, this cache one
+    # of the two under s2 (whose prompt the other still holds). When every state is its
+    # prompt's only one, the least recently saved goes.
+    def prompt(n: int) -> list[int]:
+        return [n] * 600
+
+    cache = StateCache(max_bytes=300)
+    for system, turn in ((1, 10), (2, 20), (2, 21), (3, 30)):
+        cache.put(prompt(system) + [turn] * 50, (ctypes.c_uint8 * 100)())
+    kept = {system: cache.best([*prompt(system), 0])[1] for system in (1, 2, 3)}
+    assert kept == {1: 600, 2: 600, 3: 600} and len(cache) == 3
+    assert cache.best(prompt(2) + [21] * 50)[1] == 650  # the later conversation stayed
+    cache.put(prompt(4) + [40] * 50, (ctypes.c_uint8 * 100)())
+    kept = {system: cache.best([*prompt(system), 0])[1] for system in (1, 2, 3, 4)}
+    assert kept == {1: 0, 2: 600, 3: 600, 4: 600} and cache.bytes == 300
 
 
 async def test_requests_beyond_the_sequences_wait_and_all_complete() -> None:

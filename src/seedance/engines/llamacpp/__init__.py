@@ -52,8 +52,9 @@ OPTIONS = (
         "--cache-ram",
         int,
         "MiB of host memory for the KV cells of conversations and prompts that left their "
-        "sequence, restored when a later prompt begins with one (least recently used dropped "
-        "first; 0: none), as llama-server's --cache-ram",
+        "sequence, restored when a later prompt begins with one (when full, a state that "
+        "shares most of its tokens with another is dropped first, then the least recently "
+        "saved; 0: none), as llama-server's --cache-ram",
         non_negative,
         "0 or more",
     ),

@@ -14,17 +14,19 @@ so a request whose prompt starts with those tokens (the next turn of a conversat
 prefills the rest. When no slot is free, a request waits; when a request needs a slot, it takes
 the free one sharing the longest prefix with its prompt (at least 64 tokens), else the lowest
 free one with nothing to save, else the lowest: the running sequences' ids stay together.
-Before a slot's cells are overwritten, its state is saved to a host-memory cache (LRU, bounded
-in bytes) from which a later turn of that conversation restores it. A request whose prompt
-begins like a running sequence's cells (two conversations under one system prompt at once)
-gets a copy of them (saved and loaded: a fiftieth of a prefill's cost per token) instead of
-prefilling that prefix again; one that begins like a prompt still being prefilled (the two
-arrived together) waits for that prefill to pass the shared part, then copies it. Reuse is by
-exact token prefix, so a reused cell always holds what a fresh prefill would compute.
+Before a slot's cells are overwritten, its state is saved to a host-memory cache (bounded in
+bytes, see :class:`StateCache`) from which a later turn of that conversation restores it. A
+request whose prompt begins like a running sequence's cells (two conversations under one
+system prompt at once) gets a copy of them (saved and loaded: a fiftieth of a prefill's cost
+per token) instead of prefilling that prefix again; one that begins like a prompt still being
+prefilled (the two arrived together) waits for that prefill to pass the shared part, then
+copies it. Reuse is by exact token prefix, so a reused cell always holds what a fresh prefill
+would compute.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -88,7 +90,15 @@ class Slot:
 
 
 class StateCache:
-    """Saved sequence states (KV cells) in host memory, least recently used evicted first."""
+    """Saved sequence states (KV cells) in host memory, bounded in bytes.
+
+    When full, it drops the least recently saved state that holds no more tokens of its own
+    than it shares with another saved state (another conversation under its system prompt:
+    the prefix stays, a restore cuts that other state to it), and only when every state is
+    mostly its own, the least recently saved. Plain LRU dropped a system prompt's last state
+    while keeping several conversations under another prompt, so a fleet of conversations
+    over many system prompts kept prefilling them again.
+    """
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
@@ -106,8 +116,20 @@ class StateCache:
         self._entries[self._next] = (tokens, state)
         self.bytes += len(state)
         while self.bytes > self.max_bytes:
-            _, (_, old) = self._entries.popitem(last=False)
-            self.bytes -= len(old)
+            self.take(self._victim())
+
+    def _victim(self) -> int:
+        """The entry to drop (see the class): entries share the most with their neighbours
+        in sorted order, so ``n log n`` comparisons find each one's longest shared prefix."""
+        ordered = sorted(self._entries, key=lambda key: self._entries[key][0])
+        shared = dict.fromkeys(ordered, 0)
+        for a, b in itertools.pairwise(ordered):
+            n = common_prefix(self._entries[a][0], self._entries[b][0])
+            shared[a], shared[b] = max(shared[a], n), max(shared[b], n)
+        for key, (tokens, _) in self._entries.items():  # least recently saved first
+            if len(tokens) - shared[key] <= shared[key]:
+                return key
+        return next(iter(self._entries))
 
     def best(self, prompt: list[int]) -> tuple[int, int]:
         """The entry sharing the longest prefix with ``prompt``: ``(key, length)``."""
