@@ -14,16 +14,17 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import redis
 from websockets.exceptions import ConnectionClosed
 
 from seedance.cluster.local import SERVICE, acquainted, sentinel_url
-from tests.support.redis import RedisPods, Sentinels
+from tests.support.redis import RedisPods, RedisServer, Sentinels
 from tests.support.servers import ServerProcess
 from tests.support.waits import wait_for
 from tests.support.ws import generate, open_session
-from tests.test_cluster import taken_over_then_fenced
+from tests.test_cluster import CHAT, taken_over_then_fenced
 from tests.test_resume import begin, read, read_whole, resume, undisturbed
 
 pytestmark = [pytest.mark.slow, pytest.mark.subprocess, pytest.mark.timeout(240)]
@@ -212,6 +213,33 @@ async def test_the_kubernetes_redis_pods_fail_over_and_a_primary_back_follows_th
         wait_for(lambda: pods.role(new) == ("master", 2), "the new primary's two replicas")
     finally:
         pods.stop()
+
+
+async def test_a_strict_node_writes_nothing_that_no_replica_holds(
+    tmp_path: Path, server_process: Callable[..., ServerProcess]
+) -> None:
+    """``--redis-wait-strict`` with one replica wanted, on a Redis that has none: the node
+    refuses work (503, and /healthz says why) instead of writing what a failover would lose;
+    once a replica follows that Redis, it serves."""
+    primary = RedisServer(tmp_path / "primary").start()
+    replica = RedisServer(tmp_path / "replica", replica_of=primary.port)
+    flags = ("--redis-wait-replicas", "1", "--redis-wait-strict")
+    node = server_process("--redis", primary.url, *flags)
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{node.port}") as client:
+            refused = await client.post("/v1/chat/completions", json=CHAT)
+            assert refused.status_code == 503
+            assert "0 of 1 replica(s) acknowledged a write" in refused.text
+            health = await client.get("/healthz")
+            assert health.status_code == 503 and "--redis-wait-strict" in health.text
+            replica.start()
+            wait_for(lambda: Sentinels.replicas(primary) == 1, "the replica's link")
+            await node.logged("answers again")
+            served = await client.post("/v1/chat/completions", json=CHAT)
+            assert served.status_code == 200, served.text
+    finally:
+        replica.stop(kill=True)
+        primary.stop(kill=True)
 
 
 def test_the_sentinel_url_names_the_service_behind_its_sentinels() -> None:

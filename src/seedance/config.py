@@ -452,6 +452,15 @@ class ClusterConfig:
         non_negative,
         "0 or more",
     )
+    wait_strict: bool = setting(
+        False,
+        "--redis-wait-strict",
+        boolean,
+        "cluster mode: act on no write that fewer than --redis-wait-replicas replicas "
+        "acknowledged: the node counts Redis as down instead (new requests wait or are refused, "
+        "replies pause and are given up past the failover's wait), so a primary cut off with "
+        "this node loses nothing a client saw; without enough replicas no node writes",
+    )
     encrypt_at_rest: bool = setting(
         False,
         "--encrypt-at-rest",

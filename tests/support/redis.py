@@ -51,9 +51,13 @@ class RedisServer:
         replica_of: int | None = None,
         host: str = "127.0.0.1",
         prefix: Sequence[str] = (),
+        primary_host: str | None = None,
+        options: Sequence[str] = (),
     ) -> None:
         """``host``: the address it listens on (and is checked at) other than the loopback's,
-        on every interface; ``prefix``: before the command (``ip netns exec NS``)."""
+        on every interface; ``prefix``: before the command (``ip netns exec NS``);
+        ``primary_host``: where the primary of a replica is (default: ``host``); ``options``:
+        more of ``redis-server``'s."""
         tool("redis-server", "redis-server")  # skips the test when it is missing
         directory.mkdir(parents=True, exist_ok=True)
         self.directory = directory
@@ -61,6 +65,8 @@ class RedisServer:
         self.replica_of = replica_of
         self.host = host
         self.prefix = list(prefix)
+        self.primary_host = primary_host or host
+        self.options = list(options)
         self.port = free_port()
         self.url = f"redis://{host}:{self.port}/0"
         self.proc: subprocess.Popen[str] | None = None
@@ -69,10 +75,13 @@ class RedisServer:
         appendfsync = "always" if self.aof else None
         bind = "127.0.0.1" if self.host == "127.0.0.1" else "0.0.0.0"
         args = redis_command(
-            self.port, str(self.directory), appendfsync, self.replica_of, bind, self.host
+            self.port, str(self.directory), appendfsync, self.replica_of, bind, self.primary_host
         )
         self.proc = subprocess.Popen(
-            [*self.prefix, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            [*self.prefix, *args, *self.options],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         deadline = time.monotonic() + 10
         while True:
@@ -104,33 +113,59 @@ class RedisServer:
 
 
 class Sentinels:
-    """A primary and a replica watched by three sentinels (quorum 2, a primary called down
+    """A primary and its replicas watched by three sentinels (quorum 2, a primary called down
     after a second without an answer): the ``--redis`` URL a node is given, and the failover
     a test brings about by killing, freezing or stopping the primary. ``host`` and ``prefix``:
-    all of them on that address, run with that prefix (in a test's network namespace)."""
+    all of them on that address, run with that prefix (in a test's network namespace), but
+    the primary where ``primary_host`` and ``primary_prefix`` say, when given (the replicas
+    then announce ``host``, not the address they reach it from)."""
 
     def __init__(
-        self, directory: Path, host: str = "127.0.0.1", prefix: Sequence[str] = ()
+        self,
+        directory: Path,
+        host: str = "127.0.0.1",
+        prefix: Sequence[str] = (),
+        *,
+        replicas: int = 1,
+        primary_host: str | None = None,
+        primary_prefix: Sequence[str] | None = None,
     ) -> None:
         tool("redis-sentinel", "redis-sentinel")
         self.directory = directory
         self.host = host
         self.prefix = list(prefix)
+        self.replica_count = replicas
+        self.primary_host = primary_host or host
+        self.primary_prefix = self.prefix if primary_prefix is None else list(primary_prefix)
         self.servers: list[RedisServer] = []
         self.sentinels: list[subprocess.Popen[str]] = []
         self.ports = [free_port() for _ in range(3)]
         self.url = sentinel_url(self.ports, host)
 
     def start(self) -> Sentinels:
-        def server(name: str, replica_of: int | None = None) -> RedisServer:
-            where = {"host": self.host, "prefix": self.prefix}
-            return RedisServer(self.directory / name, replica_of=replica_of, **where).start()
-
-        primary = server("primary")
-        self.servers = [primary, server("replica", replica_of=primary.port)]
-        wait_for(lambda: self.replicas(primary) == 1, "the replica's link to the primary")
+        """Start them all (those started so far are stopped by :meth:`stop` if one fails)."""
+        primary = RedisServer(
+            self.directory / "primary", host=self.primary_host, prefix=self.primary_prefix
+        )
+        self.servers.append(primary.start())
+        announce = ("--replica-announce-ip", self.host) if self.primary_host != self.host else ()
+        for i in range(self.replica_count):
+            replica = RedisServer(
+                self.directory / f"replica{i}",
+                host=self.host,
+                prefix=self.prefix,
+                replica_of=primary.port,
+                primary_host=self.primary_host,
+                options=announce,
+            )
+            self.servers.append(replica.start())
+        wait_for(
+            lambda: self.replicas(primary) == self.replica_count,
+            "the replicas' links to the primary",
+        )
         for i, port in enumerate(self.ports):
-            args = sentinel_command(port, self.directory / f"sentinel{i}", primary.port, self.host)
+            directory = self.directory / f"sentinel{i}"
+            args = sentinel_command(port, directory, primary.port, self.primary_host)
             self.sentinels.append(
                 subprocess.Popen(
                     [*self.prefix, *args], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT

@@ -57,6 +57,20 @@ LISTEN_POLL_S: Final = 1.0
 RIDE_THROUGH_S: Final = 10.0
 #: How long an exchange waits for ``--redis-wait-replicas`` replicas to hold its writes.
 WAIT_REPLICAS_MS: Final = 250
+#: Under ``--redis-wait-strict`` a ping writes a key of the node's, kept this long, and waits
+#: for the replicas to hold it.
+PING_KEY_MS: Final = 60_000
+
+
+class Unreplicated(RedisError):
+    """Fewer replicas than ``--redis-wait-replicas`` acknowledged a write, under
+    ``--redis-wait-strict``: the node acts as if Redis did not answer."""
+
+    def __init__(self, acked: int, wanted: int) -> None:
+        super().__init__(
+            f"{acked} of {wanted} replica(s) acknowledged a write within {WAIT_REPLICAS_MS} ms "
+            "(--redis-wait-strict)"
+        )
 
 
 def session_key(tenant: str, session_id: str, what: str) -> str:
@@ -151,6 +165,9 @@ class ClusterLink:
         wait = config.cluster.wait_replicas
         #: Replicas every exchange's writes wait for (WAIT), when that many are connected.
         self.wait_replicas = (1 if sentinel else 0) if wait is None else wait
+        self.sentinel = sentinel
+        #: Whether a write fewer replicas acknowledged counts as a failed exchange.
+        self.strict = config.cluster.wait_strict and self.wait_replicas > 0
         #: How long a new request waits for Redis to answer again before it is refused: a
         #: sentinel's failover (a plain Redis gone: refused at once).
         self.ride_s = RIDE_THROUGH_S if sentinel else 0.0
@@ -249,6 +266,14 @@ class ClusterLink:
         for client in (self.redis, self.blocking, self.batched):
             with contextlib.suppress(RedisError, OSError):
                 await client.aclose()
+        await self._disconnect()
+
+    async def _disconnect(self) -> None:
+        """Close every connection to Redis (new ones are made as needed: with a sentinel://
+        URL, to the server the sentinels name the primary then; a primary cut off from its
+        replicas and sentinels still answers, and still calls itself the primary)."""
+        for client in (self.redis, self.blocking, self.batched):
+            with contextlib.suppress(RedisError, OSError):
                 await client.connection_pool.disconnect()
 
     # ------------------------------------------------------------------ health
@@ -361,8 +386,15 @@ class ClusterLink:
             info = await self.redis.info("server", "replication")
             if info.get("role") != "master":  # a sentinel's answer from before its failover
                 raise ReadOnlyError(f"Redis at {info.get('tcp_port')} is a replica now")
+            if self.strict:  # up only when a write reaches the replicas
+                pipe = self.redis.pipeline(transaction=False)
+                pipe.set(f"{PREFIX}ping:{self.node_id}", info["run_id"], px=PING_KEY_MS)
+                pipe.execute_command("WAIT", self.wait_replicas, WAIT_REPLICAS_MS)
+                self.replicated((await pipe.execute())[1], self.wait_replicas)
         except (RedisError, OSError) as exc:
             self.failed(exc)
+            if isinstance(exc, Unreplicated) and self.sentinel:
+                await self._disconnect()  # the next connections ask the sentinels
             return
         run_id = info["run_id"]
         if self.error is not None and self.error != "not connected yet":
@@ -372,7 +404,7 @@ class ClusterLink:
             await self.load_scripts()
             self._run_id = run_id
         self.replicas = int(info.get("connected_slaves", 0))
-        if self.replicas < self.wait_replicas and not self.unreplicated:
+        if self.replicas < self.wait_replicas and not self.unreplicated and not self.strict:
             self.unreplicated = True
             logger.warning(
                 "cluster: Redis at %s has %d replica(s) connected, fewer than the %d its "
@@ -385,15 +417,20 @@ class ClusterLink:
         self._up.set()
 
     def waits(self) -> int:
-        """The replicas the next exchange waits for (0: none)."""
-        return min(self.wait_replicas, self.replicas)
+        """The replicas the next exchange waits for (0: none); all of them under
+        :attr:`strict`, however many are connected (a replica cut off stays listed until
+        the primary's ``repl-timeout``)."""
+        return self.wait_replicas if self.strict else min(self.wait_replicas, self.replicas)
 
     def replicated(self, acked: int, wanted: int) -> None:
-        """An exchange's writes reached ``acked`` of the ``wanted`` replicas."""
+        """An exchange's writes reached ``acked`` of the ``wanted`` replicas; under
+        :attr:`strict`, :class:`Unreplicated` when too few (the exchange fails)."""
         if acked >= self.wait_replicas:
             if self.unreplicated:
                 logger.info("cluster: Redis replicas acknowledge writes again")
             self.unreplicated = False
+        elif self.strict:
+            raise Unreplicated(acked, wanted)
         elif not self.unreplicated:
             self.unreplicated = True
             logger.warning(
