@@ -379,6 +379,23 @@ def test_prefix_routing_keeps_a_prefix_where_it_went_within_a_load_bound() -> No
     assert len(small) == 4 and small.matched(first_turn) == 0
 
 
+def test_prefix_routing_counts_the_prefill_ahead_of_a_prompt_not_the_requests() -> None:
+    # Three upstreams with a request each: a's and b's are decoding, c's is still prefilling
+    # a new 7-block prompt. A prompt no upstream holds goes where less prefill is ahead of it
+    # (a or b; the requests in flight, equal, would have sent it to c, which served fewest).
+    a, b, c = (Upstream.parse(f"http://{n}/v1") for n in "abc")
+    for u, served in ((a, 3), (b, 3), (c, 1)):
+        u.in_flight, u.requests = 1, served
+    c.prefilling = [7]
+    c.prefixes.remember(blocks_of(SYSTEM_A, "hello"))
+    assert choose([a, b, c], None, blocks_of(SYSTEM_B, "x"), routing="prefix") is not c
+    assert choose([a, b, c], None, blocks_of(SYSTEM_B, "x")) is c  # by load alone
+    # A prompt c holds the start of still goes there: the engine prefills the shortest rest
+    # first, so the longer prefill under way is not ahead of its few blocks.
+    assert choose([a, b, c], None, blocks_of(SYSTEM_A, "another"), routing="prefix") is c
+    assert c.prefill_ahead(2) == 2 and c.prefill_ahead(7) == 14
+
+
 @pytest.mark.slow
 @one_process_only("each worker routes by what it sent")
 async def test_conversations_go_where_their_prefix_is(

@@ -179,15 +179,32 @@ class OpenAIUpstreamEngine(Engine):
     # -- upstream choice and health ----------------------------------------------------------
 
     def _pick(
-        self, exclude: Upstream | None, service_class: str | None, blocks: list[bytes]
-    ) -> Upstream:
+        self,
+        request_id: str,
+        exclude: Upstream | None,
+        service_class: str | None,
+        blocks: list[bytes],
+    ) -> tuple[Upstream, int]:
+        """The upstream a request goes to, and the blocks of its prompt it does not hold
+        (one at least: the prompt's tail, shorter than a block)."""
         upstreams = (u for u in self.upstreams if u is not exclude)
         upstream = choose(upstreams, service_class, blocks, routing=self.routing, turn=self._turn)
         if upstream is None:
             raise EngineError("no upstream is available; retry later")
         self._turn += 1
+        matched = upstream.prefixes.matched(blocks)
+        if logger.isEnabledFor(logging.DEBUG):  # not the in-flight list of every request
+            logger.debug(
+                "request %s goes to %s: %d of its %d prefix blocks sent there before; "
+                "requests in flight: %s",
+                request_id,
+                upstream.base_url,
+                matched,
+                len(blocks),
+                " ".join(str(u.in_flight) for u in self.upstreams),
+            )
         upstream.prefixes.remember(blocks)  # its KV cache holds them now
-        return upstream
+        return upstream, len(blocks) - matched + 1
 
     def _failed(self, upstream: Upstream, why: str) -> None:
         upstream.failures += 1
@@ -254,10 +271,11 @@ class OpenAIUpstreamEngine(Engine):
             blocks = prefix_blocks(f"{m.role}\x1f{m.content}" for m in request.messages)
         tried: Upstream | None = None
         for attempt in (1, 2):
-            upstream = self._pick(tried, request.qos_class, blocks)
+            upstream, uncached = self._pick(request.request_id, tried, request.qos_class, blocks)
             tried = upstream
             upstream.in_flight += 1
             upstream.requests += 1
+            upstream.prefilling.append(uncached)
             started = False
             asked = time.monotonic()
             try:
@@ -266,6 +284,7 @@ class OpenAIUpstreamEngine(Engine):
                     if not started:
                         started = True
                         upstream.ttft.add(time.monotonic() - asked)
+                        upstream.prefilling.remove(uncached)
                     yield delta
                 return
             except UpstreamFailure as exc:
@@ -283,6 +302,8 @@ class OpenAIUpstreamEngine(Engine):
                 )
             finally:
                 upstream.in_flight -= 1
+                if not started:
+                    upstream.prefilling.remove(uncached)
 
     def _body(self, request: GenerationRequest) -> tuple[str, bytes]:
         """The upstream path and request body."""

@@ -27,19 +27,24 @@ sessions), so the next prompt that begins the same way (the conversation's next 
 conversation under the same system prompt) is served fastest there. The gateway remembers, for
 each upstream, the prefix blocks of the prompts it sent there (the chained hashes of the
 prompt's whole :data:`BLOCK_BYTES`-byte blocks, as llm-d and vLLM hash KV blocks, the least
-recently sent forgotten past :data:`REMEMBERED_BLOCKS`) and sends a prompt to the candidate
-holding the longest run of its leading blocks, with bounded load (Mirrokni, Thorup and
-Zadimoghaddam's consistent hashing with bounded loads): an upstream takes a prompt for its
-prefix only while its requests in flight, this one counted, stay within :data:`LOAD_FACTOR`
-times the candidates' average, rounded up, or while it is among the least loaded (at low
-load the rounding alone would leave no upstream within the bound). A holder of a much
-longer run (:data:`STRETCH_BLOCKS` more than the best within the bound: a long
-conversation's history) may take :data:`HEADROOM` request more than the least loaded holds:
-its prefill elsewhere costs more than one more request in its batch, while a short gain (a
-system prompt the others hold too, a turn's last words) is not worth unbalancing the
+recently sent forgotten past :data:`REMEMBERED_BLOCKS`), with bounded load (Mirrokni, Thorup
+and Zadimoghaddam's consistent hashing with bounded loads): an upstream takes a prompt only
+while its requests in flight, this one counted, stay within :data:`LOAD_FACTOR` times the
+candidates' average, rounded up, or while it is among the least loaded (at low load the
+rounding alone would leave no upstream within the bound). Among those, a prompt goes to the
+one with the least prefill ahead of its first token: the blocks of it that upstream was not
+sent, and those still to prefill of the prompts sent there that wait for their first token
+and need no more (an engine that prefills the shortest rest first, as Seedance's does, lets
+a short one pass the longer ones). With nothing waiting that is the one holding the longest
+run of its leading blocks; for a prompt no upstream holds, the one with the least prefill
+under way, where the requests in flight counted a reply being decoded, which costs an
+upstream little, like a long prompt being prefilled. Ties go to the load-based choice above.
+A holder of a much longer run (:data:`STRETCH_BLOCKS` more than the best within the bound: a
+long conversation's history) may take :data:`HEADROOM` request more than the least loaded
+holds: its prefill elsewhere costs more than one more request in its batch, while a short
+gain (a system prompt the others hold too, a turn's last words) is not worth unbalancing the
 upstreams for (suite 24 of ``make bench``: with every such gain stretched, the p50 first
-token of a trace came out 1.2x least-loaded routing's). Past that, or when no upstream holds
-any of the prefix, the load-based choice above decides: a prefix never leaves a request
+token of a trace came out 1.2x least-loaded routing's). A prefix never leaves a request
 without an upstream. The SLA classes choose the candidates first.
 ``load``: the load-based choice alone; ``round-robin``: the candidates in turn (both for
 comparison).
@@ -177,6 +182,9 @@ class Upstream:
     #: /metrics, where it says).
     prompt_cache: tuple[int, int] | None = None
     prefixes: PrefixMemory = field(default_factory=PrefixMemory)
+    #: The prompt blocks each of its requests from here had to prefill (of those not yet
+    #: past their first token), as :meth:`prefill_ahead` counts them.
+    prefilling: list[int] = field(default_factory=list)
 
     @staticmethod
     def parse(url: str) -> Upstream:
@@ -184,6 +192,13 @@ class Upstream:
         base, _, fragment = url.partition("#")
         classes = frozenset(c.strip() for c in fragment.split("+") if c.strip())
         return Upstream(base.rstrip("/"), classes)
+
+    def prefill_ahead(self, blocks: int) -> int:
+        """The blocks it will prefill before the first token of a prompt that needs
+        ``blocks`` here: its own, and those of the prompts in progress that need no more (an
+        engine that prefills the shortest rest first, as Seedance's does, lets it pass the
+        longer ones; one that goes in order makes this an underestimate)."""
+        return blocks + sum(n for n in self.prefilling if n <= blocks)
 
     @property
     def up(self) -> bool:
@@ -235,30 +250,32 @@ def choose(
     candidates = [u for u in up if wanted in u.classes] or [u for u in up if not u.classes] or up
     if routing == "round-robin":
         return candidates[turn % len(candidates)]
-    least_loaded = _least_loaded(up, candidates)
+    score = _wait_score(up)
     if routing != "prefix" or not blocks:
-        return least_loaded
+        return min(candidates, key=score)
     average = (sum(u.in_flight for u in candidates) + 1) / len(candidates)
     least = min(u.in_flight for u in candidates)
     cap = max(math.ceil(LOAD_FACTOR * average), least + 1)
     held = [(u.prefixes.matched(blocks), u) for u in candidates]
-    matched, best = _longest(pair for pair in held if pair[1].in_flight + 1 <= cap)
-    stretched, holder = _longest(pair for pair in held if pair[1].in_flight <= least + HEADROOM)
-    if holder is not None and stretched >= matched + STRETCH_BLOCKS:
-        return holder
-    return best if matched and best is not None else least_loaded
-
-
-def _longest(held: Iterable[tuple[int, Upstream]]) -> tuple[int, Upstream | None]:
-    """The upstream with the longest run of a prompt's blocks (ties: the least loaded, then
-    the one that served fewer requests), and the run's length; ``(0, None)``: none given."""
-    return min(
-        held, key=lambda pair: (-pair[0], pair[1].in_flight, pair[1].requests), default=(0, None)
+    within = [pair for pair in held if pair[1].in_flight + 1 <= cap]  # never empty
+    matched = max(n for n, _ in within)
+    stretched, holder = min(
+        (pair for pair in held if pair[1].in_flight <= least + HEADROOM),
+        key=lambda pair: (-pair[0], pair[1].in_flight, pair[1].requests),
     )
+    if stretched >= matched + STRETCH_BLOCKS:
+        return holder
+
+    def prefill_wait(pair: tuple[int, Upstream]) -> tuple[int, tuple[float, int]]:
+        n, u = pair
+        return u.prefill_ahead(len(blocks) - n + 1), score(u)
+
+    return min(within, key=prefill_wait)[1]
 
 
-def _least_loaded(up: list[Upstream], candidates: list[Upstream]) -> Upstream:
-    """The candidate with the lowest expected wait (see the module)."""
+def _wait_score(up: list[Upstream]) -> Callable[[Upstream], tuple[float, int]]:
+    """An upstream's expected wait (see the module), then the requests it served: the lower,
+    the better."""
     known = [p for p in (u.ttft.p99() for u in up) if p is not None]
     fallback = statistics.median(known) if known else DEFAULT_TTFT_S
 
@@ -268,4 +285,4 @@ def _least_loaded(up: list[Upstream], candidates: list[Upstream]) -> Upstream:
         wait = (fallback if ttft is None else ttft) * (1 + u.in_flight + u.waiting) / (1 - kv)
         return wait, u.requests
 
-    return min(candidates, key=score)
+    return score
