@@ -19,7 +19,7 @@ import httpx
 import pytest
 from websockets.exceptions import ConnectionClosed
 
-from seedance.cluster.link import RIDE_THROUGH_S
+from seedance.cluster.link import PING_INTERVAL_S, RIDE_THROUGH_S, TIMEOUT_S
 from tests.support.netns import EDGE_ADDRESS, EDGE_ON_LINK, FAR_ADDRESS, FAR_ON_LINK, Regions
 from tests.support.redis import RedisServer, Sentinels
 from tests.support.servers import ServerProcess
@@ -30,6 +30,8 @@ from tests.test_resume import Reading, begin, read, read_whole, resume, undistur
 pytestmark = [pytest.mark.slow, pytest.mark.subprocess, pytest.mark.timeout(240)]
 
 LEASE_S = 1.0
+#: How soon every process of a node finds Redis gone: its next ping, and that ping's timeout.
+NOTICED_S = PING_INTERVAL_S + TIMEOUT_S
 
 
 def partitioned_cluster(
@@ -82,6 +84,19 @@ async def taken_over_then_healed(
     assert whole.text == expected and whole.end == reading.end
 
 
+async def refused_within(node: ServerProcess, seconds: float) -> httpx.Response:
+    """The node's answer to a new request once it refuses it, or its last answer after
+    ``seconds`` (each worker of ``--workers N`` finds out by its own ping that Redis is gone,
+    which may come after another worker gave its reply up)."""
+    deadline = time.monotonic() + seconds
+    async with httpx.AsyncClient(base_url=f"http://{EDGE_ADDRESS}:{node.port}") as client:
+        while True:
+            answer = await client.post("/v1/chat/completions", json=CHAT)
+            if answer.status_code == 503 or time.monotonic() > deadline:
+                return answer
+            await asyncio.sleep(0.1)
+
+
 def stop_store(redis: RedisServer | Sentinels) -> None:
     if isinstance(redis, Sentinels):
         redis.stop()
@@ -113,8 +128,7 @@ async def test_a_node_cut_off_from_redis_stops_and_its_reply_goes_on_elsewhere(
         assert closed.value.rcvd is not None and closed.value.rcvd.code == 1001
         assert gave_up_s < waits_s + 2, gave_up_s  # the wait, and a Redis timeout
         await node.logged("has not reached Redis for over")
-        async with httpx.AsyncClient(base_url=f"http://{EDGE_ADDRESS}:{node.port}") as client:
-            refused = await client.post("/v1/chat/completions", json=CHAT)
+        refused = await refused_within(node, NOTICED_S)
         assert refused.status_code == 503 and "does not answer" in refused.text
 
         healed = "answers again"
