@@ -4,6 +4,7 @@ files, and every reason a version is refused before an engine reads a byte of it
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import subprocess
@@ -13,6 +14,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
 from seedance.client import connect
 from seedance.config_loader import load_access
@@ -54,6 +57,7 @@ def make_version(
     version: str = "1.0.0",
     name: str = "tiny",
     limits: Limits = SIGNED,
+    signature_format: str = "seedance",
     **files: bytes,
 ) -> Path:
     folder = root / name / version
@@ -73,6 +77,7 @@ def make_version(
         engine="synthetic",
         engine_options={"tokens_per_s": 100},
         limits=limits,
+        signature_format=signature_format,
     )
     return folder
 
@@ -190,15 +195,13 @@ def test_the_registry_lists_and_promotes(tmp_path: Path, keys: dict[str, Path]) 
         registry.promote("tiny", "2.0.0")
 
 
-def test_the_command_line_signs_verifies_lists_and_promotes(tmp_path: Path) -> None:
-    def seedance(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "seedance.cli", "models", *args],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+def seedance_models(*args: str) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "seedance.cli", "models", *args]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60)
 
+
+def test_the_command_line_signs_verifies_lists_and_promotes(tmp_path: Path) -> None:
+    seedance = seedance_models
     key = tmp_path / "ci.key"
     made = seedance("keygen", str(key))
     assert made.returncode == 0 and "key id " in made.stdout
@@ -220,6 +223,133 @@ def test_the_command_line_signs_verifies_lists_and_promotes(tmp_path: Path) -> N
     listed = seedance("list", str(tmp_path / "registry"), "--trust", pub)
     assert "* tiny 2.0.0  REFUSED (changed_file" in listed.stdout
     assert seedance("promote", str(tmp_path / "registry"), "tiny", "2.0.0").returncode == 0
+
+
+# --------------------------------------------------------------------------- OpenSSF model-signing
+
+
+def ec_key(folder: Path, name: str = "ec") -> tuple[Path, Path]:
+    """An EC P-256 key pair in PEM, the kind ``model_signing sign key`` takes."""
+    private = ec.generate_private_key(ec.SECP256R1())
+    key, pub = folder / f"{name}.key", folder / f"{name}.pub"
+    key.write_bytes(
+        private.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    pub.write_bytes(
+        private.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+    )
+    return key, pub
+
+
+def model_signing(action: str, key: Path, folder: Path) -> subprocess.CompletedProcess[str]:
+    """The ``model_signing`` package's own command line, unchanged: ``sign`` with the private
+    ``key`` or ``verify`` with the public one, the bundle ``model.sig`` in ``folder``."""
+    option = "--private_key" if action == "sign" else "--public_key"
+    argv = [sys.executable, "-m", "model_signing", action, "key", option, str(key)]
+    argv += ["--signature", str(folder / "model.sig"), str(folder)]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120)
+
+
+def test_seedance_verifies_what_model_signing_signed(tmp_path: Path) -> None:
+    key, pub = ec_key(tmp_path)
+    folder = tmp_path / "registry" / "tiny" / "1.2.0"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "model.gguf").write_bytes(b"GGUF" + os.urandom(5000))
+    (folder / "sub" / "config.json").write_text("{}")
+    signed = model_signing("sign", key, folder)
+    assert signed.returncode == 0, signed.stderr
+    ok = seedance_models("verify", str(folder), "--trust", str(pub))
+    assert ok.returncode == 0, ok.stderr
+    # No Seedance manifest: the name and version are the directories', the engine the file's.
+    assert "ok: tiny 1.2.0 (engine llamacpp), 2 file(s), signed by key " in ok.stdout
+    model = verify(folder, load_trusted([pub]))
+    assert model.file(".gguf") == folder.resolve() / "model.gguf"
+    assert model.manifest_sha256 and model.key.path == str(pub)
+
+    _, other = ec_key(tmp_path, "other")
+    for change, reason, words in (
+        (lambda: (folder / "sub" / "loot.py").write_text("x"), "extra_file", "sub/loot.py"),
+        (lambda: (folder / "sub" / "loot.py").unlink(), None, ""),
+        (lambda: (folder / "sub" / "config.json").write_text("{ }"), "changed_file", "config"),
+        (lambda: (folder / "sub" / "config.json").unlink(), "missing_file", "sub/config.json"),
+    ):
+        change()
+        if reason is None:
+            continue
+        refused = seedance_models("verify", str(folder), "--trust", str(pub))
+        assert refused.returncode == 1 and f"refused ({reason}): " in refused.stderr, refused
+        assert words in refused.stderr and "Traceback" not in refused.stderr
+    (folder / "sub" / "config.json").write_text("{}")
+    assert seedance_models("verify", str(folder), "--trust", str(pub)).returncode == 0
+    untrusted = seedance_models("verify", str(folder), "--trust", str(other))
+    assert untrusted.returncode == 1 and "refused (unknown_key)" in untrusted.stderr
+    # The signed statement rewritten to say what the changed file's digest now is.
+    bundle = json.loads((folder / "model.sig").read_text())
+    statement = json.loads(base64.b64decode(bundle["dsseEnvelope"]["payload"]))
+    statement["predicate"]["resources"][0]["digest"] = "00" * 32
+    bundle["dsseEnvelope"]["payload"] = base64.b64encode(json.dumps(statement).encode()).decode()
+    (folder / "model.sig").write_text(json.dumps(bundle))
+    forged = seedance_models("verify", str(folder), "--trust", str(pub))
+    assert forged.returncode == 1 and "refused (bad_signature)" in forged.stderr
+
+
+def test_model_signing_verifies_what_seedance_signed(tmp_path: Path) -> None:
+    key, pub = ec_key(tmp_path)
+    folder = tmp_path / "registry" / "tiny" / "2.0.0"
+    folder.mkdir(parents=True)
+    (folder / "model.gguf").write_bytes(b"GGUF" + os.urandom(5000))
+    signed = seedance_models(
+        *("sign", str(folder), "--key", str(key), "--format", "openssf", "--name", "tiny"),
+        *("--version", "2.0.0", "--commit", "deadbeef", "--engine", "llamacpp"),
+    )
+    assert signed.returncode == 0, signed.stderr
+    assert sorted(p.name for p in folder.iterdir()) == ["manifest.json", "model.gguf", "model.sig"]
+    checked = model_signing("verify", pub, folder)
+    assert checked.returncode == 0 and "Verification succeeded" in checked.stdout, checked
+    ok = seedance_models("verify", str(folder), "--trust", str(pub))
+    assert "ok: tiny 2.0.0 (commit deadbeef, engine llamacpp), 1 file(s)" in ok.stdout, ok
+    # Seedance's manifest is one of the files signed: its limits cannot be edited either.
+    manifest = folder / MANIFEST
+    manifest.write_text(manifest.read_text().replace('"llamacpp"', '"transformers"'))
+    checked = model_signing("verify", pub, folder)
+    assert checked.returncode != 0 and "manifest.json" in checked.stdout + checked.stderr
+    refused = seedance_models("verify", str(folder), "--trust", str(pub))
+    assert refused.returncode == 1 and "refused (changed_file): manifest.json" in refused.stderr
+
+
+def test_a_key_seedance_cannot_use_is_one_line_not_a_traceback(tmp_path: Path) -> None:
+    folder = tmp_path
+    rsa_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    rsa_pub = tmp_path / "rsa.pub"
+    rsa_pub.write_bytes(
+        rsa_key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+    )
+    for trust, words in (
+        (rsa_pub, "the key is RSA; trusted keys are Ed25519"),
+        (
+            tmp_path / "absent.pub",
+            "No such file",
+        ),
+    ):
+        answer = seedance_models("verify", str(folder), "--trust", str(trust))
+        assert answer.returncode == 2 and "Traceback" not in answer.stderr
+        assert answer.stderr.strip().count("\n") == 0 and words in answer.stderr
+    ed_key = tmp_path / "ed.key"
+    keygen(ed_key)
+    wrong = seedance_models(
+        *("sign", str(folder), "--key", str(ed_key), "--format", "openssf", "--name", "x"),
+        *("--version", "1.0.0", "--commit", "c", "--engine", "synthetic"),
+    )
+    assert wrong.returncode == 2 and "an EC P-256, P-384 or P-521 key" in wrong.stderr
+    assert not (folder / MANIFEST).exists()  # nothing written
 
 
 # --------------------------------------------------------------------------- serving from it
@@ -325,6 +455,47 @@ def test_a_refused_version_stops_the_start_with_its_reason(
     )
     stderr = serve_fails("--model-registry", str(root), "--model", "tiny")
     assert "--model-registry needs --model-trust" in stderr
+
+
+@one_process_only("--model-registry is refused with workers")
+async def test_a_registry_serves_versions_in_model_signings_format(
+    tmp_path: Path, make_server: Callable[..., RunningServer]
+) -> None:
+    key, pub = ec_key(tmp_path)
+    root = tmp_path / "registry"
+    make_version(root, key, "1.0.0", signature_format="openssf")
+    config, admin = admin_config(tmp_path)
+    server = make_server(
+        model_registry=str(root),
+        model_trust=(str(pub),),
+        model="tiny",
+        model_watch_s=0,
+        config_file=str(config),
+        access=load_access(config),
+    )
+
+    async def version_of_a_reply() -> str:
+        async with connect(server.url, api_key=admin) as session:
+            return (await session.complete("hi", max_tokens=3)).model_version or ""
+
+    async def reload() -> dict[str, object]:
+        answer = await http.post("/admin/models/reload")
+        return answer.json()["reloads"][0]  # type: ignore[no-any-return]
+
+    headers = {"Authorization": f"Bearer {admin}"}
+    async with httpx.AsyncClient(base_url=server.http_url, headers=headers) as http:
+        assert await version_of_a_reply() == "1.0.0"
+        _changed(make_version(root, key, "1.1.0", signature_format="openssf"), {})
+        refused = await reload()
+        assert refused["outcome"] == "refused" and refused["reason"] == "changed_file"
+        assert "weights.bin" in str(refused["message"]) and await version_of_a_reply() == "1.0.0"
+        # Seedance's manifest written, then the whole version signed with model_signing's tool.
+        folder = make_version(root, key, "1.2.0", signature_format="openssf")
+        (folder / "model.sig").unlink()
+        assert model_signing("sign", key, folder).returncode == 0
+        loaded = await reload()
+        assert loaded["outcome"] == "loaded" and loaded["version"] == "1.2.0"
+        assert await version_of_a_reply() == "1.2.0"
 
 
 @pytest.mark.model

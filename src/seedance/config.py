@@ -250,7 +250,8 @@ class RegistryConfig:
         "--model-trust",
         paths,
         "public keys (PEM, comma-separated) whose signatures a registry's models must carry; "
-        "several for a rotation",
+        "several for a rotation: Ed25519 for Seedance's manifest.sig, EC P-256/P-384/P-521 for "
+        "OpenSSF model-signing's model.sig",
         name="model_trust",
     )
     watch_s: float = setting(

@@ -15,7 +15,8 @@ def add_parser(commands: Any) -> None:
         help="sign, verify and promote models of a registry",
         description="A registry is a directory of NAME/VERSION/ holding a model's files, a "
         "manifest (every file's SHA-256 and size, the version, the git commit, the engine, the "
-        "limits) and its Ed25519 signature (docs/models.md).",
+        "limits) and its signature: Seedance's (Ed25519) or OpenSSF model-signing's (an EC "
+        "key) (docs/models.md).",
     )
     actions = models.add_subparsers(dest="models_command", metavar="ACTION", required=True)
     new_key = actions.add_parser("keygen", help="make a signing key (KEYFILE) and KEYFILE.pub")
@@ -24,7 +25,19 @@ def add_parser(commands: Any) -> None:
         "sign", help="write DIR's manifest (every file hashed) and sign it"
     )
     signing.add_argument("directory", type=Path, metavar="DIR")
-    signing.add_argument("--key", type=Path, required=True, help="the private key (keygen)")
+    signing.add_argument(
+        "--key",
+        type=Path,
+        required=True,
+        help="the private key: Ed25519 (keygen), or EC P-256/384/521 for --format openssf",
+    )
+    signing.add_argument(
+        "--format",
+        choices=("seedance", "openssf"),  # registry.SIGNATURE_FORMATS, not imported here
+        default="seedance",
+        help="seedance: manifest.sig; openssf: OpenSSF model-signing's model.sig over every "
+        "file, manifest.json included, which `model_signing verify key` accepts",
+    )
     signing.add_argument("--name", required=True, help="the model's served name")
     signing.add_argument("--version", required=True, help="a semantic version: 1.4.0")
     signing.add_argument("--commit", required=True, help="the git commit it was built from")
@@ -91,16 +104,21 @@ def run(args: argparse.Namespace) -> int:
         print(f"key id {key_id}")
         return 0
     if command == "sign":
-        manifest = sign_version(
-            args.directory,
-            args.key,
-            name=args.name,
-            version=args.version,
-            git_commit=args.commit,
-            engine=args.engine,
-            engine_options=dict(_option(o) for o in args.option),
-            limits=Limits(context_length=args.context_length, max_tokens=args.max_tokens),
-        )
+        try:
+            manifest = sign_version(
+                args.directory,
+                args.key,
+                name=args.name,
+                version=args.version,
+                git_commit=args.commit,
+                engine=args.engine,
+                engine_options=dict(_option(o) for o in args.option),
+                limits=Limits(context_length=args.context_length, max_tokens=args.max_tokens),
+                signature_format=args.format,
+            )
+        except (OSError, ValueError) as exc:
+            print(f"sign: {exc}", file=sys.stderr)
+            return 2
         print(f"wrote {manifest} and its signature")
         return 0
     if command == "promote":
@@ -115,7 +133,11 @@ def run(args: argparse.Namespace) -> int:
             Registry(args.root).set_canary(args.name, args.version, args.share)
             print(f"{args.name}: {args.version} takes {args.share:g} of the sessions")
         return 0
-    trusted = load_trusted(args.trust)
+    try:
+        trusted = load_trusted(args.trust)
+    except ValueError as exc:
+        print(f"--trust: {exc}", file=sys.stderr)
+        return 2
     if command == "verify":
         if not trusted:
             raise SystemExit("verify: give the trusted public key(s) with --trust")
@@ -124,9 +146,11 @@ def run(args: argparse.Namespace) -> int:
         except ModelRefused as exc:
             print(f"refused ({exc.reason}): {exc.message}", file=sys.stderr)
             return 1
+        commit = model.manifest.git_commit
+        built = f"commit {commit}, engine " if commit else "engine "
         print(
-            f"ok: {model.name} {model.version} (commit {model.manifest.git_commit}, engine "
-            f"{model.manifest.engine}), {len(model.files)} file(s), signed by key {model.key.id}"
+            f"ok: {model.name} {model.version} ({built}{model.manifest.engine}), "
+            f"{len(model.files)} file(s), signed by key {model.key.id}"
         )
         return 0
     registry = Registry(args.root)

@@ -30,11 +30,14 @@ from typing import Any, Final
 import msgspec
 
 from seedance.keyfiles import load_private
+from seedance.models import openssf
 from seedance.models.signing import SignatureError, TrustedKey, sign
 from seedance.models.signing import verify as verify_envelope
 
 MANIFEST: Final = "manifest.json"
 SIGNATURE: Final = "manifest.sig"
+#: How a version may be signed: Seedance's ``manifest.sig``, OpenSSF model-signing's ``model.sig``.
+SIGNATURE_FORMATS: Final = ("seedance", "openssf")
 PROMOTED: Final = "PROMOTED"  # ROOT/NAME/PROMOTED: the version served by default
 CANARY: Final = "CANARY"  # ROOT/NAME/CANARY: "VERSION SHARE", a version for a share of sessions
 STATEMENT_TYPE: Final = "https://in-toto.io/Statement/v1"
@@ -161,16 +164,22 @@ def sign_version(
     engine: str,
     engine_options: dict[str, str | int | float | bool] | None = None,
     limits: Limits | None = None,
+    signature_format: str = "seedance",
 ) -> Path:
-    """Write ``manifest.json`` (every file of ``directory``, hashed) and ``manifest.sig``
-    (signed with the private key at ``key``); returns the manifest's path."""
+    """Write ``manifest.json`` (every file of ``directory``, hashed) and sign it with the
+    private key at ``key``: ``manifest.sig`` (``signature_format`` ``seedance``, an Ed25519
+    key), or OpenSSF model-signing's ``model.sig`` over every file, the manifest included
+    (``openssf``, an EC key). The other format's signature file goes. Returns the
+    manifest's path."""
+    if signature_format not in SIGNATURE_FORMATS:
+        raise ValueError(f"format: one of {', '.join(SIGNATURE_FORMATS)}, got {signature_format!r}")
     if not _NAME.fullmatch(name):
         raise ValueError(f"name: 1-64 letters, digits, '_.-', got {name!r}")
     semver(version)
     subjects = []
     for path in sorted(_files(directory)):
         relative = path.relative_to(directory).as_posix()
-        if relative in (MANIFEST, SIGNATURE):
+        if relative in (MANIFEST, SIGNATURE, openssf.BUNDLE):
             continue
         subjects.append(Subject(relative, Digest(file_sha256(path)), {"size": path.stat().st_size}))
     if not subjects:
@@ -190,8 +199,16 @@ def sign_version(
     )
     payload = msgspec.json.format(msgspec.json.encode(statement), indent=2) + b"\n"
     manifest = directory / MANIFEST
-    manifest.write_bytes(payload)
-    (directory / SIGNATURE).write_bytes(sign(payload, load_private(key)))
+    if signature_format == "openssf":
+        openssf.check_private(key)
+        manifest.write_bytes(payload)
+        openssf.sign(directory, key)
+        (directory / SIGNATURE).unlink(missing_ok=True)
+    else:
+        private = load_private(key)
+        manifest.write_bytes(payload)
+        (directory / SIGNATURE).write_bytes(sign(payload, private))
+        (directory / openssf.BUNDLE).unlink(missing_ok=True)
     return manifest
 
 
@@ -217,33 +234,18 @@ def verify(
 ) -> VerifiedModel:
     """Check a version (see the module); ``served``: the version served now, which a new one
     may not be lower than; ``expected``: the name and version the registry's directories say
-    (an older signed manifest put in a newer version's place is a ``rollback``)."""
+    (an older signed manifest put in a newer version's place is a ``rollback``). A version
+    with OpenSSF model-signing's ``model.sig`` and no ``manifest.sig`` is checked in that
+    format (:func:`_openssf`)."""
     root = directory.resolve()
-    try:
-        envelope = (root / SIGNATURE).read_bytes()
-        manifest_bytes = (root / MANIFEST).read_bytes()
-    except OSError as exc:
-        raise ModelRefused(
-            "bad_signature", f"{directory}: no manifest or signature ({exc.strerror})"
-        ) from None
-    try:
-        payload, key = verify_envelope(envelope, trusted)
-    except SignatureError as exc:
-        raise ModelRefused(exc.reason, exc.message) from None
-    if payload != manifest_bytes:
-        raise ModelRefused(
-            "bad_signature", f"{MANIFEST} differs from what {SIGNATURE} signed: it was changed"
-        )
-    try:
-        statement = msgspec.json.decode(payload, type=Statement)
-    except msgspec.DecodeError as exc:
-        raise ModelRefused("bad_manifest", f"{MANIFEST}: {exc}") from None
+    if (root / openssf.BUNDLE).exists() and not (root / SIGNATURE).exists():
+        statement, payload, key = _openssf(root, trusted, expected)
+        files_checked = True
+    else:
+        statement, payload, key = _seedance(root, trusted)
+        files_checked = False
     predicate = statement.predicate
-    if (
-        statement._type != STATEMENT_TYPE
-        or statement.predicateType != PREDICATE_TYPE
-        or predicate is None
-    ):
+    if predicate is None:
         raise ModelRefused("bad_manifest", f"{MANIFEST}: not a Seedance model statement")
     try:
         order = semver(predicate.version)
@@ -270,7 +272,108 @@ def verify(
             f"{predicate.name} {predicate.version} is older than the version served "
             f"({served}); a rollback is a promote of that version, not a new manifest",
         )
-    listed = {subject.name: subject for subject in statement.subject}
+    _check_files(root, statement.subject, hashed=not files_checked)
+    return VerifiedModel(
+        path=root,
+        manifest=predicate,
+        files=tuple(statement.subject),
+        key=key,
+        manifest_sha256=hashlib.sha256(payload).hexdigest(),
+    )
+
+
+def _seedance(root: Path, trusted: dict[str, TrustedKey]) -> tuple[Statement, bytes, TrustedKey]:
+    """Seedance's own format: ``manifest.json`` and its envelope, ``manifest.sig``."""
+    try:
+        envelope = (root / SIGNATURE).read_bytes()
+        manifest_bytes = (root / MANIFEST).read_bytes()
+    except OSError as exc:
+        raise ModelRefused(
+            "bad_signature", f"{root}: no manifest or signature ({exc.strerror})"
+        ) from None
+    try:
+        payload, key = verify_envelope(envelope, trusted)
+    except SignatureError as exc:
+        raise ModelRefused(exc.reason, exc.message) from None
+    if payload != manifest_bytes:
+        raise ModelRefused(
+            "bad_signature", f"{MANIFEST} differs from what {SIGNATURE} signed: it was changed"
+        )
+    return _statement(payload), payload, key
+
+
+def _openssf(
+    root: Path, trusted: dict[str, TrustedKey], expected: tuple[str, str] | None
+) -> tuple[Statement, bytes, TrustedKey]:
+    """OpenSSF model-signing's format: ``model.sig`` over every file (checked by the
+    ``model_signing`` package). Seedance's ``manifest.json``, when there, must be one of the
+    files it signed; without one, the name and version are the directories' (``NAME/VERSION``,
+    or ``expected``) and the engine is ``llamacpp`` for a ``.gguf`` file, else
+    ``transformers``. The payload is the bundle's signed statement."""
+    try:
+        signed, key = openssf.verify(root, trusted)
+    except SignatureError as exc:
+        raise ModelRefused(exc.reason, exc.message) from None
+    try:
+        resources = msgspec.json.decode(signed, type=_SignedStatement).predicate.resources
+    except msgspec.DecodeError as exc:
+        raise ModelRefused("bad_manifest", f"{openssf.BUNDLE}'s statement: {exc}") from None
+    subjects = [Subject(r.name, Digest(r.digest)) for r in resources if r.algorithm == "sha256"]
+    if (root / MANIFEST).exists():
+        digests = {s.name: s.digest.sha256 for s in subjects}
+        if MANIFEST not in digests:
+            raise ModelRefused(
+                "bad_manifest", f"{MANIFEST} is not among the files {openssf.BUNDLE} signed"
+            )
+        statement = _statement((root / MANIFEST).read_bytes())
+        for subject in statement.subject:  # the files the engine reads: every one signed
+            if digests.get(subject.name) != subject.digest.sha256:
+                raise ModelRefused(
+                    "bad_manifest",
+                    f"{MANIFEST} lists {subject.name}, which {openssf.BUNDLE} signed otherwise "
+                    "or not at all",
+                )
+        return statement, signed, key
+    name, version = expected or (root.parent.name, root.name)
+    engine = "llamacpp" if any(s.name.endswith(".gguf") for s in subjects) else "transformers"
+    predicate = Predicate(name=name, version=version, git_commit="", engine=engine)
+    return Statement(_type=STATEMENT_TYPE, subject=subjects, predicate=predicate), signed, key
+
+
+class _Resource(msgspec.Struct):
+    name: str
+    algorithm: str
+    digest: str
+
+
+class _SignedPredicate(msgspec.Struct):
+    resources: list[_Resource] = []
+
+
+class _SignedStatement(msgspec.Struct):
+    """What a model-signing bundle signs: the files and their digests."""
+
+    predicate: _SignedPredicate
+
+
+def _statement(payload: bytes) -> Statement:
+    try:
+        statement = msgspec.json.decode(payload, type=Statement)
+    except msgspec.DecodeError as exc:
+        raise ModelRefused("bad_manifest", f"{MANIFEST}: {exc}") from None
+    if (
+        statement._type != STATEMENT_TYPE
+        or statement.predicateType != PREDICATE_TYPE
+        or statement.predicate is None
+    ):
+        raise ModelRefused("bad_manifest", f"{MANIFEST}: not a Seedance model statement")
+    return statement
+
+
+def _check_files(root: Path, subjects: list[Subject], *, hashed: bool) -> None:
+    """No symlink out of ``root``; with ``hashed``, every file listed, there and the one
+    signed, and none other (a model-signing bundle's check did that part already)."""
+    listed = {subject.name: subject for subject in subjects}
     for path in _files(root):
         relative = path.relative_to(root).as_posix()
         if path.is_symlink():
@@ -279,8 +382,10 @@ def verify(
                 raise ModelRefused(
                     "symlink_escape", f"{relative} links out of the directory (to {target})"
                 )
-        if relative not in listed and relative not in (MANIFEST, SIGNATURE):
+        if hashed and relative not in listed and relative not in (MANIFEST, SIGNATURE):
             raise ModelRefused("extra_file", f"{relative} is not in the signed manifest")
+    if not hashed:
+        return
     for name, subject in listed.items():
         path = root / name
         if ".." in Path(name).parts or Path(name).is_absolute():
@@ -292,13 +397,6 @@ def verify(
             raise ModelRefused("changed_file", f"{name} is not the file that was signed (size)")
         if file_sha256(path) != subject.digest.sha256:
             raise ModelRefused("changed_file", f"{name} is not the file that was signed (SHA-256)")
-    return VerifiedModel(
-        path=root,
-        manifest=predicate,
-        files=tuple(statement.subject),
-        key=key,
-        manifest_sha256=hashlib.sha256(payload).hexdigest(),
-    )
 
 
 # --------------------------------------------------------------------------- the registry

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from seedance.config import ConfigError, ServerConfig
 from seedance.engines.base import Engine, GenerationRequest, SamplingParams
 from seedance.engines.registry import create_engine, engine_spec
+from seedance.models.openssf import BUNDLE
 from seedance.models.registry import (
     PROMOTED,
     SIGNATURE,
@@ -243,8 +244,12 @@ class ModelManager:
         signature file changes."""
         path = self.registry.path(name, version)
         try:
-            signed = (path / SIGNATURE).stat().st_mtime_ns
-        except OSError:
+            signed = max(
+                (path / name).stat().st_mtime_ns
+                for name in (SIGNATURE, BUNDLE)
+                if (path / name).exists()
+            )
+        except (OSError, ValueError):  # neither there
             signed = 0
         known = self._refused.get((name, version))
         if known is not None and known[0] == signed:

@@ -11,6 +11,7 @@ public bytes. Several trusted keys may be given (a rotation: old and new at once
 from __future__ import annotations
 
 import base64
+import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Final
 import msgspec
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from seedance.keyfiles import key_id
@@ -67,22 +69,56 @@ def keygen(path: Path) -> tuple[Path, str]:
     return public_path, key_id(public)
 
 
+#: The curves of the EC keys a trusted key may be (OpenSSF model-signing's).
+EC_CURVES: Final = ("secp256r1", "secp384r1", "secp521r1")
+
+
 @dataclass(frozen=True, slots=True)
 class TrustedKey:
     id: str
-    key: Ed25519PublicKey
+    key: Ed25519PublicKey | ec.EllipticCurvePublicKey
     path: str
 
 
 def load_trusted(paths: list[Path]) -> dict[str, TrustedKey]:
-    """The public keys signatures are checked against, by id (PEM files, one key each)."""
+    """The public keys signatures are checked against, by id (PEM files, one key each):
+    Ed25519 keys, which sign Seedance's ``manifest.sig``, and EC keys, which sign OpenSSF
+    model-signing's ``model.sig`` (:mod:`seedance.models.openssf`). ``ValueError``, one line,
+    for any other file."""
     trusted: dict[str, TrustedKey] = {}
     for path in paths:
-        key = serialization.load_pem_public_key(path.read_bytes())
-        if not isinstance(key, Ed25519PublicKey):
-            raise ValueError(f"{path}: not an Ed25519 public key")
-        trusted[key_id(key)] = TrustedKey(key_id(key), key, str(path))
+        try:
+            key = serialization.load_pem_public_key(path.read_bytes())
+        except OSError as exc:
+            raise ValueError(f"{path}: {exc.strerror}") from None
+        except ValueError:
+            raise ValueError(f"{path}: not a PEM public key") from None
+        if isinstance(key, Ed25519PublicKey):
+            trusted[key_id(key)] = TrustedKey(key_id(key), key, str(path))
+        elif isinstance(key, ec.EllipticCurvePublicKey) and key.curve.name in EC_CURVES:
+            trusted[pem_id(key)] = TrustedKey(pem_id(key), key, str(path))
+        else:
+            kind = type(key).__name__.removesuffix("PublicKey").lstrip("_")
+            if isinstance(key, ec.EllipticCurvePublicKey):
+                kind = f"EC on {key.curve.name}"
+            raise ValueError(
+                f"{path}: the key is {kind}; trusted keys are Ed25519 (Seedance's "
+                "manifest.sig) or EC P-256, P-384 or P-521 (OpenSSF model-signing's model.sig)"
+            )
     return trusted
+
+
+def pem_sha256(key: ec.EllipticCurvePublicKey) -> str:
+    """The SHA-256 of an EC key's PEM: the hint a model-signing bundle names its key by."""
+    pem = key.public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    return hashlib.sha256(pem).hexdigest()
+
+
+def pem_id(key: ec.EllipticCurvePublicKey) -> str:
+    """An EC key's id: the first 16 hex digits of its hint (:func:`pem_sha256`)."""
+    return pem_sha256(key)[:16]
 
 
 def sign(payload: bytes, private: Ed25519PrivateKey) -> bytes:
@@ -127,6 +163,8 @@ def verify(envelope_bytes: bytes, trusted: dict[str, TrustedKey]) -> tuple[bytes
     message = pae(envelope.payloadType, payload)
     for signature in known:
         key = trusted[signature.keyid]
+        if not isinstance(key.key, Ed25519PublicKey):  # an EC key signs model.sig, not this
+            continue
         try:
             key.key.verify(base64.b64decode(signature.sig), message)
         except (InvalidSignature, ValueError):
