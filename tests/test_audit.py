@@ -21,7 +21,8 @@ from seedance.config_loader import load_access
 from seedance.keyfiles import load_public
 from seedance.observability.audit import AuditLog, AuditSettings
 from seedance.observability.audit.kinds import Request
-from seedance.observability.audit.records import digest
+from seedance.observability.audit.merkle import Frontier, leaf_hash
+from seedance.observability.audit.records import digest, entry
 from seedance.observability.audit.verify import verify
 from seedance.tenants.keys import add_key
 from tests.support.servers import (
@@ -198,15 +199,27 @@ def test_a_truncated_tail_is_found(sealed_log: tuple[Path, Path]) -> None:
     assert not verdict.ok and "without a seal" in verdict.message
 
 
+def rechain(records: list[dict[str, Any]], start: int) -> None:
+    """What a rewriter without the key can do after editing ``records[start]``: recompute
+    every hash from there on, and each checkpoint's Merkle root (not its signed note)."""
+    tree = Frontier()
+    for record in records[:start]:
+        tree.append(leaf_hash(entry(record)))
+    prev = records[start - 1]["hash"]
+    for record in records[start:]:
+        record["prev"] = prev
+        if "root" in record:
+            record["root"] = tree.root().hex()
+        record["hash"] = digest(record)
+        prev = record["hash"]
+        tree.append(leaf_hash(entry(record)))
+
+
 def test_a_rewritten_chain_fails_its_signatures(sealed_log: tuple[Path, Path]) -> None:
     log, key = sealed_log
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     lines[2]["outcome"] = "forged"
-    prev = lines[1]["hash"]
-    for record in lines[2:]:  # recompute every hash after the edit: the chain is consistent
-        record["prev"] = prev
-        record["hash"] = digest(record)
-        prev = record["hash"]
+    rechain(lines, 2)  # the chain and the roots are consistent again
     log.write_text("".join(json.dumps(r) + "\n" for r in lines))
     assert verify(log).ok  # without the key, a consistent rewrite passes the chain check
     verdict = verify(log, load_public(key))
@@ -254,6 +267,7 @@ def test_processes_sharing_a_log_keep_one_chain_across_rotations(tmp_path: Path)
     assert len(files) >= 4
     verdict = verify(tmp_path / "audit.log")
     assert verdict.ok and verdict.message.endswith("sealed"), verdict.message
+    assert "Merkle root(s) recomputed" in verdict.message  # one tree across writers and files
     written = [r for f in files for r in records(f) if r["kind"] == "request"]
     assert sorted(r["request_id"] for r in written) == sorted(
         f"w{n}-r{i}" for n in range(3) for i in range(40)
@@ -322,11 +336,7 @@ def test_every_acknowledged_record_is_signed_before_a_sigkill(
     assert lines[-1]["kind"] == "checkpoint"
     last = max(i for i, r in enumerate(lines) if r.get("request_id") == "r4")
     lines[last]["outcome"] = "forged"
-    prev = lines[last - 1]["hash"]
-    for record in lines[last:]:  # a consistent rewrite of the tail
-        record["prev"] = prev
-        record["hash"] = digest(record)
-        prev = record["hash"]
+    rechain(lines, last)  # a consistent rewrite of the tail
     log.write_text("".join(json.dumps(r) + "\n" for r in lines))
     verdict = verify(log, public, allow_unsealed=True)
     assert not verdict.ok and "bad signature" in verdict.message

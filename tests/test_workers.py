@@ -278,6 +278,7 @@ async def test_the_workers_write_one_audit_chain(
 
     verdict = verify(log, load_public(key))
     assert verdict.ok and verdict.message.endswith("sealed"), verdict.message
+    assert "Merkle root(s) recomputed" in verdict.message  # one tree, whoever wrote
     written = [json.loads(line) for line in log.read_text().splitlines()]
     requests_written = {r["request_id"] for r in written if r["kind"] == "request"}
     assert {f"w{w}-{i}" for w in (0, 1) for i in range(30)} <= requests_written

@@ -150,18 +150,41 @@ def _parser() -> argparse.ArgumentParser:
         help="report the first broken, missing or reordered record, or ok with the count",
         description="Checks FILE and its rotated siblings (FILE.<time>) as one chain.",
     )
-    verify.add_argument("file", metavar="FILE")
-    verify.add_argument(
-        "--public-key",
-        metavar="PEM",
-        default=None,
-        help="Ed25519 key (public, or the signing key itself) to check checkpoint signatures",
-    )
+    verify.add_argument("file", metavar="FILE", help="a log, or a proof (prove, consistency)")
     verify.add_argument(
         "--allow-unsealed",
         action="store_true",
         help="accept a log without a seal at its end (a running or killed server's)",
     )
+    prove = audit_commands.add_parser(
+        "prove",
+        help="an inclusion proof of record SEQ under a signed checkpoint (JSON)",
+        description="Prints the RFC 9162 inclusion proof of record SEQ (its seq) in the tree "
+        "of a signed checkpoint, with the record and the checkpoint: `seedance audit verify "
+        "PROOF --public-key` checks it with nothing else (docs/audit.md).",
+    )
+    prove.add_argument("file", metavar="FILE")
+    prove.add_argument("seq", type=int, metavar="SEQ")
+    prove.add_argument(
+        "--size", type=int, default=None, help="the checkpoint's tree size (default: the latest)"
+    )
+    consistent = audit_commands.add_parser(
+        "consistency",
+        help="a consistency proof between two signed checkpoints (JSON)",
+        description="Prints the RFC 9162 proof that the tree of NEW records (default: the "
+        "latest signed checkpoint) extends the tree of OLD records, with both checkpoints.",
+    )
+    consistent.add_argument("file", metavar="FILE")
+    consistent.add_argument("old", type=int, metavar="OLD")
+    consistent.add_argument("new", type=int, metavar="NEW", nargs="?", default=None)
+    for command in (verify, prove, consistent):
+        command.add_argument(
+            "--public-key",
+            metavar="PEM",
+            default=None,
+            help="Ed25519 key (public, or the signing key itself) to check checkpoint "
+            "signatures (a proof's: needed)",
+        )
 
     from seedance.models.cli import add_parser as add_models_parser
 
@@ -267,9 +290,11 @@ def _keys(args: argparse.Namespace) -> int:
 
 
 def _audit(args: argparse.Namespace) -> int:
+    import json
     from pathlib import Path
 
     from seedance.keyfiles import load_public
+    from seedance.observability.audit import proofs
     from seedance.observability.audit.verify import verify
 
     key = None
@@ -279,7 +304,33 @@ def _audit(args: argparse.Namespace) -> int:
         except (OSError, ValueError) as exc:
             print(f"seedance audit: error: --public-key: {exc}", file=sys.stderr)
             return 2
-    verdict = verify(Path(args.file), key, allow_unsealed=args.allow_unsealed)
+    path = Path(args.file)
+    try:
+        if args.audit_command == "prove":
+            print(json.dumps(proofs.prove(path, args.seq, args.size), indent=2))
+            return 0
+        if args.audit_command == "consistency":
+            print(json.dumps(proofs.consistency(path, args.old, args.new), indent=2))
+            return 0
+        proof = proofs.read_proof(path)
+        if proof is not None:
+            if key is None:
+                print(
+                    "seedance audit: error: a proof is checked with --public-key", file=sys.stderr
+                )
+                return 2
+            print(proofs.check(proof, key))
+            return 0
+    except proofs.ProofError as exc:
+        if args.audit_command == "verify":
+            print(f"broken: {exc}")
+        else:
+            print(f"seedance audit: error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"seedance audit: error: {path}: {exc.strerror}", file=sys.stderr)
+        return 2
+    verdict = verify(path, key, allow_unsealed=args.allow_unsealed)
     print(verdict.message if verdict.ok else f"broken: {verdict.message}")
     return 0 if verdict.ok else 1
 

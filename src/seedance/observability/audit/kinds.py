@@ -170,6 +170,10 @@ class Checkpoint(AuditRecord, kw_only=True):
     records: int
     signature: str | None
     next_file: str | UnsetType = UNSET  # rotate
+    #: The Merkle tree of the ``records`` before it: its root (hex), and with a key, the
+    #: checkpoint as a C2SP signed note (records.py, merkle.py, note.py).
+    root: str | UnsetType = UNSET
+    note: str | UnsetType = UNSET
 
 
 class Continue(AuditRecord, kw_only=True):
@@ -177,6 +181,9 @@ class Continue(AuditRecord, kw_only=True):
 
     kind: Literal["continue"] = "continue"
     previous_file: str
+    #: The Merkle tree's frontier before this record (hex; merkle.Frontier), so that this
+    #: file and the next ones prove their records without the files before.
+    frontier: list[str] | UnsetType = UNSET
 
 
 class WriterRecovered(AuditRecord, kw_only=True):

@@ -19,7 +19,11 @@ from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
 
+from seedance.observability.audit.merkle import Frontier, leaf_hash
+
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from cryptography.hazmat.primitives.asymmetric.ed25519 import (
         Ed25519PrivateKey,
         Ed25519PublicKey,
@@ -32,6 +36,12 @@ _encode = msgspec.json.Encoder(order="sorted").encode
 def canonical(record: Mapping[str, Any]) -> bytes:
     """The bytes a record's hash covers: its JSON with sorted keys, without ``hash``."""
     return _encode({k: v for k, v in record.items() if k != "hash"})
+
+
+def entry(record: Mapping[str, Any]) -> bytes:
+    """A record as the Merkle tree's leaf holds it: its whole JSON, ``hash`` included, keys
+    sorted, no spaces (the line the writer wrote, without its newline)."""
+    return _encode(record)
 
 
 def digest(record: Mapping[str, Any]) -> str:
@@ -74,3 +84,46 @@ def signature_ok(key: Ed25519PublicKey, head: str, signature: str) -> bool:
     except (InvalidSignature, ValueError):
         return False
     return True
+
+
+# ---------------------------------------------------------------------- the Merkle tree
+
+
+def base_of(record: Mapping[str, Any]) -> Frontier | None:
+    """Where the Merkle tree stands before a file's first record: empty before the first
+    record ever, the ``frontier`` of a rotated-to file's ``continue``; None when the record
+    does not say (a log begun before trees)."""
+    if record.get("seq") == 0:
+        return Frontier()
+    hashes = record.get("frontier")
+    if not isinstance(hashes, list):
+        return None
+    base = Frontier(int(record["seq"]), [bytes.fromhex(h) for h in hashes])
+    if len(base.hashes) != base.size.bit_count():
+        raise ValueError(f"seq {base.size}: a frontier of {len(base.hashes)} hashes")
+    return base
+
+
+def tree_of(path: Path, offset: int = 0, base: Frontier | None = None) -> Frontier | None:
+    """The Merkle tree after the whole records of the file at ``path``: from its first
+    record's :func:`base_of`, or ``base`` with the records from byte ``offset`` on."""
+    with path.open("rb") as fh:
+        fh.seek(offset)
+        data = fh.read()
+    lines = data[: data.rfind(b"\n") + 1].splitlines()
+    if base is None:
+        if not lines:
+            return None if offset else Frontier()
+        try:
+            base = base_of(msgspec.json.decode(lines[0]))
+        except (msgspec.DecodeError, ValueError, KeyError):
+            return None
+        if base is None:
+            return None
+    tree = base.copy()
+    try:
+        for line in lines:
+            tree.append(leaf_hash(entry(msgspec.json.decode(line))))
+    except msgspec.DecodeError:  # an edited log: verify says where
+        return None
+    return tree

@@ -16,7 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from seedance.observability.audit.records import GENESIS, digest, signature_ok
+from seedance.observability.audit import note
+from seedance.observability.audit.merkle import Frontier, leaf_hash
+from seedance.observability.audit.records import GENESIS, base_of, digest, entry, signature_ok
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -89,7 +91,8 @@ def verify(
         return Verdict(False, f"no audit log at {path}")
     expected_seq, prev = 0, GENESIS
     last: dict[str, Any] | None = None
-    checkpoints = signed = 0
+    checkpoints = signed = roots = 0
+    tree: Frontier | None = None
     vouched = 0  # records covered by the last signature checked
     keys = _KeyChains()
     try:
@@ -118,6 +121,8 @@ def verify(
                         f"{where}: seq {seq} comes after seq {expected_seq - 1}: records are "
                         "out of order or repeated"
                     )
+                if number == 1 and file is files[0]:
+                    tree = _base(record, where)
                 if record.get("prev") != prev:
                     raise _Broken(f"{where}: seq {seq} does not follow the record before it")
                 if digest(record) != record.get("hash"):
@@ -132,7 +137,10 @@ def verify(
                             raise _Broken(f"{where}: checkpoint seq {seq}: bad signature")
                         signed += 1
                         vouched = expected_seq + 1
+                    roots += _check_root(record, tree, public_key, where)
                 prev, expected_seq, last = str(record["hash"]), expected_seq + 1, record
+                if tree is not None:
+                    tree.append(leaf_hash(entry(record)))
     except _Broken as exc:
         return Verdict(False, str(exc), expected_seq)
     count = expected_seq
@@ -143,6 +151,8 @@ def verify(
         f"{signed} signature(s) verified" if public_key is not None else "signatures not checked"
     )
     summary = f"{count} records in {len(files)} file(s), {checkpoints} checkpoint(s), {signatures}"
+    if roots:
+        summary += f", {roots} Merkle root(s) recomputed"
     if keys.agreed:
         summary += f", {keys.agreed} stream key(s) agreed and {keys.rotations} rotation(s) chained"
     if not sealed:
@@ -162,6 +172,35 @@ def verify(
             )
         return Verdict(True, f"ok: {summary} (unsealed: {message})", count)
     return Verdict(True, f"ok: {summary}, sealed", count)
+
+
+def _base(record: dict[str, Any], where: str) -> Frontier | None:
+    try:
+        return base_of(record)
+    except (ValueError, KeyError, TypeError):
+        raise _Broken(f"{where}: its Merkle frontier is not one") from None
+
+
+def _check_root(
+    record: dict[str, Any], tree: Frontier | None, key: Ed25519PublicKey | None, where: str
+) -> int:
+    """1 when a checkpoint's Merkle root (and with ``key``, its signed note) states the tree
+    of the records before it; 0 when it has none (or the log began before trees)."""
+    root = record.get("root")
+    if root is None or tree is None:
+        return 0
+    seq = record["seq"]
+    if root != tree.root().hex():
+        raise _Broken(f"{where}: checkpoint seq {seq}: its Merkle root is not the records'")
+    text = record.get("note")
+    if key is not None and text is not None:
+        try:
+            stated = note.verify(str(text), key)
+        except note.NoteError as exc:
+            raise _Broken(f"{where}: checkpoint seq {seq}: {exc}") from None
+        if (stated.size, stated.root.hex()) != (seq, root):
+            raise _Broken(f"{where}: checkpoint seq {seq}: its note states another tree")
+    return 1
 
 
 def _record(line: bytes, where: str) -> dict[str, Any]:

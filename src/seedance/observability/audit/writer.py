@@ -41,8 +41,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Literal
 
 import msgspec
+from msgspec import UNSET
 
 from seedance import __version__
+from seedance.observability.audit import note
 from seedance.observability.audit.kinds import (
     AuditRecord,
     Checkpoint,
@@ -51,7 +53,8 @@ from seedance.observability.audit.kinds import (
     WriterRecovered,
     as_dict,
 )
-from seedance.observability.audit.records import GENESIS, seal, sign
+from seedance.observability.audit.merkle import Frontier, leaf_hash
+from seedance.observability.audit.records import GENESIS, seal, sign, tree_of
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -74,6 +77,7 @@ class AuditSettings:
     rotate_interval_s: float | None = None
     required: bool = True
     shared: bool = False  # several processes write the file (each write locks .NAME.lock)
+    origin: str | None = None  # the checkpoints' origin (default: named by the signing key)
 
 
 class DamagedLog(ValueError):
@@ -131,6 +135,11 @@ class AuditLog:
         self._lock_fd = -1  # shared: the lock file, and how deep this thread holds it
         self._held = 0
         self._end = 0  # shared: the file's size after this process's last write
+        #: The Merkle tree of every record so far (None: a log begun before trees, whose
+        #: current file does not say where its tree stands).
+        self._tree: Frontier | None = Frontier()
+        key = settings.signing_key
+        self._origin = settings.origin or (note.origin_of(key.public_key()) if key else "")
 
     # ------------------------------------------------------------------ event loop side
 
@@ -279,22 +288,29 @@ class AuditLog:
         self._fd = -1
         os.rename(path, rotated)
         self._open(recover=False)
-        self._append(Continue(previous_file=rotated.name))
+        frontier = UNSET if self._tree is None else [h.hex() for h in self._tree.hashes]
+        self._append(Continue(previous_file=rotated.name, frontier=frontier))
         self._sync()
         logger.info("audit log rotated: %s", rotated)
 
     def _checkpoint(
         self,
         kind: Literal["checkpoint", "rotate", "seal"],
-        head: tuple[int, str] | None = None,
+        head: tuple[int, str, Frontier | None] | None = None,
         **extra: str,
     ) -> Checkpoint:
-        """A checkpoint (``checkpoint``, ``rotate``, ``seal``): signs the chain's head, which
-        is the last record written unless ``head`` (seq after it, hash) says otherwise."""
-        seq, head_hash = head or (self._seq, self._prev)
+        """A checkpoint (``checkpoint``, ``rotate``, ``seal``): signs the chain's head and the
+        Merkle tree's root, which are the last record's unless ``head`` (seq after it, its
+        hash, the tree) says otherwise."""
+        seq, head_hash, tree = head or (self._seq, self._prev, self._tree)
         key = self.settings.signing_key
         signature = sign(key, head_hash) if key is not None else None
         record = Checkpoint(kind=kind, records=seq, signature=signature, **extra)
+        if tree is not None and tree.size == seq:
+            root = tree.root()
+            record.root = root.hex()
+            if key is not None:
+                record.note = note.sign(note.Checkpoint(self._origin, seq, root), key)
         self._since_checkpoint = 0
         self._checkpoint_at = self.clock()
         return record
@@ -307,14 +323,19 @@ class AuditLog:
         head they make."""
         lines = []
         seq, prev = self._seq, self._prev
+        tree = None if self._tree is None else self._tree.copy()
         for record in records:
             fields = as_dict(record)
             lines.append(seal(fields, seq, prev))
             seq, prev = seq + 1, fields["hash"]
+            if tree is not None:
+                tree.append(leaf_hash(lines[-1][:-1]))
         if signed:
-            checkpoint = as_dict(self._checkpoint("checkpoint", head=(seq, prev)))
+            checkpoint = as_dict(self._checkpoint("checkpoint", head=(seq, prev, tree)))
             lines.append(seal(checkpoint, seq, prev))
             seq, prev = seq + 1, checkpoint["hash"]
+            if tree is not None:
+                tree.append(leaf_hash(lines[-1][:-1]))
         data = b"".join(lines)
         regular = self._regular()
         size = os.fstat(self._fd).st_size if regular else 0
@@ -328,7 +349,7 @@ class AuditLog:
                 with contextlib.suppress(OSError):
                     os.ftruncate(self._fd, size)
             raise
-        self._seq, self._prev = seq, prev  # only once the bytes are written
+        self._seq, self._prev, self._tree = seq, prev, tree  # only once the bytes are written
         if self.settings.shared:
             self._end = os.fstat(self._fd).st_size
         self._since_checkpoint = 0 if signed else self._since_checkpoint + len(records)
@@ -373,6 +394,10 @@ class AuditLog:
             )
         if last is not None:
             self._seq, self._prev = int(last["seq"]) + 1, str(last["hash"])
+        if self._end < 0 or self._tree is None:
+            self._tree = tree_of(path)
+        else:  # the records the others appended
+            self._tree = tree_of(path, offset=self._end, base=self._tree)
         self._end = os.fstat(self._fd).st_size
 
     def _regular(self) -> bool:
@@ -411,6 +436,14 @@ class AuditLog:
         if last is None:
             return start
         self._seq, self._prev = int(last["seq"]) + 1, str(last["hash"])
+        self._tree = tree_of(path)
+        if self._tree is None:
+            logger.warning(
+                "audit log %s: its first record does not say where the Merkle tree stands (a "
+                "log begun before trees): its checkpoints carry no root (a log moved aside "
+                "starts a new one that does)",
+                path,
+            )
         start.previous_end = "sealed" if last.get("kind") == "seal" else "unsealed"
         return start
 

@@ -1,0 +1,191 @@
+"""Inclusion and consistency proofs of an audit log, and their check with nothing but the
+log's public key (``seedance audit prove | consistency | verify PROOF``).
+
+A proof is one JSON document that carries what its check needs: the signed checkpoint(s) (C2SP
+notes, :mod:`~seedance.observability.audit.note`) and the RFC 9162 hashes in base64, and for an
+inclusion proof the record itself, whose leaf the check recomputes::
+
+    {"proof": "inclusion", "index": 41, "tree_size": 97, "record": {...},
+     "path": ["3q2+7w...", ...], "checkpoint": "seedance/audit/1f2e...\\n97\\n...\\n\\n— ..."}
+    {"proof": "consistency", "old_size": 40, "old": "<note of 40>", "new": "<note of 97>",
+     "path": [...]}
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from seedance.observability.audit import merkle, note
+from seedance.observability.audit.records import base_of, entry
+from seedance.observability.audit.verify import CHECKPOINTS, log_files
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+
+class ProofError(ValueError):
+    """A proof that cannot be made (no such record or checkpoint) or that does not hold."""
+
+
+@dataclass
+class LogTree:
+    """An audit log read as a Merkle tree: its leaves from the first file given on, and its
+    signed checkpoints by tree size."""
+
+    tree: merkle.Tree
+    notes: dict[int, str] = field(default_factory=dict)
+    records: dict[int, dict[str, Any]] = field(default_factory=dict)  # the ones asked for
+
+
+def read(path: Path, wanted: frozenset[int] = frozenset()) -> LogTree:
+    """The log at ``path`` and its rotated siblings, keeping the records ``wanted``."""
+    leaves: list[bytes] = []
+    base: merkle.Frontier | None = None
+    notes: dict[int, str] = {}
+    records: dict[int, dict[str, Any]] = {}
+    files = log_files(path)
+    if not files:
+        raise ProofError(f"no audit log at {path}")
+    for file in files:
+        for number, line in enumerate(file.read_bytes().splitlines(), 1):
+            try:
+                record = msgspec.json.decode(line)
+                seq = record["seq"]
+            except (msgspec.DecodeError, TypeError, KeyError):
+                raise ProofError(
+                    f"{file.name}:{number}: not an audit record (seedance audit verify says more)"
+                ) from None
+            if base is None:
+                base = base_of(record)
+                if base is None:
+                    raise ProofError(
+                        f"{file.name}: the log began before Merkle trees: nothing to prove"
+                    )
+            leaves.append(merkle.leaf_hash(entry(record)))
+            if seq in wanted:
+                records[seq] = record
+            if record.get("kind") in CHECKPOINTS and isinstance(record.get("note"), str):
+                notes[seq] = record["note"]
+    return LogTree(merkle.Tree(leaves, base), notes, records)
+
+
+def _checkpoint(log: LogTree, size: int | None, after: int) -> tuple[int, str]:
+    """The signed checkpoint of ``size`` records, or the latest one covering record
+    ``after``."""
+    if size is not None:
+        if size not in log.notes:
+            sizes = ", ".join(str(s) for s in sorted(log.notes)[-5:]) or "none"
+            raise ProofError(f"no signed checkpoint of {size} records (the latest: {sizes})")
+        return size, log.notes[size]
+    covering = [s for s in log.notes if s > after]
+    if not covering:
+        raise ProofError(
+            f"no signed checkpoint covers record {after} yet (a log without --audit-signing-key "
+            "has none; one is signed after every group commit)"
+        )
+    return max(covering), log.notes[max(covering)]
+
+
+def prove(path: Path, seq: int, size: int | None = None) -> dict[str, Any]:
+    """An inclusion proof of record ``seq`` under the checkpoint of ``size`` records (the
+    latest by default)."""
+    log = read(path, frozenset({seq}))
+    if seq not in log.records:
+        raise ProofError(f"no record {seq} in the files given (from {log.tree.base.size} on)")
+    n, text = _checkpoint(log, size, seq)
+    try:
+        hashes = log.tree.inclusion(seq, n)
+    except merkle.MissingRecords as exc:
+        raise ProofError(f"{exc}: give the log's earlier files too") from None
+    return {
+        "proof": "inclusion",
+        "index": seq,
+        "tree_size": n,
+        "record": log.records[seq],
+        "path": [base64.b64encode(h).decode() for h in hashes],
+        "checkpoint": text,
+    }
+
+
+def consistency(path: Path, old: int, new: int | None = None) -> dict[str, Any]:
+    """A consistency proof from the tree of ``old`` records to the signed checkpoint of
+    ``new`` (the latest by default). ``old`` need not be a checkpoint of this log (an
+    auditor's, of the log it was shown); the proof carries this log's own when there is one,
+    and the auditor checks it against the one it saw."""
+    log = read(path)
+    m, old_note = old, log.notes.get(old)
+    n, new_note = _checkpoint(log, new, old - 1)
+    if n < m:
+        raise ProofError(f"the new checkpoint ({n} records) is older than the old ({m})")
+    try:
+        hashes = log.tree.consistency(m, n)
+    except merkle.MissingRecords as exc:
+        raise ProofError(f"{exc}: give the log's earlier files too") from None
+    return {
+        "proof": "consistency",
+        "old_size": m,
+        "old": old_note,
+        "new": new_note,
+        "path": [base64.b64encode(h).decode() for h in hashes],
+    }
+
+
+def read_proof(path: Path) -> dict[str, Any] | None:
+    """The proof in the file at ``path``; None when it holds something else (a log)."""
+    data = path.read_bytes() if path.is_file() else b""
+    if not data.lstrip().startswith(b"{"):
+        return None
+    try:
+        found = msgspec.json.decode(data)
+    except msgspec.DecodeError:
+        return None  # several lines: a log
+    return found if isinstance(found, dict) and "proof" in found else None
+
+
+def check(proof: dict[str, Any], key: Ed25519PublicKey) -> str:
+    """What ``proof`` proves, once its checkpoints' signatures and its hashes verify with
+    ``key``; :class:`ProofError` otherwise."""
+    try:
+        path = [base64.b64decode(h, validate=True) for h in proof["path"]]
+        if proof.get("proof") == "inclusion":
+            stated = note.verify(proof["checkpoint"], key)
+            record, index = proof["record"], int(proof["index"])
+            if stated.size != proof["tree_size"] or record.get("seq") != index:
+                raise ProofError("the proof's sizes do not match its checkpoint and record")
+            leaf = merkle.leaf_hash(entry(record))
+            if not merkle.verify_inclusion(leaf, index, stated.size, path, stated.root):
+                raise ProofError(f"record {index} is not in the tree of {stated.size} records")
+            return (
+                f"ok: record {index} ({record.get('kind')}) is in the log {stated.origin} of "
+                f"{stated.size} records, whose checkpoint is signed"
+            )
+        if proof.get("proof") == "consistency":
+            if proof.get("old") is None:
+                raise ProofError(
+                    f"the log has no checkpoint of {proof.get('old_size')} records of its own: "
+                    "put the one you were shown in the proof's 'old'"
+                )
+            old, new = note.verify(proof["old"], key), note.verify(proof["new"], key)
+            if old.origin != new.origin:
+                raise ProofError(f"checkpoints of two logs: {old.origin} and {new.origin}")
+            if not merkle.verify_consistency(old.size, new.size, path, old.root, new.root):
+                raise ProofError(
+                    f"the tree of {new.size} records does not extend that of {old.size}: the "
+                    "log was rewritten between them (a fork)"
+                )
+            return (
+                f"ok: the log {new.origin} of {new.size} records extends its checkpoint of "
+                f"{old.size} (both signed)"
+            )
+    except ProofError:
+        raise
+    except note.NoteError as exc:
+        raise ProofError(str(exc)) from None
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ProofError(f"not a proof: {exc!r}") from None
+    raise ProofError("not a proof: 'proof' is neither inclusion nor consistency")
