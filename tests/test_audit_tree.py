@@ -89,14 +89,18 @@ def roots_from_proof(m: int, n: int, proof: list[bytes], old: bytes) -> tuple[by
     return walk(m, n, proof, True)
 
 
-def note_checkpoint(text: str, key: Ed25519PublicKey) -> tuple[str, int, bytes]:
+def note_checkpoint(
+    text: str, key: Ed25519PublicKey, name: str | None = None
+) -> tuple[str, int, bytes]:
     """c2sp.org/signed-note by hand: the origin, size and root of a checkpoint whose
-    signature by its origin's key verifies (``cryptography`` raises otherwise)."""
+    signature by ``name`` (its origin by default) verifies with ``key`` (``cryptography``
+    raises otherwise)."""
     body, _, signatures = text.partition("\n\n")
     origin, size, root = body.split("\n")[:3]
+    name = name or origin
     raw = key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-    key_hash = sha256(origin.encode() + b"\n\x01" + raw)[:4]
-    line = next(s for s in signatures.splitlines() if s.startswith(f"\u2014 {origin} "))
+    key_hash = sha256(name.encode() + b"\n\x01" + raw)[:4]
+    line = next(s for s in signatures.splitlines() if s.startswith(f"\u2014 {name} "))
     blob = base64.b64decode(line.rsplit(" ", 1)[1])
     assert blob[:4] == key_hash
     key.verify(blob[4:], (body + "\n").encode())

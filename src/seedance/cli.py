@@ -177,6 +177,31 @@ def _parser() -> argparse.ArgumentParser:
     consistent.add_argument("file", metavar="FILE")
     consistent.add_argument("old", type=int, metavar="OLD")
     consistent.add_argument("new", type=int, metavar="NEW", nargs="?", default=None)
+    witness = audit_commands.add_parser(
+        "witness",
+        help="cosign a server's audit checkpoints that extend what this witness cosigned",
+        description="A witness of the audit log at URL (a Seedance server): fetches its latest "
+        "signed checkpoint and the consistency proof from the last one this witness cosigned, "
+        "cosigns it only when the proof holds, and gives the cosignature back; a fork is "
+        "refused, logged and reported in STATE (docs/audit.md).",
+    )
+    witness.add_argument("url", metavar="URL", help="the server: http://host:port")
+    witness.add_argument(
+        "--log-key", required=True, metavar="PEM", help="the log's public key (its checkpoints')"
+    )
+    witness.add_argument(
+        "--key", required=True, metavar="PEM", help="this witness's Ed25519 private key"
+    )
+    witness.add_argument(
+        "--name", required=True, help="this witness's name in its cosignatures: witness.example/1"
+    )
+    witness.add_argument(
+        "--state", required=True, metavar="DIR", help="what it cosigned last, and fork reports"
+    )
+    witness.add_argument(
+        "--interval", type=float, default=10.0, help="seconds between rounds (default 10)"
+    )
+    witness.add_argument("--once", action="store_true", help="one round, then exit (1: a fork)")
     for command in (verify, prove, consistent):
         command.add_argument(
             "--public-key",
@@ -297,6 +322,8 @@ def _audit(args: argparse.Namespace) -> int:
     from seedance.observability.audit import proofs
     from seedance.observability.audit.verify import verify
 
+    if args.audit_command == "witness":
+        return _witness(args)
     key = None
     if args.public_key:
         try:
@@ -333,6 +360,45 @@ def _audit(args: argparse.Namespace) -> int:
     verdict = verify(path, key, allow_unsealed=args.allow_unsealed)
     print(verdict.message if verdict.ok else f"broken: {verdict.message}")
     return 0 if verdict.ok else 1
+
+
+def _witness(args: argparse.Namespace) -> int:
+    import logging
+    import time
+    from pathlib import Path
+
+    import httpx
+
+    from seedance.keyfiles import load_private, load_public
+    from seedance.observability.audit.witness import Fork, Witness
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
+    try:
+        witness = Witness(
+            args.url,
+            load_public(Path(args.log_key)),
+            load_private(Path(args.key)),
+            args.name,
+            Path(args.state),
+        )
+    except (OSError, ValueError) as exc:
+        print(f"seedance audit witness: error: {exc}", file=sys.stderr)
+        return 2
+    while True:
+        try:
+            print(witness.round(), flush=True)
+        except Fork as exc:
+            print(f"seedance audit witness: FORK: {exc}", file=sys.stderr, flush=True)
+            if args.once:
+                return 1
+        except (httpx.HTTPError, ValueError, KeyError) as exc:
+            print(f"seedance audit witness: {args.url}: {exc}", file=sys.stderr, flush=True)
+            if args.once:
+                return 2
+        if args.once:
+            return 0
+        time.sleep(args.interval)
 
 
 def _engines() -> int:

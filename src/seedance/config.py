@@ -365,6 +365,15 @@ class AuditConfig:
         "Ed25519 private key (PEM) that signs the audit log's checkpoints and seal",
         name="audit_signing_key",
     )
+    witnesses: tuple[str, ...] = setting(
+        (),
+        "--audit-witness-key",
+        paths,
+        "witnesses' Ed25519 public keys (PEM, comma-separated; TOML: a list) whose "
+        "cosignatures of the audit log's checkpoints the server keeps (POST "
+        "/v1/audit/cosignatures) and counts (GET /v1/audit/checkpoint?cosigned=K)",
+        name="audit_witness_key",
+    )
     checkpoint_interval_s: float = setting(
         60.0,
         "--audit-checkpoint-interval",

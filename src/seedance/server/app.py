@@ -42,6 +42,7 @@ from seedance.server.responses_api import (
 )
 from seedance.server.state import ServerState
 from seedance.server.tokenize_api import TokenizeEndpoint
+from seedance.server.transparency import transparency_routes
 from seedance.server.web import web_routes
 from seedance.sessions.store import SessionStore
 from seedance.tenants.policy import may_use
@@ -245,6 +246,7 @@ def create_app(
                 methods=["POST"],
             ),
             *admin_routes(state),
+            *transparency_routes(state),
             *oip_routes(state),  # after /v2/infer: the protocol's 404 for the rest of /v2/
             *([] if config.no_playground else web_routes()),
         ],

@@ -1,0 +1,107 @@
+"""The audit log's transparency endpoints, for witnesses and auditors (no credential: they
+give hashes and signed checkpoints, never a record):
+
+- ``GET /v1/audit/checkpoint``: the latest signed checkpoint (a C2SP note, ``text/plain``)
+  with the cosignatures kept for it; ``?cosigned=K``: the latest that K witnesses cosigned
+  (503 while there is none);
+- ``GET /v1/audit/consistency?old=M[&new=N]``: the consistency proof from the tree of M
+  records to the checkpoint of N (the latest by default), as ``seedance audit consistency``;
+- ``POST /v1/audit/cosignatures``: a witness gives back a checkpoint it cosigned.
+
+They need ``--audit-file`` and ``--audit-signing-key`` (404 otherwise). See
+:mod:`seedance.observability.audit.witness` and docs/audit.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+from starlette.routing import Route
+
+from seedance.config import ConfigError
+from seedance.keyfiles import load_public
+from seedance.observability.audit import proofs
+from seedance.observability.audit.witness import Cosignatures
+from seedance.protocol.errors import InvalidRequest, NotFound, Overloaded
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+    from seedance.server.state import ServerState
+
+
+def transparency_routes(state: ServerState) -> list[Route]:
+    log = state.audit.log if state.audit is not None else None
+    key = log.settings.signing_key if log is not None else None
+    witnesses = []
+    for path in state.config.audit.witnesses:
+        try:
+            witnesses.append(load_public(Path(path)))
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"--audit-witness-key: {exc}") from None
+
+    def served() -> tuple[Path, Ed25519PublicKey, Cosignatures]:
+        if log is None or key is None:
+            raise NotFound("this server keeps no signed audit log (--audit-signing-key)")
+        path = log.settings.path
+        return path, key.public_key(), Cosignatures(path, witnesses)
+
+    async def checkpoint(request: Request) -> Response:
+        path, public, cosigned = served()
+        wanted = _count(request, "cosigned", 0)
+        notes = (await asyncio.to_thread(proofs.read, path)).notes
+        if not notes:
+            raise Overloaded("the audit log has no signed checkpoint yet", retry_after_s=1)
+        if wanted:
+            text = await asyncio.to_thread(cosigned.latest, notes, public, wanted)
+            if text is None:
+                raise Overloaded(
+                    f"no checkpoint of the audit log carries {wanted} witnesses' cosignatures yet",
+                    retry_after_s=5,
+                )
+        else:
+            size = max(notes)
+            text = await asyncio.to_thread(cosigned.latest, {size: notes[size]}, public, 0)
+        return PlainTextResponse(text)
+
+    async def consistency(request: Request) -> Response:
+        path, _, _ = served()
+        old = _count(request, "old", None)
+        new = _count(request, "new", None) if "new" in request.query_params else None
+        try:
+            proof = await asyncio.to_thread(proofs.consistency, path, old, new)
+        except proofs.ProofError as exc:
+            raise InvalidRequest(str(exc)) from None
+        return Response(msgspec.json.encode(proof), media_type="application/json")
+
+    async def add_cosignature(request: Request) -> Response:
+        path, public, cosigned = served()
+        body = (await request.body()).decode(errors="replace")
+        notes = (await asyncio.to_thread(proofs.read, path)).notes
+        try:
+            names = cosigned.add(body, public, notes)
+        except ValueError as exc:
+            raise InvalidRequest(f"cosignature refused: {exc}") from None
+        return Response(msgspec.json.encode({"kept": names}), media_type="application/json")
+
+    return [
+        Route("/v1/audit/checkpoint", checkpoint, methods=["GET"]),
+        Route("/v1/audit/consistency", consistency, methods=["GET"]),
+        Route("/v1/audit/cosignatures", add_cosignature, methods=["POST"]),
+    ]
+
+
+def _count(request: Request, name: str, default: int | None) -> int:
+    text = request.query_params.get(name)
+    if text is None:
+        if default is None:
+            raise InvalidRequest(f"{name}: required (a number of records)")
+        return default
+    if not text.isdigit():
+        raise InvalidRequest(f"{name}: a number of records, got {text!r}")
+    return int(text)

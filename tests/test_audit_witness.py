@@ -1,0 +1,149 @@
+"""Witnesses of the audit log (``seedance audit witness``, a process of its own with its own
+key) against real servers: they cosign what extends what they cosigned, and a history
+rewritten, or shown differently to two of them, is refused and reported."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+
+from seedance.keyfiles import load_public
+from tests.support.servers import SEEDANCE, ServerProcess
+from tests.test_audit import signing_key
+from tests.test_audit_tree import note_checkpoint
+
+pytestmark = pytest.mark.subprocess
+
+
+class Witness:
+    def __init__(self, folder: Path, name: str) -> None:
+        folder.mkdir()
+        self.key, self.name, self.state = signing_key(folder), name, folder / "state"
+
+    def round(self, server: ServerProcess, log_key: Path) -> subprocess.CompletedProcess[str]:
+        argv = [SEEDANCE, "audit", "witness", http(server), "--log-key", str(log_key)]
+        argv += ["--key", str(self.key), "--name", self.name, "--state", str(self.state)]
+        return subprocess.run([*argv, "--once"], capture_output=True, text=True, timeout=60)
+
+    def cosigned(self) -> int:
+        return int(json.loads((self.state / "state.json").read_text())["size"])
+
+
+def http(server: ServerProcess) -> str:
+    return server.url.replace("ws://", "http://")
+
+
+def requests(server: ServerProcess, n: int, words: str) -> None:
+    for i in range(n):
+        body = {"model": "synthetic", "messages": [{"role": "user", "content": f"{words} {i}"}]}
+        assert httpx.post(f"{http(server)}/v1/chat/completions", json=body).status_code == 200
+
+
+def start(
+    server_process: Callable[..., ServerProcess], log: Path, key: Path, *witnesses: Witness
+) -> ServerProcess:
+    trusted = ",".join(str(w.key) for w in witnesses)  # the private key's file: its public half
+    return server_process(
+        *("--audit-file", str(log), "--audit-signing-key", str(key)),
+        *("--audit-witness-key", trusted),
+    )
+
+
+def stop(server: ServerProcess) -> None:
+    server.signal(signal.SIGTERM)
+    assert server.wait() in (0, -signal.SIGTERM)
+
+
+def test_witnesses_cosign_a_growing_log_and_catch_a_rewrite(
+    tmp_path: Path, server_process: Callable[..., ServerProcess]
+) -> None:
+    log, key = tmp_path / "audit.log", signing_key(tmp_path)
+    one, two = (
+        Witness(tmp_path / "w1", "witness.test/1"),
+        Witness(tmp_path / "w2", "witness.test/2"),
+    )
+    server = start(server_process, log, key, one, two)
+    for words in ("first", "second", "third"):
+        requests(server, 3, words)
+        for witness in (one, two):
+            done = witness.round(server, key)
+            assert done.returncode == 0 and "cosigned the checkpoint of" in done.stdout, done
+    assert one.cosigned() == two.cosigned() > 9
+    answer = httpx.get(f"{http(server)}/v1/audit/checkpoint", params={"cosigned": 2})
+    assert answer.status_code == 200
+    _, size, _ = note_checkpoint(answer.text, load_public(key))
+    assert size == one.cosigned()
+    for witness in (one, two):  # each cosignature verifies with that witness's key alone
+        note_checkpoint(answer.text, load_public(witness.key), witness.name)
+    # A cosignature by a key the server does not trust is refused.
+    stranger = Witness(tmp_path / "w3", "witness.test/3")
+    refused = stranger.round(server, key)
+    assert refused.returncode == 0  # it cosigned; the server did not keep it
+    assert (
+        httpx.get(f"{http(server)}/v1/audit/checkpoint", params={"cosigned": 3}).status_code == 503
+    )
+    stop(server)
+
+    # The operator rewrites history: the log cut back to its first records, then new ones.
+    lines = log.read_text().splitlines(keepends=True)
+    log.write_text("".join(lines[:4]))
+    server = start(server_process, log, key, one, two)
+    requests(server, 12, "rewritten")
+    before = one.cosigned()
+    refused = one.round(server, key)
+    assert refused.returncode == 1 and "FORK" in refused.stderr, refused
+    assert "does not extend the tree of" in refused.stderr
+    assert one.cosigned() == before  # it stays on what it cosigned
+    (report,) = (one.state).glob("fork-*.json")
+    reported = json.loads(report.read_text())
+    assert reported["cosigned"] and reported["shown"] and reported["proof"]["path"]
+    assert (
+        httpx.get(f"{http(server)}/v1/audit/checkpoint", params={"cosigned": 1}).status_code == 503
+    )
+    stop(server)
+
+
+def test_two_witnesses_shown_different_histories_both_refuse_the_other(
+    tmp_path: Path, server_process: Callable[..., ServerProcess]
+) -> None:
+    # A split view: one log, then two servers on copies of it that diverge; each witness
+    # follows one. Shown the other's history, both refuse, and no checkpoint after the split
+    # carries both cosignatures.
+    key = signing_key(tmp_path)
+    one, two = (
+        Witness(tmp_path / "w1", "witness.test/1"),
+        Witness(tmp_path / "w2", "witness.test/2"),
+    )
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    log_a, log_b = tmp_path / "a" / "audit.log", tmp_path / "b" / "audit.log"
+    server = start(server_process, log_a, key, one, two)
+    requests(server, 4, "common")
+    assert one.round(server, key).returncode == two.round(server, key).returncode == 0
+    common = one.cosigned()
+    stop(server)
+    shutil.copy(log_a, log_b)
+    shutil.copy(log_a.with_name(".audit.log.cosigned"), log_b.with_name(".audit.log.cosigned"))
+
+    server_a = start(server_process, log_a, key, one, two)
+    server_b = start(server_process, log_b, key, one, two)
+    requests(server_a, 4, "told to one")
+    requests(server_b, 4, "told to the other")
+    assert one.round(server_a, key).returncode == 0
+    assert two.round(server_b, key).returncode == 0
+    assert one.cosigned() > common and two.cosigned() > common
+    for witness, other in ((one, server_b), (two, server_a)):
+        refused = witness.round(other, key)
+        assert refused.returncode == 1 and "FORK" in refused.stderr, refused
+    for server in (server_a, server_b):
+        both = httpx.get(f"{http(server)}/v1/audit/checkpoint", params={"cosigned": 2})
+        _, size, _ = note_checkpoint(both.text, load_public(key))
+        assert size == common  # the last checkpoint both witnesses cosigned: before the split
+        stop(server)
