@@ -11,11 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from seedance.engines.base import Engine
 from seedance.observability.tracing import Tracing
+from tests.support.certs import write_key_pair
 from tests.support.netns import Regions, need_namespaces
 from tests.support.redis import RedisServer
 from tests.support.servers import THREADS, RunningServer, ServerProcess, server_config
@@ -139,20 +139,8 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
 @pytest.fixture
 def identity(tmp_path: Path) -> tuple[str, str]:
     """An end-to-end encryption identity: (private key PEM path, public key PEM path)."""
-    key = Ed25519PrivateKey.generate()
     private, public = tmp_path / "identity.pem", tmp_path / "identity.pub.pem"
-    private.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    public.write_bytes(
-        key.public_key().public_bytes(
-            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-        )
-    )
+    write_key_pair(Ed25519PrivateKey.generate(), private, public)
     return str(private), str(public)
 
 

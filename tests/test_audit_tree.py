@@ -20,7 +20,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from seedance.keyfiles import load_private, load_public
-from seedance.observability.audit import AuditLog, AuditSettings
+from seedance.observability.audit import AuditSettings
 from seedance.observability.audit.merkle import (
     Frontier,
     Tree,
@@ -30,7 +30,7 @@ from seedance.observability.audit.merkle import (
 )
 from seedance.observability.audit.verify import verify
 from tests.support.servers import SEEDANCE, ServerProcess
-from tests.test_audit import request_record, signing_key
+from tests.test_audit import signing_key, write_records
 
 # --------------------------------------------------------------------------- RFC 9162, here
 
@@ -220,26 +220,14 @@ def test_a_forked_log_fails_the_consistency_proof_against_a_checkpoint_seen_befo
     settings = AuditSettings(
         path=tmp_path / "audit.log", signing_key=load_private(key), checkpoint_records=4
     )
-    log = AuditLog(settings)
-    log.start()
-    for i in range(10):
-        future = log.submit(request_record(f"r{i}"))
-        assert future is not None
-        future.result(timeout=5)
-    log.close()
+    write_records(settings, 10)
     records = [json.loads(line) for line in settings.path.open()]
     seen = next(r for r in records if "note" in r and r["seq"] >= 8)  # the auditor's
 
     # The rewrite: the history up to a request before that checkpoint, then new records.
     fork = next(i for i, r in enumerate(records) if r.get("request_id") == "r3")
     settings.path.write_text("".join(json.dumps(r) + "\n" for r in records[:fork]))
-    log = AuditLog(settings)
-    log.start()
-    for i in range(10):
-        future = log.submit(request_record(f"forged{i}"))
-        assert future is not None
-        future.result(timeout=5)
-    log.close()
+    write_records(settings, 10, prefix="forged")
     assert verify(settings.path, load_public(key)).ok  # the fork alone is a valid log
 
     made = audit("consistency", str(settings.path), str(seen["seq"]))
@@ -256,13 +244,7 @@ def test_a_tampered_proof_or_an_unknown_key_is_refused(tmp_path: Path) -> None:
     (tmp_path / "other").mkdir()
     key, other = signing_key(tmp_path), signing_key(tmp_path / "other")
     settings = AuditSettings(path=tmp_path / "audit.log", signing_key=load_private(key))
-    log = AuditLog(settings)
-    log.start()
-    for i in range(5):
-        future = log.submit(request_record(f"r{i}"))
-        assert future is not None
-        future.result(timeout=5)
-    log.close()
+    write_records(settings, 5)
     made = audit("prove", str(settings.path), "1")
     proof = json.loads(made.stdout)
     for change, words in (

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
 from seedance.client import connect
@@ -33,6 +32,7 @@ from seedance.models.registry import (
 )
 from seedance.models.signing import TrustedKey, keygen, load_trusted
 from seedance.tenants.keys import add_key
+from tests.support.certs import write_key_pair
 from tests.support.servers import RunningServer, ServerProcess, one_process_only, serve_fails
 from tests.test_metrics import scrape, value
 
@@ -230,20 +230,8 @@ def test_the_command_line_signs_verifies_lists_and_promotes(tmp_path: Path) -> N
 
 def ec_key(folder: Path, name: str = "ec") -> tuple[Path, Path]:
     """An EC P-256 key pair in PEM, the kind ``model_signing sign key`` takes."""
-    private = ec.generate_private_key(ec.SECP256R1())
     key, pub = folder / f"{name}.key", folder / f"{name}.pub"
-    key.write_bytes(
-        private.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    pub.write_bytes(
-        private.public_key().public_bytes(
-            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-        )
-    )
+    write_key_pair(ec.generate_private_key(ec.SECP256R1()), key, pub)
     return key, pub
 
 
@@ -325,13 +313,8 @@ def test_model_signing_verifies_what_seedance_signed(tmp_path: Path) -> None:
 
 def test_a_key_seedance_cannot_use_is_one_line_not_a_traceback(tmp_path: Path) -> None:
     folder = tmp_path
-    rsa_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
     rsa_pub = tmp_path / "rsa.pub"
-    rsa_pub.write_bytes(
-        rsa_key.public_key().public_bytes(
-            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-        )
-    )
+    write_key_pair(rsa.generate_private_key(65537, 2048), tmp_path / "rsa.key", rsa_pub)
     for trust, words in (
         (rsa_pub, "the key is RSA; trusted keys are Ed25519"),
         (

@@ -1,4 +1,5 @@
-"""Certificates made on the spot: a CA, and the server and client certificates it signs."""
+"""Certificates and keys made on the spot: a CA, the server and client certificates it signs,
+and key pairs as PEM files."""
 
 from __future__ import annotations
 
@@ -10,9 +11,26 @@ from pathlib import Path
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric.types import PrivateKeyTypes
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 _DAY = datetime.timedelta(days=1)
+
+
+def write_key_pair(key: PrivateKeyTypes, private: Path, public: Path) -> None:
+    """``key`` in PKCS #8 PEM at ``private``, its public half at ``public``."""
+    private.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    public.write_bytes(
+        key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+    )
 
 
 @dataclass

@@ -14,6 +14,7 @@ inclusion proof the record itself, whose leaf the check recomputes::
 from __future__ import annotations
 
 import base64
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -98,16 +99,12 @@ def prove(path: Path, seq: int, size: int | None = None) -> dict[str, Any]:
     if seq not in log.records:
         raise ProofError(f"no record {seq} in the files given (from {log.tree.base.size} on)")
     n, text = _checkpoint(log, size, seq)
-    try:
-        hashes = log.tree.inclusion(seq, n)
-    except merkle.MissingRecords as exc:
-        raise ProofError(f"{exc}: give the log's earlier files too") from None
     return {
         "proof": "inclusion",
         "index": seq,
         "tree_size": n,
         "record": log.records[seq],
-        "path": [base64.b64encode(h).decode() for h in hashes],
+        "path": _path(lambda: log.tree.inclusion(seq, n)),
         "checkpoint": text,
     }
 
@@ -122,17 +119,21 @@ def consistency(path: Path, old: int, new: int | None = None) -> dict[str, Any]:
     n, new_note = _checkpoint(log, new, old - 1)
     if n < m:
         raise ProofError(f"the new checkpoint ({n} records) is older than the old ({m})")
-    try:
-        hashes = log.tree.consistency(m, n)
-    except merkle.MissingRecords as exc:
-        raise ProofError(f"{exc}: give the log's earlier files too") from None
     return {
         "proof": "consistency",
         "old_size": m,
         "old": old_note,
         "new": new_note,
-        "path": [base64.b64encode(h).decode() for h in hashes],
+        "path": _path(lambda: log.tree.consistency(m, n)),
     }
+
+
+def _path(hashes: Callable[[], list[bytes]]) -> list[str]:
+    """A proof's hashes in base64."""
+    try:
+        return [base64.b64encode(h).decode() for h in hashes()]
+    except merkle.MissingRecords as exc:
+        raise ProofError(f"{exc}: give the log's earlier files too") from None
 
 
 def read_proof(path: Path) -> dict[str, Any] | None:
