@@ -4,6 +4,7 @@ rewritten, or shown differently to two of them, is refused and reported."""
 
 from __future__ import annotations
 
+import base64
 import json
 import shutil
 import signal
@@ -15,9 +16,10 @@ import httpx
 import pytest
 
 from seedance.keyfiles import load_public
+from seedance.tenants.keys import add_key
 from tests.support.servers import SEEDANCE, ServerProcess
 from tests.test_audit import signing_key
-from tests.test_audit_tree import note_checkpoint
+from tests.test_audit_tree import entry, note_checkpoint, root_from_path, sha256
 
 pytestmark = pytest.mark.subprocess
 
@@ -147,3 +149,61 @@ def test_two_witnesses_shown_different_histories_both_refuse_the_other(
         _, size, _ = note_checkpoint(both.text, load_public(key))
         assert size == common  # the last checkpoint both witnesses cosigned: before the split
         stop(server)
+
+
+def test_a_tenant_gets_its_requests_lineage_with_a_cosigned_proof(
+    tmp_path: Path, server_process: Callable[..., ServerProcess]
+) -> None:
+    from websockets.sync.client import connect
+
+    log, key = tmp_path / "audit.log", signing_key(tmp_path)
+    witness = Witness(tmp_path / "w1", "witness.test/1")
+    config = tmp_path / "seedance.toml"
+    acme, other = add_key(config, "acme").key, add_key(config, "globex").key
+    server = server_process(
+        *("--config", str(config), "--audit-file", str(log), "--audit-signing-key", str(key)),
+        *("--audit-witness-key", str(witness.key)),
+    )
+    headers = {"Authorization": f"Bearer {acme}"}
+    with connect(f"{server.url}/v2/infer", additional_headers=headers) as ws:
+        ws.recv()
+        ws.send(json.dumps({"prompt": "hello", "max_tokens": 3, "request_id": "lin-1"}))
+        while (done := json.loads(ws.recv(timeout=10)))["type"] != "done":
+            pass
+    seq = done["audit_seq"]  # the record's index in the tree, on the done frame
+    body = {"model": "synthetic", "messages": [{"role": "user", "content": "hi"}]}
+    chat = httpx.post(f"{http(server)}/v1/chat/completions", json=body, headers=headers)
+    assert int(chat.headers["x-seedance-audit-seq"]) > seq  # and on an OpenAI response
+
+    url = f"{http(server)}/v1/lineage/lin-1"
+    waiting = httpx.get(url, headers=headers)  # no witness has cosigned a checkpoint yet
+    assert waiting.status_code == 503 and "witnesses" in waiting.text
+    assert witness.round(server, key).returncode == 0
+    assert httpx.get(url, headers={"Authorization": f"Bearer {other}"}).status_code == 404
+    answer = httpx.get(url, headers=headers)
+    assert answer.status_code == 200, answer.text
+    lineage = answer.json()
+    proof = lineage["proof"]
+    assert proof["index"] == seq and proof["record"]["request_id"] == "lin-1"
+    assert proof["record"]["tenant"] == "acme" and lineage["server"]["configuration_sha256"]
+
+    # Checked here from the RFC and the note format, and by seedance audit verify-lineage.
+    _, size, root = note_checkpoint(proof["checkpoint"], load_public(key))
+    note_checkpoint(proof["checkpoint"], load_public(witness.key), witness.name)
+    leaf = sha256(b"\x00" + entry(proof["record"]))
+    path = [base64.b64decode(h) for h in proof["path"]]
+    assert root_from_path(seq, size, leaf, path) == root
+    saved = tmp_path / "lineage.json"
+    saved.write_text(answer.text)
+    argv = [SEEDANCE, "audit", "verify-lineage", str(saved), "--public-key", str(key)]
+    checked = subprocess.run(
+        [*argv, "--witness-key", str(witness.key)], capture_output=True, text=True
+    )
+    assert checked.returncode == 0 and "cosigned by 1 witness" in checked.stdout, checked
+    lineage["proof"]["record"]["outcome"] = "stop"  # what the client would like it to say
+    saved.write_text(json.dumps(lineage))
+    forged = subprocess.run(
+        [*argv, "--witness-key", str(witness.key)], capture_output=True, text=True
+    )
+    assert forged.returncode == 1 and "is not in the tree" in forged.stdout, forged
+    stop(server)

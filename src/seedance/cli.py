@@ -202,7 +202,22 @@ def _parser() -> argparse.ArgumentParser:
         "--interval", type=float, default=10.0, help="seconds between rounds (default 10)"
     )
     witness.add_argument("--once", action="store_true", help="one round, then exit (1: a fork)")
-    for command in (verify, prove, consistent):
+    lineage = audit_commands.add_parser(
+        "verify-lineage",
+        help="check a request's lineage (GET /v1/lineage/ID) offline",
+        description="Checks a lineage document: its inclusion proof against the log's public "
+        "key, the witnesses' cosignatures of its checkpoint, and that it describes the record "
+        "it proves.",
+    )
+    lineage.add_argument("file", metavar="FILE")
+    lineage.add_argument(
+        "--witness-key",
+        action="append",
+        default=[],
+        metavar="PEM",
+        help="a witness whose cosignature the checkpoint must carry (repeat)",
+    )
+    for command in (verify, prove, consistent, lineage):
         command.add_argument(
             "--public-key",
             metavar="PEM",
@@ -339,17 +354,23 @@ def _audit(args: argparse.Namespace) -> int:
         if args.audit_command == "consistency":
             print(json.dumps(proofs.consistency(path, args.old, args.new), indent=2))
             return 0
-        proof = proofs.read_proof(path)
-        if proof is not None:
+        lineage = args.audit_command == "verify-lineage"
+        proof = None if lineage else proofs.read_proof(path)
+        if lineage or proof is not None:
             if key is None:
+                what = "lineage" if lineage else "proof"
                 print(
-                    "seedance audit: error: a proof is checked with --public-key", file=sys.stderr
+                    f"seedance audit: error: a {what} is checked with --public-key", file=sys.stderr
                 )
                 return 2
-            print(proofs.check(proof, key))
+            if proof is not None:
+                print(proofs.check(proof, key))
+            else:
+                witnesses = [load_public(Path(w)) for w in args.witness_key]
+                print(proofs.check_lineage(json.loads(path.read_text()), key, witnesses))
             return 0
-    except proofs.ProofError as exc:
-        if args.audit_command == "verify":
+    except ValueError as exc:  # a proof that does not hold, JSON that is not one, a bad key
+        if args.audit_command in ("verify", "verify-lineage"):
             print(f"broken: {exc}")
         else:
             print(f"seedance audit: error: {exc}", file=sys.stderr)

@@ -263,6 +263,10 @@ class DoneFrame(_ServerFrame, tag="done"):
     logprobs: list[TokenLogprob] | None = None
     #: The calls the reply made, when the request offered ``tools`` (checked against them).
     tool_calls: list[ToolCallTurn] | None = None
+    #: The request's audit record's seq: its index in the audit log's Merkle tree, whose
+    #: inclusion proof ``GET /v1/lineage/{request_id}`` gives (with ``--audit-file`` and
+    #: ``--audit-fsync record``; else absent).
+    audit_seq: int | None = None
 
 
 class ErrorBody(msgspec.Struct, omit_defaults=True):

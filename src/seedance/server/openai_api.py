@@ -191,7 +191,10 @@ async def _finish(
     else:
         text = "".join(log.texts)
         whole = chunks.whole(text, finish, usage, log.logprobs, calls)
-        await response.respond(200, JSON_HEADERS, whole)
+        headers = JSON_HEADERS
+        if end.audit_seq is not None:  # its record's index: GET /v1/lineage/{request_id}
+            headers = [*JSON_HEADERS, (b"x-seedance-audit-seq", str(end.audit_seq).encode())]
+        await response.respond(200, headers, whole)
 
 
 class StreamsEndpoint:

@@ -1,5 +1,7 @@
-"""The audit log's transparency endpoints, for witnesses and auditors (no credential: they
-give hashes and signed checkpoints, never a record):
+"""The audit log's transparency endpoints. ``GET /v1/lineage/{request_id}`` (a tenant's own
+requests, any for an admin): what served a request and its record's inclusion proof under a
+checkpoint every trusted witness cosigned. For witnesses and auditors, with no credential
+(hashes and signed checkpoints, never a record):
 
 - ``GET /v1/audit/checkpoint``: the latest signed checkpoint (a C2SP note, ``text/plain``)
   with the cosignatures kept for it; ``?cosigned=K``: the latest that K witnesses cosigned
@@ -16,18 +18,22 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
+from seedance import __version__
 from seedance.config import ConfigError
 from seedance.keyfiles import load_public
-from seedance.observability.audit import proofs
+from seedance.observability.audit import note, proofs
+from seedance.observability.audit.verify import log_files
 from seedance.observability.audit.witness import Cosignatures
 from seedance.protocol.errors import InvalidRequest, NotFound, Overloaded
+from seedance.server.confidential import build_digest, config_digest
+from seedance.server.http_call import authenticate_call
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -89,11 +95,82 @@ def transparency_routes(state: ServerState) -> list[Route]:
             raise InvalidRequest(f"cosignature refused: {exc}") from None
         return Response(msgspec.json.encode({"kept": names}), media_type="application/json")
 
+    async def lineage(request: Request) -> Response:
+        """What served a request and the proof that its record is in the log (the tenant's
+        own requests, or any for an admin)."""
+        path, public, cosigned = served()
+        principal = authenticate_call(state.services, request.scope, "lineage")
+        request_id = request.path_params["request_id"]
+        found = await asyncio.to_thread(_find, path, request_id)
+        admin = principal.role == "admin" and not state.access.open
+        if found is None or not (admin or found[0].get("tenant") == principal.name):
+            raise NotFound(f"no audit record of request {request_id} of yours")
+        record, loaded = found
+        notes = (await asyncio.to_thread(proofs.read, path)).notes
+        text = await asyncio.to_thread(cosigned.latest, notes, public, len(witnesses))
+        if text is None:
+            raise Overloaded(
+                f"no checkpoint carries the cosignatures of the {len(witnesses)} witnesses yet",
+                retry_after_s=5,
+            )
+        size = note.parse(text)[0].size
+        if size <= record["seq"]:
+            raise Overloaded(
+                f"no cosigned checkpoint covers request {request_id}'s record yet",
+                retry_after_s=5,
+            )
+        proof = await asyncio.to_thread(proofs.prove, path, record["seq"], size)
+        proof["checkpoint"] = text  # with the witnesses' cosignatures
+        body = {
+            "request_id": request_id,
+            "model": loaded,
+            "server": {
+                "seedance": __version__,
+                "build_sha256": build_digest(),
+                "configuration_sha256": config_digest(state.config),
+                "measurement": (
+                    state.confidential.measurement() if state.confidential is not None else None
+                ),
+            },
+            "proof": proof,
+        }
+        return Response(msgspec.json.encode(body), media_type="application/json")
+
     return [
+        Route("/v1/lineage/{request_id}", lineage, methods=["GET"]),
         Route("/v1/audit/checkpoint", checkpoint, methods=["GET"]),
         Route("/v1/audit/consistency", consistency, methods=["GET"]),
         Route("/v1/audit/cosignatures", add_cosignature, methods=["POST"]),
     ]
+
+
+def _find(path: Path, request_id: str) -> tuple[dict[str, Any], dict[str, Any] | None] | None:
+    """The ``request`` record of ``request_id`` in the log, and the ``model`` record that
+    loaded the version it names (a registry's: its manifest hash and signer)."""
+    found: dict[str, Any] | None = None
+    loaded: dict[tuple[Any, Any], dict[str, Any]] = {}
+    for file in log_files(path):
+        for line in file.read_bytes().splitlines():
+            if request_id.encode() not in line and b'"loaded"' not in line:
+                continue  # most lines: no need to parse them
+            record = msgspec.json.decode(line)
+            if record.get("kind") == "model" and record.get("action") == "loaded":
+                loaded[(record.get("model"), record.get("version"))] = record
+            elif record.get("kind") == "request" and record.get("request_id") == request_id:
+                found = record
+                break
+        if found is not None:
+            break
+    if found is None:
+        return None
+    model = loaded.get((found.get("model"), found.get("model_version")))
+    return found, None if model is None else {
+        "name": model["model"],
+        "version": model["version"],
+        "manifest_sha256": model.get("manifest_sha256"),
+        "signer": model.get("key"),
+        "loaded_seq": model["seq"],
+    }
 
 
 def _count(request: Request, name: str, default: int | None) -> int:

@@ -190,3 +190,39 @@ def check(proof: dict[str, Any], key: Ed25519PublicKey) -> str:
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ProofError(f"not a proof: {exc!r}") from None
     raise ProofError("not a proof: 'proof' is neither inclusion nor consistency")
+
+
+def check_lineage(
+    lineage: dict[str, Any], key: Ed25519PublicKey, witnesses: list[Ed25519PublicKey]
+) -> str:
+    """What a lineage document (``GET /v1/lineage/{request_id}``) shows, once its proof
+    verifies with the log's ``key``, its checkpoint carries a cosignature by each of
+    ``witnesses``, and what it says of the request is what the proven record says;
+    :class:`ProofError` otherwise."""
+    try:
+        proof, record = lineage["proof"], lineage["proof"]["record"]
+        proven = check(proof, key)
+        if record.get("kind") != "request" or record.get("request_id") != lineage["request_id"]:
+            raise ProofError(f"the proven record is not request {lineage['request_id']}'s")
+        model = lineage.get("model")
+        if model is not None and (model["name"], model["version"]) != (
+            record.get("model"),
+            record.get("model_version"),
+        ):
+            raise ProofError("the lineage names another model version than the record")
+        _, signatures = note.parse(proof["checkpoint"])
+        for witness in witnesses:
+            if not any(
+                blob[:4] == note.key_hash(name, witness) for name, blob in signatures.items()
+            ):
+                raise ProofError("the checkpoint carries no cosignature by a witness given")
+            name = next(n for n, b in signatures.items() if b[:4] == note.key_hash(n, witness))
+            note.verify(proof["checkpoint"], witness, name)
+    except ProofError:
+        raise
+    except note.NoteError as exc:
+        raise ProofError(str(exc)) from None
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise ProofError(f"not a lineage document: {exc!r}") from None
+    cosigned = f", cosigned by {len(witnesses)} witness(es)" if witnesses else ""
+    return f"{proven}{cosigned}; request {lineage['request_id']}: {record.get('outcome')}"

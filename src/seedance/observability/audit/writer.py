@@ -162,10 +162,10 @@ class AuditLog:
             return True, ""
         return False, f"audit log {self.settings.path}: {self.error}"
 
-    def submit(self, record: AuditRecord) -> Future[None] | None:
+    def submit(self, record: AuditRecord) -> Future[int] | None:
         """Queue a record; with ``fsync = "record"`` the future completes once it is on
-        disk."""
-        future: Future[None] | None = Future() if self.settings.fsync == "record" else None
+        disk, with its seq (its index in the Merkle tree)."""
+        future: Future[int] | None = Future() if self.settings.fsync == "record" else None
         self._queue.put((record, future))
         return future
 
@@ -207,10 +207,10 @@ class AuditLog:
             os.close(self._lock_fd)
             self._lock_fd = -1
 
-    def _take(self) -> tuple[list[tuple[AuditRecord, Future[None] | None]], bool]:
+    def _take(self) -> tuple[list[tuple[AuditRecord, Future[int] | None]], bool]:
         """What is queued (waiting at most until an fsync, checkpoint or retry is due)."""
         wait = RETRY_S if self.error is not None else self._next_due()
-        batch: list[tuple[AuditRecord, Future[None] | None]] = []
+        batch: list[tuple[AuditRecord, Future[int] | None]] = []
         try:
             item = self._queue.get(timeout=max(wait, 0.001))
         except queue.Empty:
@@ -235,20 +235,20 @@ class AuditLog:
             due.append(self._opened_at + s.rotate_interval_s - now)
         return min(due)
 
-    def _write_batch(self, batch: list[tuple[AuditRecord, Future[None] | None]]) -> None:
+    def _write_batch(self, batch: list[tuple[AuditRecord, Future[int] | None]]) -> None:
         if not batch:
             return
         records = [record for record, _ in batch]
         if self.settings.fsync == "record":
             # With a key, a signed checkpoint ends every group commit, in the same write: no
             # record a client is told about lies outside a signature, even after a kill -9.
-            self._append_many(records, signed=self.settings.signing_key is not None)
+            first = self._append_many(records, signed=self.settings.signing_key is not None)
             self._sync()
         else:
-            self._append_many(records)
-        for _, future in batch:
+            first = self._append_many(records)
+        for seq, (_, future) in enumerate(batch, first):
             if future is not None:
-                future.set_result(None)
+                future.set_result(seq)
 
     def _maintain(self) -> None:
         """Interval fsyncs, checkpoints and rotation, when due."""
@@ -318,11 +318,12 @@ class AuditLog:
     def _append(self, record: AuditRecord) -> None:
         self._append_many([record])
 
-    def _append_many(self, records: list[AuditRecord], *, signed: bool = False) -> None:
+    def _append_many(self, records: list[AuditRecord], *, signed: bool = False) -> int:
         """Chain and write ``records`` in one write; ``signed``: then a checkpoint signing the
-        head they make."""
+        head they make. The first one's seq."""
         lines = []
         seq, prev = self._seq, self._prev
+        first = seq
         tree = None if self._tree is None else self._tree.copy()
         for record in records:
             fields = as_dict(record)
@@ -354,6 +355,7 @@ class AuditLog:
             self._end = os.fstat(self._fd).st_size
         self._since_checkpoint = 0 if signed else self._since_checkpoint + len(records)
         self._dirty = True
+        return first
 
     @contextlib.contextmanager
     def _turn(self) -> Iterator[None]:

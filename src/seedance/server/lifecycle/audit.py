@@ -46,23 +46,25 @@ class AuditGate:
                 "until it can"
             )
 
-    def submit(self, record: RecordOf) -> Future[None] | None:
+    def submit(self, record: RecordOf) -> Future[int] | None:
         """Queue the record ``record()`` builds; a future that completes once it is on disk
-        (``--audit-fsync record``), else None."""
+        (``--audit-fsync record``) with its seq, else None."""
         if self.log is None:
             return None
         return self.log.submit(record())
 
-    async def wait(self, future: Future[None] | None, what: str) -> None:
-        """Wait until a submitted record is on disk; ``overloaded`` when it could not be
-        written and the log is required (``what`` names what was not audited)."""
+    async def wait(self, future: Future[int] | None, what: str) -> int | None:
+        """Wait until a submitted record is on disk: its seq (None: not waited for, or not
+        written); ``overloaded`` when it could not be written and the log is required
+        (``what`` names what was not audited)."""
         if future is None:
-            return
+            return None
         try:
-            await asyncio.wrap_future(future)
+            return await asyncio.wrap_future(future)
         except OSError as exc:
             if self.required:
                 raise Overloaded(f"{what} could not be audited: {exc}") from exc
+            return None
 
     async def write(self, record: RecordOf, what: str) -> None:
         """Write a record and wait until it is on disk (see :meth:`wait`)."""

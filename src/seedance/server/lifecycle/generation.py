@@ -223,7 +223,7 @@ class Generation:
         services = self.services
         session = requester.session
         model = requester.model
-        audited: Future[None] | None = None
+        audited: Future[int] | None = None
         self._running = True
         bind_request(self.request_id, self.trace_id)
         if services.config.log_prompts:
@@ -307,7 +307,9 @@ class Generation:
                 self._log(outcome)
                 audited = services.audit.submit(lambda: self._audit_record(outcome))
             try:  # the reply ends once its record is on disk
-                await services.audit.wait(audited, f"request {self.request_id}")
+                seq = await services.audit.wait(audited, f"request {self.request_id}")
+                if isinstance(self.end, DoneFrame):
+                    self.end.audit_seq = seq
             except Overloaded as unaudited:
                 if self.error is None:  # a reply that cannot be audited is not confirmed
                     self.end = error_frame(unaudited, self.request_id)

@@ -111,7 +111,7 @@ class Refusals:
         trace = self.tracing.request(operation, parent, received, attributes, link)
         return Arrival(api, path, peer_of(scope), operation, received, trace, request_id)
 
-    def refuse(self, arrival: Arrival, error: SeedanceError) -> Future[None] | None:
+    def refuse(self, arrival: Arrival, error: SeedanceError) -> Future[int] | None:
         """``arrival`` was refused with ``error``: counted, traced, audited and logged, the
         same for every API; the record's future (see :meth:`AuditGate.submit`)."""
         model = arrival.model
