@@ -26,6 +26,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from websockets.exceptions import ConnectionClosed
 
 from seedance.client import Reconnect, connect
+from seedance.cluster.link import PING_INTERVAL_S, TIMEOUT_S
 from seedance.config import ConfigError
 from seedance.config_loader import load_access, load_config
 from seedance.engines.synthetic import SyntheticEngine
@@ -59,6 +60,22 @@ from tests.test_tensor_frames import PROMPT as TENSOR_PROMPT
 from tests.test_tensor_frames import begin_and_drop, check_pairs, detokenize, read_frames
 
 CHAT = {"model": "synthetic", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+#: How soon every process of a node sees Redis go or come back: its next ping, and that ping's
+#: timeout (each worker of ``--workers N`` pings for itself, so one may log it before another
+#: sees it).
+NOTICED_S = PING_INTERVAL_S + TIMEOUT_S
+
+
+async def chat_until(base_url: str, status: int, seconds: float = NOTICED_S) -> httpx.Response:
+    """The answer to a new chat request once it has ``status``, or the last answer after
+    ``seconds``."""
+    deadline = time.monotonic() + seconds
+    async with httpx.AsyncClient(base_url=base_url) as client:
+        while True:
+            answer = await client.post("/v1/chat/completions", json=CHAT)
+            if answer.status_code == status or time.monotonic() > deadline:
+                return answer
+            await asyncio.sleep(0.1)
 
 
 def auth(key: str) -> dict[str, str]:

@@ -24,7 +24,7 @@ from tests.support.redis import RedisPods, RedisServer, Sentinels
 from tests.support.servers import ServerProcess
 from tests.support.waits import wait_for
 from tests.support.ws import generate, open_session
-from tests.test_cluster import CHAT, taken_over_then_fenced
+from tests.test_cluster import CHAT, chat_until, taken_over_then_fenced
 from tests.test_resume import begin, read, read_whole, resume, undisturbed
 
 pytestmark = [pytest.mark.slow, pytest.mark.subprocess, pytest.mark.timeout(240)]
@@ -234,8 +234,8 @@ async def test_a_strict_node_writes_nothing_that_no_replica_holds(
             assert health.status_code == 503 and "--redis-wait-strict" in health.text
             replica.start()
             wait_for(lambda: Sentinels.replicas(primary) == 1, "the replica's link")
-            await node.logged("answers again")
-            served = await client.post("/v1/chat/completions", json=CHAT)
+            await node.logged("answers again")  # by one worker: the others within a ping
+            served = await chat_until(f"http://127.0.0.1:{node.port}", 200)
             assert served.status_code == 200, served.text
     finally:
         replica.stop(kill=True)

@@ -15,23 +15,20 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 from websockets.exceptions import ConnectionClosed
 
-from seedance.cluster.link import PING_INTERVAL_S, RIDE_THROUGH_S, TIMEOUT_S
+from seedance.cluster.link import RIDE_THROUGH_S
 from tests.support.netns import EDGE_ADDRESS, EDGE_ON_LINK, FAR_ADDRESS, FAR_ON_LINK, Regions
 from tests.support.redis import RedisServer, Sentinels
 from tests.support.servers import ServerProcess
 from tests.support.ws import recv_json
-from tests.test_cluster import CHAT
+from tests.test_cluster import chat_until
 from tests.test_resume import Reading, begin, read, read_whole, resume, undisturbed
 
 pytestmark = [pytest.mark.slow, pytest.mark.subprocess, pytest.mark.timeout(240)]
 
 LEASE_S = 1.0
-#: How soon every process of a node finds Redis gone: its next ping, and that ping's timeout.
-NOTICED_S = PING_INTERVAL_S + TIMEOUT_S
 
 
 def partitioned_cluster(
@@ -84,19 +81,6 @@ async def taken_over_then_healed(
     assert whole.text == expected and whole.end == reading.end
 
 
-async def refused_within(node: ServerProcess, seconds: float) -> httpx.Response:
-    """The node's answer to a new request once it refuses it, or its last answer after
-    ``seconds`` (each worker of ``--workers N`` finds out by its own ping that Redis is gone,
-    which may come after another worker gave its reply up)."""
-    deadline = time.monotonic() + seconds
-    async with httpx.AsyncClient(base_url=f"http://{EDGE_ADDRESS}:{node.port}") as client:
-        while True:
-            answer = await client.post("/v1/chat/completions", json=CHAT)
-            if answer.status_code == 503 or time.monotonic() > deadline:
-                return answer
-            await asyncio.sleep(0.1)
-
-
 def stop_store(redis: RedisServer | Sentinels) -> None:
     if isinstance(redis, Sentinels):
         redis.stop()
@@ -128,13 +112,12 @@ async def test_a_node_cut_off_from_redis_stops_and_its_reply_goes_on_elsewhere(
         assert closed.value.rcvd is not None and closed.value.rcvd.code == 1001
         assert gave_up_s < waits_s + 2, gave_up_s  # the wait, and a Redis timeout
         await node.logged("has not reached Redis for over")
-        refused = await refused_within(node, NOTICED_S)
+        refused = await chat_until(f"http://{EDGE_ADDRESS}:{node.port}", 503)
         assert refused.status_code == 503 and "does not answer" in refused.text
 
         healed = "answers again"
         await taken_over_then_healed(regions, node, other, reading, expected, tokens, healed)
-        async with httpx.AsyncClient(base_url=f"http://{EDGE_ADDRESS}:{node.port}") as client:
-            assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
+        assert (await chat_until(f"http://{EDGE_ADDRESS}:{node.port}", 200)).status_code == 200
     finally:
         for proc in (node, other):
             proc.stop()
