@@ -60,7 +60,7 @@ def transparency_routes(state: ServerState) -> list[Route]:
     async def checkpoint(request: Request) -> Response:
         path, public, cosigned = served()
         wanted = _count(request, "cosigned", 0)
-        notes = (await asyncio.to_thread(proofs.read, path)).notes
+        notes = await asyncio.to_thread(proofs.signed_notes, path)
         if not notes:
             raise Overloaded("the audit log has no signed checkpoint yet", retry_after_s=1)
         if wanted:
@@ -88,7 +88,7 @@ def transparency_routes(state: ServerState) -> list[Route]:
     async def add_cosignature(request: Request) -> Response:
         path, public, cosigned = served()
         body = (await request.body()).decode(errors="replace")
-        notes = (await asyncio.to_thread(proofs.read, path)).notes
+        notes = await asyncio.to_thread(proofs.signed_notes, path)
         try:
             names = cosigned.add(body, public, notes)
         except ValueError as exc:
@@ -106,8 +106,8 @@ def transparency_routes(state: ServerState) -> list[Route]:
         if found is None or not (admin or found[0].get("tenant") == principal.name):
             raise NotFound(f"no audit record of request {request_id} of yours")
         record, loaded = found
-        notes = (await asyncio.to_thread(proofs.read, path)).notes
-        text = await asyncio.to_thread(cosigned.latest, notes, public, len(witnesses))
+        log = await asyncio.to_thread(proofs.read, path, frozenset({record["seq"]}))
+        text = await asyncio.to_thread(cosigned.latest, log.notes, public, len(witnesses))
         if text is None:
             raise Overloaded(
                 f"no checkpoint carries the cosignatures of the {len(witnesses)} witnesses yet",
@@ -119,7 +119,7 @@ def transparency_routes(state: ServerState) -> list[Route]:
                 f"no cosigned checkpoint covers request {request_id}'s record yet",
                 retry_after_s=5,
             )
-        proof = await asyncio.to_thread(proofs.prove, path, record["seq"], size)
+        proof = await asyncio.to_thread(proofs.prove_in, log, record["seq"], size)
         proof["checkpoint"] = text  # with the witnesses' cosignatures
         body = {
             "request_id": request_id,

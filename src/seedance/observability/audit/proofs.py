@@ -70,9 +70,29 @@ def read(path: Path, wanted: frozenset[int] = frozenset()) -> LogTree:
             leaves.append(merkle.leaf_hash(entry(record)))
             if seq in wanted:
                 records[seq] = record
-            if record.get("kind") in CHECKPOINTS and isinstance(record.get("note"), str):
-                notes[seq] = record["note"]
+            if (text := _note(record)) is not None:
+                notes[seq] = text
     return LogTree(merkle.Tree(leaves, base), notes, records)
+
+
+def signed_notes(path: Path) -> dict[int, str]:
+    """The log's signed checkpoints by tree size, without building its tree (only the
+    checkpoint lines are parsed)."""
+    notes: dict[int, str] = {}
+    for file in log_files(path):
+        for line in file.read_bytes().splitlines():
+            if b'"note":' not in line:
+                continue
+            record = msgspec.json.decode(line)
+            if (text := _note(record)) is not None:
+                notes[record["seq"]] = text
+    return notes
+
+
+def _note(record: dict[str, Any]) -> str | None:
+    """A checkpoint record's signed note (None: another record, or no key signed it)."""
+    text = record.get("note")
+    return text if record.get("kind") in CHECKPOINTS and isinstance(text, str) else None
 
 
 def _checkpoint(log: LogTree, size: int | None, after: int) -> tuple[int, str]:
@@ -95,7 +115,11 @@ def _checkpoint(log: LogTree, size: int | None, after: int) -> tuple[int, str]:
 def prove(path: Path, seq: int, size: int | None = None) -> dict[str, Any]:
     """An inclusion proof of record ``seq`` under the checkpoint of ``size`` records (the
     latest by default)."""
-    log = read(path, frozenset({seq}))
+    return prove_in(read(path, frozenset({seq})), seq, size)
+
+
+def prove_in(log: LogTree, seq: int, size: int | None = None) -> dict[str, Any]:
+    """:func:`prove` in a log already :func:`read` (keeping record ``seq``)."""
     if seq not in log.records:
         raise ProofError(f"no record {seq} in the files given (from {log.tree.base.size} on)")
     n, text = _checkpoint(log, size, seq)

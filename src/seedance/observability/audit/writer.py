@@ -77,7 +77,6 @@ class AuditSettings:
     rotate_interval_s: float | None = None
     required: bool = True
     shared: bool = False  # several processes write the file (each write locks .NAME.lock)
-    origin: str | None = None  # the checkpoints' origin (default: named by the signing key)
 
 
 class DamagedLog(ValueError):
@@ -138,8 +137,6 @@ class AuditLog:
         #: The Merkle tree of every record so far (None: a log begun before trees, whose
         #: current file does not say where its tree stands).
         self._tree: Frontier | None = Frontier()
-        key = settings.signing_key
-        self._origin = settings.origin or (note.origin_of(key.public_key()) if key else "")
 
     # ------------------------------------------------------------------ event loop side
 
@@ -310,7 +307,8 @@ class AuditLog:
             root = tree.root()
             record.root = root.hex()
             if key is not None:
-                record.note = note.sign(note.Checkpoint(self._origin, seq, root), key)
+                origin = note.origin_of(key.public_key())
+                record.note = note.sign(note.Checkpoint(origin, seq, root), key)
         self._since_checkpoint = 0
         self._checkpoint_at = self.clock()
         return record
