@@ -671,7 +671,10 @@ async def test_the_watcher_refuses_a_bad_version_once_and_a_reload_does_not_wait
         assert not long.done  # still streaming, on the old version
         done = await long.collect()
     assert done.model_version == "1.0.0" and done.usage.completion_tokens == 400
-    _extra(make_version(root, keys["ci"], "1.2.0"), keys)
+    # Published as a careful publisher does: signed elsewhere, then moved in at once.
+    staging = tmp_path / "staging"
+    _extra(make_version(staging, keys["ci"], "1.2.0"), keys)
+    (staging / "tiny" / "1.2.0").rename(root / "tiny" / "1.2.0")
     await asyncio.sleep(1.0)  # some twenty ticks of the watcher
     server.stop()
     records = [json.loads(line) for line in audit_file.read_text().splitlines()]
@@ -679,6 +682,56 @@ async def test_the_watcher_refuses_a_bad_version_once_and_a_reload_does_not_wait
     assert len(refused) == 1 and refused[0]["reason"] == "extra_file"
     retired = [r["version"] for r in records if r["kind"] == "model" and r["action"] == "retired"]
     assert retired[0] == "1.0.0"
+
+
+@one_process_only("--model-registry is refused with workers")
+async def test_a_version_copied_in_file_by_file_is_waited_for_then_checked_as_its_files_come(
+    tmp_path: Path, keys: dict[str, Path], make_server: Callable[..., RunningServer]
+) -> None:
+    """``cp -r`` writes a version's files in any order: until its signature is there the version
+    is waited for, and one refused for a file not there yet is checked again when it comes."""
+    root = tmp_path / "registry"
+    make_version(root, keys["ci"], "1.0.0")
+    signed = make_version(tmp_path / "staging", keys["ci"], "1.1.0")
+    config, admin = admin_config(tmp_path)
+    audit_file = tmp_path / "audit.jsonl"
+    server = registry_server(
+        make_server,
+        root,
+        keys,
+        model="tiny",
+        model_watch_s=0,
+        config_file=str(config),
+        access=load_access(config),
+        audit_file=str(audit_file),
+    )
+    copy = root / "tiny" / "1.1.0"
+    (copy / "sub").mkdir(parents=True)
+
+    def copy_in(*names: str) -> None:
+        for name in names:
+            (copy / name).write_bytes((signed / name).read_bytes())
+
+    headers = {"Authorization": f"Bearer {admin}"}
+    async with httpx.AsyncClient(base_url=server.http_url, headers=headers) as http:
+
+        async def reload() -> dict[str, object]:
+            return (await http.post("/admin/models/reload")).json()["reloads"][0]  # type: ignore[no-any-return]
+
+        copy_in("weights.bin")
+        waiting = await reload()
+        assert waiting["outcome"] == "waiting" and waiting["reason"] == "unsigned"
+        assert waiting["version"] == "1.0.0" and SIGNATURE in str(waiting["message"])
+        copy_in(MANIFEST, SIGNATURE)
+        refused = await reload()
+        assert refused["outcome"] == "refused" and refused["reason"] == "missing_file"
+        copy_in("sub/config.json")
+        loaded = await reload()
+        assert loaded["outcome"] == "loaded" and loaded["version"] == "1.1.0"
+    server.stop()
+    records = [json.loads(line) for line in audit_file.read_text().splitlines()]
+    events = [(r["action"], r["version"], r.get("reason")) for r in records if r["kind"] == "model"]
+    assert events[1:3] == [("refused", "1.1.0", "missing_file"), ("loaded", "1.1.0", None)]
 
 
 # --------------------------------------------------------------------------- signed limits

@@ -10,6 +10,11 @@ requests in flight finish on the old one, which is closed once the last has ende
 at a time, so never more than two versions in memory. A refused or failed reload leaves the
 running version serving; every outcome is logged and written to the audit log.
 
+Signing writes a version's signature last, so a version without one (``manifest.sig`` or
+``model.sig``) is still being written: a reload waits for it (``waiting``), and refuses nothing.
+A refused version is not checked again until a file of it changes (a version copied in file
+by file is checked again as its files arrive, whatever their order).
+
 Sessions that move to the new version are prefilled again from their text: each version has
 its engine, so no session is given another model's KV cache.
 
@@ -30,6 +35,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -58,8 +64,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-Outcome = Literal["loaded", "unchanged", "refused", "failed"]
+Outcome = Literal["loaded", "unchanged", "waiting", "refused", "failed"]
 RETIRE_POLL_S = 0.05
+#: A version's files: each entry's path, size and modification time.
+Fingerprint = tuple[tuple[str, int, int], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,8 +111,10 @@ class ModelManager:
         self._lock = asyncio.Lock()
         self._watcher: asyncio.Task[None] | None = None
         self._retiring: asyncio.Task[None] | None = None
-        #: Versions refused, by (name, version): their signature file's mtime, and the answer.
-        self._refused: dict[tuple[str, str], tuple[int, Reload]] = {}
+        #: Versions refused, by (name, version): their files when refused, and the answer.
+        self._refused: dict[tuple[str, str], tuple[Fingerprint, Reload]] = {}
+        #: Versions seen without a signature yet (logged once).
+        self._unsigned: set[tuple[str, str]] = set()
         #: What it serves into, what it audits to, and whether a version still has requests
         #: (set by :meth:`start`).
         self.table: ModelTable | None = None
@@ -240,19 +250,18 @@ class ModelManager:
         self, name: str, version: str, current: str, served: str | None, role: str = "stable"
     ) -> ServedModel | Reload:
         """Verify, load and warm ``version``; a :class:`Reload` saying why when it is not.
-        A version refused before is not checked again (nor logged, nor audited) until its
-        signature file changes."""
+        A version without a signature yet is waited for; one refused before is not checked
+        again (nor logged, nor audited) until a file of it changes."""
         path = self.registry.path(name, version)
-        try:
-            signed = max(
-                (path / name).stat().st_mtime_ns
-                for name in (SIGNATURE, BUNDLE)
-                if (path / name).exists()
-            )
-        except (OSError, ValueError):  # neither there
-            signed = 0
+        if not any((path / signature).exists() for signature in (SIGNATURE, BUNDLE)):
+            message = f"{version} has no {SIGNATURE} or {BUNDLE} yet"
+            if (name, version) not in self._unsigned:
+                self._unsigned.add((name, version))
+                logger.info("model %s %s: waiting for its signature", name, version)
+            return Reload(name, "waiting", current, "unsigned", message, role)
+        files = await asyncio.to_thread(fingerprint, path)
         known = self._refused.get((name, version))
-        if known is not None and known[0] == signed:
+        if known is not None and known[0] == files:
             return dataclasses.replace(known[1], version=current)
         await self._settled()  # the previous old version is gone first: two at most
         check = functools.partial(
@@ -262,7 +271,7 @@ class ModelManager:
             verified = await asyncio.to_thread(check)
         except ModelRefused as exc:
             refused = Reload(name, "refused", current, exc.reason, exc.message, role)
-            self._refused[(name, version)] = (signed, refused)
+            self._refused[(name, version)] = (files, refused)
             logger.warning(
                 "model %s %s refused (%s): %s; %s goes on serving",
                 name,
@@ -373,3 +382,17 @@ async def warm(engine: Engine) -> None:
             pass
     finally:
         await stream.aclose()
+
+
+def fingerprint(path: Path) -> Fingerprint:
+    """Every entry under ``path`` (symlinks not followed) with its size and mtime."""
+    entries = []
+    for folder, directories, files in os.walk(path):
+        for entry in directories + files:
+            full = os.path.join(folder, entry)
+            try:
+                stat = os.lstat(full)
+            except OSError:  # gone since it was listed
+                continue
+            entries.append((os.path.relpath(full, path), stat.st_size, stat.st_mtime_ns))
+    return tuple(sorted(entries))
