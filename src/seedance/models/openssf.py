@@ -65,11 +65,13 @@ def sign(directory: Path, key: Path, ignored: tuple[str, ...] = ()) -> Path:
     key at ``key``, as ``model_signing sign key`` does; the bundle's path."""
     model_signing = _package()
     bundle = directory / BUNDLE
+    partial = bundle.with_name(f".{BUNDLE}.partial")  # renamed once whole: never read half
     hashing = model_signing.hashing.Config().set_ignored_paths(
-        paths=[BUNDLE, *ignored], ignore_git_paths=True
+        paths=[BUNDLE, partial.name, *ignored], ignore_git_paths=True
     )
     signer = model_signing.signing.Config().use_elliptic_key_signer(private_key=key)
-    signer.set_hashing_config(hashing).sign(directory, bundle)
+    signer.set_hashing_config(hashing).sign(directory, partial)
+    partial.replace(bundle)
     return bundle
 
 

@@ -207,7 +207,9 @@ def sign_version(
     else:
         private = load_private(key)
         manifest.write_bytes(payload)
-        (directory / SIGNATURE).write_bytes(sign(payload, private))
+        partial = directory / f".{SIGNATURE}.partial"  # renamed once whole: never read half
+        partial.write_bytes(sign(payload, private))
+        partial.replace(directory / SIGNATURE)
         (directory / openssf.BUNDLE).unlink(missing_ok=True)
     return manifest
 
