@@ -416,7 +416,8 @@ async def test_the_worker_renders_hostile_output_as_text(
     assert (
         found["comments"] == "// a comment </code></pre><script>window.__pwned = 'escape'</script>"
     )
-    assert found["strongs"][0].startswith("bold ")
+    # A bold run may be cut into several <strong> where a push of the stream ended.
+    assert "".join(found["strongs"]) == "bold code <b> and an unclosed "
     assert found["finish"] == "stop"
 
 
