@@ -43,7 +43,7 @@ def ask(
     """A request as every API makes one: prepare (model, limits), then admit."""
     arrival = arrival_of(services, caller, request_id)
     message = Generate(**{"prompt": "hello there", "max_tokens": 8, **fields})
-    model, message = prepare(services.models, arrival, None, None, message)
+    model, message = prepare(services, arrival, None, None, message)
     requester = Requester(caller, model, "websocket", session=session)
     prompt = None if session is not None else explicit_prompt(
         model, message.turns(), raw=False, unset=frozenset()

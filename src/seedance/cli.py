@@ -39,6 +39,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from seedance.models.cli import run as run_models
 
         return run_models(args)
+    if args.command == "policy":
+        from seedance.tenants.cli import run as run_policy
+
+        return run_policy(args)
     if args.command == "keys":
         return _keys(args)
     if args.command == "audit":
@@ -229,6 +233,9 @@ def _parser() -> argparse.ArgumentParser:
     from seedance.models.cli import add_parser as add_models_parser
 
     add_models_parser(commands)
+    from seedance.tenants.cli import add_parser as add_policy_parser
+
+    add_policy_parser(commands)
 
     keys = commands.add_parser(
         "keys",

@@ -411,6 +411,29 @@ class AuditConfig:
 
 
 @dataclass(frozen=True)
+class PolicyConfig:
+    """Access policies in Cedar: seedance.tenants.cedar."""
+
+    file: str | None = setting(
+        None,
+        "--policy",
+        str,
+        "decide who may do what with the Cedar policies in this file (docs/policy.md), "
+        "validated against Seedance's schema and reloaded when it changes; [policy] path in "
+        "TOML (default: the tenants table's rules)",
+        name="policy",
+        table_key="path",
+    )
+    timezone: str = setting(
+        "UTC",
+        "--policy-timezone",
+        str,
+        "the time zone of the hour, minute and weekday policies are given (an IANA name)",
+        name="policy_timezone",
+    )
+
+
+@dataclass(frozen=True)
 class ClusterConfig:
     """The cluster mode (--redis): seedance.cluster."""
 
@@ -579,6 +602,7 @@ SECTIONS = {
     "modules": ModulesConfig,
     "embeddings": EmbeddingsConfig,
     "audit": AuditConfig,
+    "policy": PolicyConfig,
     "cluster": ClusterConfig,
     "tls": TlsConfig,
     "e2e": E2eConfig,
@@ -806,6 +830,7 @@ class ServerConfig:
     modules: ModulesConfig = field(default_factory=ModulesConfig)
     embeddings: EmbeddingsConfig = field(default_factory=EmbeddingsConfig)
     audit: AuditConfig = field(default_factory=AuditConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)
     e2e: E2eConfig = field(default_factory=E2eConfig)

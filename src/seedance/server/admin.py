@@ -37,7 +37,7 @@ from starlette.routing import Route
 
 from seedance.config import ConfigError
 from seedance.observability.audit import kinds as audit
-from seedance.protocol.errors import Conflict, Forbidden, InternalError, NotFound
+from seedance.protocol.errors import Conflict, InternalError, NotFound
 from seedance.protocol.messages import SessionId, TenantId
 from seedance.server.connection import Connection
 from seedance.server.http_call import authenticate_call
@@ -56,7 +56,7 @@ def admin_routes(state: ServerState) -> list[Route]:
 
     async def reload_models(request: Request) -> Response:
         """Serve the registry's promoted version now (see seedance.models.serving)."""
-        _admin(state, request)
+        _admin(state, request, "reload_models")
         manager = state.model_manager
         if manager is None:
             raise NotFound("this server serves no model registry (--model-registry)")
@@ -65,7 +65,7 @@ def admin_routes(state: ServerState) -> list[Route]:
     async def reload_modules(request: Request) -> Response:
         """Serve the module registry's promoted versions now, in every process
         (seedance.server.modules); what each did, once."""
-        _admin(state, request)
+        _admin(state, request, "reload_modules")
         answers = await _everywhere(state, "reload_modules")
         if all(answer["reloads"] is None for answer in answers):
             raise NotFound("this server runs no module registry (--module-registry)")
@@ -73,7 +73,7 @@ def admin_routes(state: ServerState) -> list[Route]:
         return _json({"reloads": list({msgspec.json.encode(e): e for e in reloads}.values())})
 
     async def tenants(request: Request) -> Response:
-        _admin(state, request)
+        _admin(state, request, "read_tenants")
         listed = list(state.access.authenticator.access.tenants.values())
         names = [TenantId(tenant.name) for tenant in listed]
         usage = _added_up(answer["usage"] for answer in await _everywhere(state, "usage"))
@@ -99,7 +99,7 @@ def admin_routes(state: ServerState) -> list[Route]:
         return _json({"tenants": body})
 
     async def revoke(request: Request) -> Response:
-        principal = _admin(state, request)
+        principal = _admin(state, request, "revoke_key")
         key_id = request.path_params["key_id"]
         state.audit.check()
         try:
@@ -121,7 +121,7 @@ def admin_routes(state: ServerState) -> list[Route]:
         return _json({"revoked": key_id, "tenant": tenant})
 
     async def end_session(request: Request) -> Response:
-        principal = _admin(state, request)
+        principal = _admin(state, request, "end_session")
         state.audit.check()
         tenant = request.path_params["tenant"]
         session_id = request.path_params["session_id"]
@@ -143,7 +143,7 @@ def admin_routes(state: ServerState) -> list[Route]:
         return _json({"ended": session_id, "tenant": tenant, "connections": closed})
 
     async def runtime(request: Request) -> Response:
-        _admin(state, request)
+        _admin(state, request, "read_runtime")
         processes = await _everywhere(state, "runtime")
         processes.sort(key=lambda p: (p["node"] or "", p["worker"] or 0, p["pid"]))
         total = _added_up([{k: v for k, v in p.items() if k not in _WHO} for p in processes])
@@ -275,12 +275,11 @@ def _admin_record(
     )
 
 
-def _admin(state: ServerState, request: Request) -> Principal:
+def _admin(state: ServerState, request: Request, verb: str) -> Principal:
+    """The caller of an administrative endpoint, who must be allowed to do ``verb`` (an admin
+    key, or what the policies say: seedance.tenants.cedar.ADMIN_ACTIONS)."""
     principal = authenticate_call(state.services, request.scope, "admin")
-    if state.access.open:
-        raise Forbidden("this server has no tenants, so no administrators: configure an admin key")
-    if principal.role != "admin":
-        raise Forbidden(f"credential {principal.credential} is not an admin's")
+    state.access.check_admin(principal, verb)
     return principal
 
 

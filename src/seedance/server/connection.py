@@ -195,7 +195,9 @@ class Connection:
         self.trace_parent = trace_parent
         self.trace = services.tracing.connection(trace_parent, self._span_attributes)
         #: Who asks, for every generation this connection starts.
-        self.requester = Requester(principal, model, "websocket", session, self.id, self.trace, qos)
+        self.requester = Requester(
+            principal, model, "websocket", session, self.id, self.trace, qos, channel is not None
+        )
         self.out = Outbound(
             ws,
             max_pending_bytes=config.max_pending_bytes,
@@ -598,7 +600,7 @@ class Connection:
                 message = structs.replace(message, prompt_ids=rows[0], prompt_tensor=None)
             # The version served now (a reload may have swapped one in since the last).
             served, message = prepare(
-                services.models, arrival, self.model.name, self.session.session_id, message
+                services, arrival, self.model.name, self.session.session_id, message
             )
             if served is not self.model:
                 self.model = served

@@ -73,7 +73,7 @@ class InferEndpoint:
                     f"the server holds {config.max_connections} connections; retry later"
                 )
             check_labels(principal, config.labels)
-            model = choose_model(services.models, principal, _param(params, "model"))
+            model = choose_model(services, principal, _param(params, "model"))
             qos = qos_from_headers(scope.get("headers", ()))
             client_key = _e2e_param(services, params)
             raw_id = _param(params, "session_id")

@@ -128,7 +128,7 @@ def find(services: Services, principal: Principal, name: str, version: str | Non
     """The served model ``name``, else the caller's pipeline module of that name; held to
     ``version`` (from the path) when one is given."""
     try:
-        found: Target = choose_model(services.models, principal, name, task=None)
+        found: Target = choose_model(services, principal, name, task=None)
     except ModelNotFound:
         modules = services.modules
         if modules is None or name not in modules.modules:

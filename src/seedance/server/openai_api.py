@@ -92,7 +92,7 @@ class OpenAIEndpoint:
         request = self._decode(body, limits.capped(principal.tenant.quotas.max_tokens))
         call.arrival.attributes = dict(request_attributes(request.generate))
         model, message = prepare(
-            services.models,
+            services,
             call.arrival,
             request.model,
             call.request_id,

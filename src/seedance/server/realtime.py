@@ -97,7 +97,7 @@ class RealtimeEndpoint:
         model: ServedModel | None = None
         try:
             principal = services.access.authenticate(scope)
-            model = choose_model(services.models, principal, ws.query_params.get("model"))
+            model = choose_model(services, principal, ws.query_params.get("model"))
             quotas = principal.tenant.quotas
             counted = await count_connection(services, principal.name, quotas)
             session, _ = await services.sessions.attach(
@@ -317,7 +317,7 @@ class Realtime:
         unset = frozenset() if params.temperature is not None else frozenset({"temperature"})
         # The version served now (a reload may have swapped one in since the last response).
         self.model, message = prepare(
-            self.services.models,
+            self.services,
             arrival,
             self.model.name,
             self.session.session_id,

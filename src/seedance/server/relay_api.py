@@ -168,7 +168,7 @@ class RelayEndpoint:
         message = decode_client_text(_encode(frame), limits)
         if not isinstance(message, Generate) or not message.messages:
             raise InvalidRequest("a relayed generate frame carries its whole context: messages")
-        model, message = prepare(services.models, call.arrival, body.model, None, message)
+        model, message = prepare(services, call.arrival, body.model, None, message)
         prompt = explicit_prompt(model, message.messages or (), raw=False, unset=frozenset())
         requester = Requester(call.principal, model, "http")
         call.generation = generation = admit(

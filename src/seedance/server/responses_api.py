@@ -351,7 +351,7 @@ class ResponseCall:
         # A canary's share: by the conversation it continues, else by the response.
         sticky = request.previous_response_id or self.response_id
         model, message = prepare(
-            services.models,
+            services,
             self.arrival,
             request.model,
             sticky,

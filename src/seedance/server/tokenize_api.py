@@ -76,7 +76,7 @@ class TokenizeEndpoint:
 
     def _tokenizer(self, call: HttpCall, name: str | None) -> tuple[ServedModel, Tokenizer]:
         services = self.services
-        model = call.arrival.model = choose_model(services.models, call.principal, name, task=None)
+        model = call.arrival.model = choose_model(services, call.principal, name, task=None)
         tokenizer = model.engine.tokenizer()
         if tokenizer is None:
             raise InvalidRequest(

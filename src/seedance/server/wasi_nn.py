@@ -56,7 +56,7 @@ class EngineBackend:
         try:
             if allowed is not None and name not in allowed:
                 raise ModelNotFound(name)
-            model = choose_model(self.services.models, self.principal, name, task=None)
+            model = choose_model(self.services, self.principal, name, task=None)
         except SeedanceError:
             raise NNError(Errno.MODEL_NOT_FOUND, f"no model {name!r} for this module") from None
         return _Graph(self, model, config or {})

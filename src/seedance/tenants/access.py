@@ -1,11 +1,11 @@
-"""The server's door: origins, credentials, and the tenant tables, reloaded as the file changes."""
+"""The server's door: origins, credentials, the tenant tables and the access policies (the
+tenants table's rules, or Cedar's with ``--policy``), reloaded as their files change."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-import os
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Final
@@ -13,6 +13,7 @@ from typing import Any, Final
 from seedance.config import ConfigError, ServerConfig
 from seedance.config_loader import load_access
 from seedance.protocol.errors import Forbidden
+from seedance.tenants import cedar, policy
 from seedance.tenants.auth import (
     OPEN_PRINCIPAL,
     Authenticator,
@@ -21,6 +22,7 @@ from seedance.tenants.auth import (
     client_address,
     credential_of,
 )
+from seedance.tenants.cedar import Ask, PolicyFile, file_stamp
 from seedance.tenants.config import AccessConfig, Tenant
 from seedance.tenants.keys import revoke_key
 
@@ -46,8 +48,16 @@ class Access:
         self.on_subjects_dropped: Callable[[set[str]], None] | None = None
         #: Keys revoked on other nodes of the cluster: refused here too, after every reload.
         self._revoked_elsewhere: set[str] = set()
-        self._stamp = self._file_stamp()
+        self._stamp = None if self.config_file is None else file_stamp(self.config_file)
         self._watcher: asyncio.Task[None] | None = None
+        #: The Cedar policies (``--policy``); None: the tenants table's rules decide.
+        self.policies: PolicyFile | None = None
+        if config.policy.file is not None:
+            try:
+                self.policies = PolicyFile(Path(config.policy.file), config.policy.timezone)
+            except cedar.PolicyError as exc:
+                raise ConfigError(f"--policy: {exc}") from None
+        self.region = dict(config.labels).get("region", "")
 
     @property
     def open(self) -> bool:
@@ -67,6 +77,58 @@ class Access:
         subjects = sum(len(t.tls_subjects) for t in access.tenants.values())
         certs = f", {subjects} client certificate subject(s)" if subjects else ""
         return f"{len(access.tenants)} tenant(s), {keys} API key(s){tokens}{certs}"
+
+    def describe_policies(self) -> str:
+        return "the tenants table's rules" if self.policies is None else self.policies.describe()
+
+    # ------------------------------------------------------------------ decisions
+
+    def check_model(
+        self, principal: Principal, model: str, version: str, served: Iterable[str], action: str
+    ) -> None:
+        """May ``principal`` ``action`` (generate, embed, use) ``model``? Forbidden if not. With
+        policies a generation is decided once, at its admission (:meth:`check_generation`),
+        where its priority is known."""
+        if self.policies is None:
+            policy.check_model(principal, model, served)
+        elif action != "generate":
+            self.policies.check(Ask(principal, action, model, version, tuple(served)))
+
+    def check_generation(
+        self,
+        principal: Principal,
+        model: str,
+        version: str,
+        served: Iterable[str],
+        *,
+        priority: int,
+        qos: str,
+        tools: bool,
+        e2e: bool,
+        peer: str,
+    ) -> tuple[str, ...] | None:
+        """May ``principal`` generate with ``model`` at ``priority``? Forbidden if not; the
+        policies that allowed it (None without policies)."""
+        if self.policies is None:
+            policy.check_priority(principal, priority)
+            return None
+        ask = Ask(
+            principal, "generate", model, version, tuple(served), priority=priority, qos=qos,
+            region=self.region, e2e=e2e, tools=tools, client=peer.rpartition(":")[0] or None,
+        )  # fmt: skip
+        return self.policies.check(ask).policies
+
+    def check_admin(self, principal: Principal, verb: str) -> None:
+        """May ``principal`` do the administrative ``verb``? Forbidden if not."""
+        if self.open:
+            raise Forbidden(
+                "this server has no tenants, so no administrators: configure an admin key"
+            )
+        if self.policies is None:
+            if principal.role != "admin":
+                raise Forbidden(f"credential {principal.credential} is not an admin's")
+            return
+        self.policies.check(Ask(principal, verb, region=self.region))
 
     def check_origin(self, headers: Iterable[tuple[bytes, bytes]]) -> None:
         """Refuse a browser handshake from an origin not on the allow-list (when there is one);
@@ -104,7 +166,8 @@ class Access:
     # ------------------------------------------------------------------ reloads
 
     async def start(self) -> None:
-        if self.config_file is not None and self._watcher is None:
+        watched = self.config_file is not None or self.policies is not None
+        if watched and self._watcher is None:
             self._watcher = asyncio.create_task(self._watch(), name="access-reload")
 
     async def close(self) -> None:
@@ -114,22 +177,16 @@ class Access:
                 await self._watcher
             self._watcher = None
 
-    def _file_stamp(self) -> tuple[int, int] | None:
-        if self.config_file is None:
-            return None
-        try:
-            stat = os.stat(self.config_file)
-        except OSError:
-            return None
-        return stat.st_mtime_ns, stat.st_size
-
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(RELOAD_INTERVAL_S)
-            stamp = self._file_stamp()
-            if stamp != self._stamp and stamp is not None:
-                self._stamp = stamp
-                self.reload()
+            if self.config_file is not None:
+                stamp = file_stamp(self.config_file)
+                if stamp != self._stamp and stamp is not None:
+                    self._stamp = stamp
+                    self.reload()
+            if self.policies is not None and self.policies.changed():
+                self.policies.reload()
 
     def revoke(self, key_id: str) -> str:
         """Revoke a key now: in the config file when there is one (so that it stays revoked),
@@ -140,7 +197,7 @@ class Access:
             raise KeyError(key_id)
         if self.config_file is not None:
             revoke_key(self.config_file, key_id)
-            self._stamp = self._file_stamp()
+            self._stamp = file_stamp(self.config_file)
             self.reload()
         else:
             before = self.authenticator.key_ids()

@@ -57,6 +57,10 @@ class Principal:
     tenant: Tenant
     credential: str  # a key id, jwt:<sub>, cert:<sha256 prefix> ("-" in open mode)
     role: Role
+    #: A client certificate's subject, or a token's ``sub`` ("" for a key).
+    subject: str = ""
+    #: A token's claims whose values are strings, for access policies (docs/policy.md).
+    claims: tuple[tuple[str, str], ...] = ()
 
     @property
     def name(self) -> str:
@@ -146,7 +150,7 @@ class Authenticator:
                 "(tls_subjects): a credential is required: Authorization: Bearer <key>, the "
                 "api_key query parameter, or a bearer.<key> subprotocol"
             )
-        return Principal(tenant, certificate.credential, "user")
+        return Principal(tenant, certificate.credential, "user", subject=certificate.subject)
 
     def _verify(self, credential: str | None) -> Principal:
         if not credential:
@@ -213,7 +217,10 @@ class _JwtVerifier:
                 "(auth.jwt.admin_tenants)"
             )
         subject = claims.get("jti") or claims.get("sub") or "-"
-        return Principal(tenant, f"jwt:{subject}", role)
+        strings = tuple(sorted((k, v) for k, v in claims.items() if isinstance(v, str)))
+        return Principal(
+            tenant, f"jwt:{subject}", role, subject=str(claims.get("sub", "")), claims=strings
+        )
 
 
 class FailureLimiter:

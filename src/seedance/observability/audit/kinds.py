@@ -46,6 +46,8 @@ class Request(AuditRecord, kw_only=True):
     #: The tenant WebAssembly modules it ran through (``name@version``), and why one failed.
     modules: list[str] | UnsetType = UNSET
     module_error: str | UnsetType = UNSET
+    #: The Cedar policies that allowed it (``--policy``).
+    policies: list[str] | UnsetType = UNSET
     queue_ms: float | UnsetType | None = UNSET
     ttft_ms: float | UnsetType | None = UNSET
     total_ms: float | UnsetType | None = UNSET
@@ -83,6 +85,8 @@ class Refused(AuditRecord, kw_only=True):
     connection: str | UnsetType = UNSET
     session: str | UnsetType = UNSET
     trace_id: str | UnsetType = UNSET
+    #: The Cedar policies that denied it (``--policy``).
+    policies: list[str] | UnsetType = UNSET
 
 
 class Admin(AuditRecord, kw_only=True):

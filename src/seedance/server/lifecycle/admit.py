@@ -40,10 +40,9 @@ from seedance.server.lifecycle.request import (
 )
 from seedance.server.modules import modules_for
 from seedance.tenants.auth import Principal
-from seedance.tenants.policy import check_model, check_priority
 
 if TYPE_CHECKING:
-    from seedance.server.lifecycle.models import ModelTable, ServedModel
+    from seedance.server.lifecycle.models import ServedModel
     from seedance.server.lifecycle.refusals import Arrival
     from seedance.server.lifecycle.services import Services
 
@@ -64,18 +63,22 @@ __all__ = [
 
 
 def choose_model(
-    models: ModelTable,
+    services: Services,
     principal: Principal,
     name: str | None,
     sticky: str | None = None,
     *,
     task: str | None = "generate",
+    action: str | None = None,
 ) -> ServedModel:
     """The model ``name`` names (None: the default), the version of it ``sticky`` falls on (a
-    canary's share), which ``principal`` must be allowed to use, and which does ``task``
-    (``generate``; ``embed``; None: either)."""
+    canary's share), which ``principal`` must be allowed to ``action`` (the policies' name;
+    default: ``task``, else ``use``), and which does ``task`` (``generate``; ``embed``; None:
+    either)."""
+    models = services.models
     model = models.resolve(name, sticky)
-    check_model(principal, model.name, models)
+    action = action or task or "use"
+    services.access.check_model(principal, model.name, model.version, models, action)
     if task is not None and model.engine.task != task:
         raise InvalidRequest(
             f"model {model.name} is an embedding model: it writes no text (POST /v1/embeddings)"
@@ -86,7 +89,7 @@ def choose_model(
 
 
 def prepare(
-    models: ModelTable,
+    services: Services,
     arrival: Arrival,
     name: str | None,
     sticky: str | None,
@@ -101,7 +104,7 @@ def prepare(
     among them, moved inside them first; ``field`` and ``schema_field``: the API's names for
     ``max_tokens`` and ``schema``)."""
     assert arrival.principal is not None
-    model = arrival.model = choose_model(models, arrival.principal, name, sticky)
+    model = arrival.model = choose_model(services, arrival.principal, name, sticky)
     message = model.within_defaults(message, unset)
     return model, model.check(message, field=field, schema_field=schema_field)
 
@@ -136,7 +139,11 @@ def admit(
         # The class's priority, lowered to the tenant's highest (never refused for it).
         highest = requester.principal.tenant.max_priority
         message = structs.replace(message, priority=qos.priority_within(highest))
-    check_priority(requester.principal, message.priority)
+    arrival.policies = services.access.check_generation(
+        requester.principal, model.name, model.version, services.models,
+        priority=message.priority, qos=qos.service_class if qos is not None else "",
+        tools=message.tools is not None, e2e=requester.e2e, peer=arrival.peer,
+    )  # fmt: skip
     modules = modules_for(services.modules, requester.principal, message)
     session = requester.session
     if session is not None and session.active_request is not None:
@@ -202,7 +209,7 @@ def admit_raw(
         raise InvalidRequest(str(exc)) from None
     validate_generate(message, limits)
     served, message = prepare(
-        services.models, arrival, model.name, arrival.request_id, message, unset=defaults
+        services, arrival, model.name, arrival.request_id, message, unset=defaults
     )
     prompt = explicit_prompt(served, tuple(message.turns()), raw=True, unset=unset)
     requester = Requester(principal, served, "http")

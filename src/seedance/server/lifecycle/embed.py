@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
     from seedance.engines.embeddings import EmbeddingEngine
     from seedance.protocol.embeddings import EmbeddingsRequest, Input
-    from seedance.server.lifecycle.models import ModelTable, ServedModel
+    from seedance.server.lifecycle.models import ServedModel
     from seedance.server.lifecycle.refusals import Arrival
     from seedance.server.lifecycle.services import Services
     from seedance.tenants.auth import Principal
@@ -45,13 +45,14 @@ class Embedded:
     tokens: int  # every input's, special tokens included
 
 
-def embedding_model(models: ModelTable, principal: Principal, name: str | None) -> ServedModel:
+def embedding_model(services: Services, principal: Principal, name: str | None) -> ServedModel:
     """Step 1 (see the module)."""
+    models = services.models
     if name is None:
         name = next((n for n, m in models.items() if m.engine.task == "embed"), None)
         if name is None:
             raise InvalidRequest(NO_MODEL)
-    model = choose_model(models, principal, name, task=None)
+    model = choose_model(services, principal, name, task=None, action="embed")
     if model.engine.task != "embed":
         served = [n for n, m in models.items() if m.engine.task == "embed"]
         raise InvalidRequest(
@@ -81,7 +82,7 @@ async def embed(services: Services, arrival: Arrival, request: EmbeddingsRequest
     caller and gets the model."""
     principal = arrival.principal
     assert principal is not None
-    model = arrival.model = embedding_model(services.models, principal, request.model)
+    model = arrival.model = embedding_model(services, principal, request.model)
     engine = cast("EmbeddingEngine", model.engine)
     rows = token_rows(engine, request.inputs, request.dimensions)
     tokens = sum(len(row) for row in rows)

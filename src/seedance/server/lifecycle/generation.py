@@ -131,6 +131,7 @@ class Generation:
         self.prompt_tokens = prompt.tokens
         self.received = arrival.received
         self.operation = arrival.operation
+        self.policies = arrival.policies  # the access policies that allowed it
         self.qos = qos  # the quality of service it was admitted with (X-QoS-Priority)
         self.admitted_at: float | None = None
         self.completion_tokens = 0
@@ -545,6 +546,7 @@ class Generation:
             tool_calls=tool_calls,
             modules=UNSET if self.modules is None else self.modules.labels,
             module_error=error.reason if isinstance(error, ModuleError) and error.reason else UNSET,
+            policies=UNSET if self.policies is None else list(self.policies),
             outcome=outcome,
             queue_ms=timing.queue_ms,
             ttft_ms=timing.ttft_ms,

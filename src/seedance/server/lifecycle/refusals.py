@@ -27,6 +27,7 @@ from seedance.observability.audit import kinds as audit
 from seedance.observability.tracing import Attributes, ConnectionTrace, RequestTrace, Tracing
 from seedance.protocol.messages import ms
 from seedance.tenants.auth import Principal, peer_of
+from seedance.tenants.cedar import Denied
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context
@@ -67,6 +68,8 @@ class Arrival:
     session_id: str | None = None
     #: The request's sampling settings, for its span (set once its body is read).
     attributes: dict[str, Any] = field(default_factory=dict)
+    #: The access policies that allowed it (``--policy``; None: the tenants table's rules).
+    policies: tuple[str, ...] | None = None
 
     @property
     def tenant(self) -> str | None:
@@ -200,6 +203,7 @@ def refusal_record(arrival: Arrival, error: SeedanceError) -> audit.Refused:
         connection=arrival.connection_id or UNSET,
         session=arrival.session_id or UNSET,
         trace_id=arrival.trace.trace_id,
+        policies=list(error.policies) if isinstance(error, Denied) else UNSET,
     )
 
 
@@ -225,6 +229,7 @@ def _answered_record(arrival: Arrival, outcome: str, prompt_tokens: int) -> audi
         model=model.name if model is not None else None,
         outcome=outcome,
         total_ms=ms(time.monotonic() - arrival.received),
+        policies=UNSET if arrival.policies is None else list(arrival.policies),
     )
     if prompt_tokens and model is not None:  # a model's work (embeddings)
         record.engine = model.engine.info.engine

@@ -39,6 +39,8 @@ class Requester:
     connection_trace: ConnectionTrace | None = None
     #: The quality of service its handshake or HTTP request asked for (``X-QoS-Priority``).
     qos: QoS | None = None
+    #: Whether its stream is end-to-end encrypted (``--e2e-key``), for access policies.
+    e2e: bool = False
     tenant: str = field(init=False)
 
     def __post_init__(self) -> None:
