@@ -350,12 +350,11 @@ def admin_config(tmp_path: Path) -> tuple[Path, str]:
     return path, add_key(path, "ops", role="admin").key
 
 
-@one_process_only("--model-registry is refused with workers")
-async def test_a_registry_model_is_verified_served_reloaded_and_refused_with_reasons(
-    tmp_path: Path, keys: dict[str, Path], make_server: Callable[..., RunningServer]
-) -> None:
-    root = tmp_path / "registry"
-    make_version(root, keys["ci"], "1.0.0")
+def admin_registry_server(
+    make_server: Callable[..., RunningServer], root: Path, keys: dict[str, Path], tmp_path: Path
+) -> tuple[RunningServer, str, Path]:
+    """A server of the registry's model ``tiny``, reloaded only when asked, with an admin key
+    and an audit log."""
     config, admin = admin_config(tmp_path)
     audit_file = tmp_path / "audit.jsonl"
     server = registry_server(
@@ -368,6 +367,16 @@ async def test_a_registry_model_is_verified_served_reloaded_and_refused_with_rea
         access=load_access(config),
         audit_file=str(audit_file),
     )
+    return server, admin, audit_file
+
+
+@one_process_only("--model-registry is refused with workers")
+async def test_a_registry_model_is_verified_served_reloaded_and_refused_with_reasons(
+    tmp_path: Path, keys: dict[str, Path], make_server: Callable[..., RunningServer]
+) -> None:
+    root = tmp_path / "registry"
+    make_version(root, keys["ci"], "1.0.0")
+    server, admin, audit_file = admin_registry_server(make_server, root, keys, tmp_path)
     headers = {"Authorization": f"Bearer {admin}"}
 
     async def version_of_a_reply() -> str:
@@ -693,18 +702,7 @@ async def test_a_version_copied_in_file_by_file_is_waited_for_then_checked_as_it
     root = tmp_path / "registry"
     make_version(root, keys["ci"], "1.0.0")
     signed = make_version(tmp_path / "staging", keys["ci"], "1.1.0")
-    config, admin = admin_config(tmp_path)
-    audit_file = tmp_path / "audit.jsonl"
-    server = registry_server(
-        make_server,
-        root,
-        keys,
-        model="tiny",
-        model_watch_s=0,
-        config_file=str(config),
-        access=load_access(config),
-        audit_file=str(audit_file),
-    )
+    server, admin, audit_file = admin_registry_server(make_server, root, keys, tmp_path)
     copy = root / "tiny" / "1.1.0"
     (copy / "sub").mkdir(parents=True)
 
