@@ -207,3 +207,42 @@ def test_a_tenant_gets_its_requests_lineage_with_a_cosigned_proof(
     )
     assert forged.returncode == 1 and "is not in the tree" in forged.stdout, forged
     stop(server)
+
+
+def test_a_server_that_cannot_answer_now_is_asked_again_not_reported_as_a_fork(
+    tmp_path: Path, server_process: Callable[..., ServerProcess]
+) -> None:
+    """A 503 (or any 5xx, or 429) where the consistency proof should be is the server's
+    trouble, not its lie: the witness cosigns nothing, reports no fork, and cosigns at the next
+    round. The answer is made unavailable between the witness and a real server."""
+    from seedance.keyfiles import load_private
+    from seedance.observability.audit.witness import Witness as Process
+
+    log, key = tmp_path / "audit.log", signing_key(tmp_path)
+    one = Witness(tmp_path / "w1", "witness.test/1")
+    server = start(server_process, log, key, one)
+    unavailable = True
+
+    def relay(request: httpx.Request) -> httpx.Response:
+        if unavailable and request.url.path == "/v1/audit/consistency":
+            return httpx.Response(503, json={"error": {"code": "overloaded"}})
+        with httpx.Client() as client:
+            answer = client.send(client.build_request(request.method, request.url,
+                                                      content=request.content,
+                                                      headers=request.headers))  # fmt: skip
+            return httpx.Response(answer.status_code, content=answer.content)
+
+    witness = Process(
+        http(server), load_public(key), load_private(one.key), one.name, one.state,
+        httpx.Client(transport=httpx.MockTransport(relay)),
+    )  # fmt: skip
+    requests(server, 3, "first")
+    assert "cosigned the checkpoint of" in witness.round()
+    first = one.cosigned()
+    requests(server, 3, "second")
+    with pytest.raises(httpx.HTTPStatusError, match="503"):
+        witness.round()
+    assert one.cosigned() == first and not list(one.state.glob("fork-*.json"))
+    unavailable = False
+    assert "cosigned the checkpoint of" in witness.round() and one.cosigned() > first
+    stop(server)

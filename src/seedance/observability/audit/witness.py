@@ -185,7 +185,9 @@ class Witness:
             f"{self.url}/v1/audit/consistency",
             params={"old": seen.size, "new": checkpoint.size},
         )
-        if answer.status_code != 200:
+        if answer.status_code == 429 or answer.status_code >= 500:
+            answer.raise_for_status()  # the server cannot answer now: the next round asks again
+        if answer.status_code != 200:  # it cannot prove that its tree extends the one cosigned
             self._fork(
                 seen,
                 text,
