@@ -8,7 +8,11 @@ decision, as JSON lines, and the CPU:
 - ``table``: :func:`seedance.tenants.policy.check_model` and ``check_priority``;
 - ``cedar-default``: ``default.cedar``, the same rules in Cedar;
 - ``cedar-enterprise``: the default policy plus a model allow-list, a priority cap, a region
-  condition, a business-hours window and a client network condition.
+  condition, a business-hours window and a client network condition;
+
+each Cedar mode twice: every decision asked of Cedar (``memo`` off: the cost of a caller, a
+model or a context not seen before), and decisions kept (the server's way: the same caller
+asking the same thing in the same context is answered from memory).
 
     python -m benchmarks.policy_cost
 """
@@ -87,9 +91,12 @@ def main() -> None:
 
     modes: dict[str, Callable[[], object]] = {"table": table}
     for name, text in (("cedar-default", cedar.DEFAULT_POLICY), ("cedar-enterprise", ENTERPRISE)):
-        policies = cedar.Policies(text, name)
-        assert policies.decide(ask).allowed, name
-        modes[name] = lambda policies=policies: policies.decide(ask)  # type: ignore[misc]
+        for memo in (False, True):
+            policies = cedar.Policies(text, name)
+            policies.memo = memo
+            assert policies.decide(ask).allowed, name
+            mode = f"{name}, {'kept' if memo else 'each by Cedar'}"
+            modes[mode] = lambda policies=policies: policies.decide(ask)  # type: ignore[misc]
     print(json.dumps({"cpu": cpu()}))
     for name, decide in modes.items():
         print(json.dumps({"mode": name, **percentiles(timed(decide, args.decisions))}))

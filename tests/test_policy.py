@@ -184,7 +184,7 @@ async def test_a_reload_under_load_changes_decisions_and_drops_no_request(
         rules.write_text('@id("bad") permit (principal, action, resource) when { context.nope };\n')
         await asyncio.sleep(2.5)
         assert "policies not reloaded, the old ones stay" in caplog.text and "nope" in caplog.text
-        assert set(answers) == {200}
+        assert set(answers) == {200}, answers
         before = len(answers)
         rules.write_text(
             '@id("open") permit (principal, action, resource);\n'
@@ -196,11 +196,11 @@ async def test_a_reload_under_load_changes_decisions_and_drops_no_request(
                 break
         stop.set()
         await asyncio.gather(*clients)  # any error (a dropped request) is raised here
-    assert set(answers[:before]) == {200} and answers[-8:] == [403] * 8
-    assert set(answers) == {200, 403}
+    assert set(answers[:before]) == {200} and answers[-8:] == [403] * 8, answers
+    assert set(answers) == {200, 403}, answers
     # Once refused, every later request is refused: no decision by the old policy after it.
     first = answers.index(403)
-    assert set(answers[first + 8 :]) <= {403}
+    assert set(answers[first + 8 :]) <= {403}, answers
 
 
 def test_seedance_policy_checks_validates_and_prints(tmp_path: Path) -> None:

@@ -78,8 +78,8 @@ ACTIONS: Final = [
 _AUTHORIZE: Final = cedarpy._internal.is_authorized
 _decode: Final = msgspec.json.Decoder(dict[str, Any]).decode
 _ACTION_NAMED: Final = re.compile(r' for Seedance::Action::"[^"]*"')
-#: Entity sets kept, one per caller and model (rebuilt past this many).
-ENTITIES_KEPT: Final = 4096
+#: Entity sets kept (one per caller and model), and decisions kept: all dropped past this many.
+KEPT: Final = 4096
 
 
 class PolicyError(ValueError):
@@ -157,8 +157,20 @@ class Policies:
         # validated against the schema names no attribute it lacks).
         self._context = tuple(a for a in CONTEXT if a in text)
         self._entities: dict[tuple[Any, ...], cedarpy.Entities] = {}
+        self._decisions: dict[tuple[Any, ...], Decision] = {}
+        #: Whether decisions are kept (see :meth:`decide`; off to measure Cedar's own cost).
+        self.memo = True
 
     def decide(self, ask: Ask) -> Decision:
+        """Cedar's decision. A decision is a function of the policies, the entities and the
+        request alone, so each is kept (``memo``): the same caller asking the same thing in
+        the same context (the same minute, when the policies name it) is answered from memory."""
+        context = self._context_of(ask)
+        key, entities = self._entities_of(ask)
+        memo = (key, ask.action, context)
+        found = self._decisions.get(memo) if self.memo else None
+        if found is not None:
+            return found
         request = {
             "principal": {"type": "Seedance::Caller", "id": ask.principal.credential},
             "action": {"type": "Seedance::Action", "id": ask.action},
@@ -167,18 +179,21 @@ class Policies:
                 if ask.model is not None
                 else {"type": "Seedance::Server", "id": "seedance"}
             ),
-            "context": self._context_of(ask),
+            "context": context,
         }
         # cedarpy's own call, without its wrapper's copies and JSON round trips (pinned).
-        answer = _AUTHORIZE(request, self._set, self._entities_of(ask)._inner, None, False)
-        result = _decode(answer)
+        result = _decode(_AUTHORIZE(request, self._set, entities._inner, None, False))
         diagnostics = result.get("diagnostics", {})
         names = diagnostics.get("id_annotations_by_reason", {})
-        return Decision(
+        decision = Decision(
             result["decision"] == "Allow",
             tuple(names.get(p) or p for p in diagnostics.get("reason", ())),
             tuple(str(e) for e in diagnostics.get("errors", ())),
         )
+        if len(self._decisions) >= KEPT:
+            self._decisions.clear()
+        self._decisions[memo] = decision
+        return decision
 
     def _context_of(self, ask: Ask) -> str:
         wanted = self._context
@@ -191,7 +206,11 @@ class Policies:
             context["region"] = ask.region
         if any(a in wanted for a in ("hour", "minute", "weekday")):
             at = (ask.at or datetime.datetime.now(datetime.timezone.utc)).astimezone(self.zone)
-            context.update(hour=at.hour, minute=at.minute, weekday=at.isoweekday())
+            for name, value in (("hour", at.hour), ("minute", at.minute)):
+                if name in wanted:
+                    context[name] = value
+            if "weekday" in wanted:
+                context["weekday"] = at.isoweekday()
         if "e2e" in wanted:
             context["e2e"] = ask.e2e
         if "tools" in wanted:
@@ -200,7 +219,9 @@ class Policies:
             context["client"] = {"__extn": {"fn": "ip", "arg": ask.client}}
         return msgspec.json.encode(context).decode()
 
-    def _entities_of(self, ask: Ask) -> cedarpy.Entities:
+    def _entities_of(self, ask: Ask) -> tuple[tuple[Any, ...], cedarpy.Entities]:
+        """The entities of ``ask`` (its caller, tenant and model), and what they were built
+        from."""
         principal, tenant = ask.principal, ask.principal.tenant
         allowed = tuple(m for m in ask.served if may_use(principal, m))
         key = (
@@ -217,7 +238,7 @@ class Policies:
         )
         found = self._entities.get(key)
         if found is not None:
-            return found
+            return key, found
         tenant_uid = {"type": "Seedance::Tenant", "id": tenant.name}
         entities: list[dict[str, Any]] = [
             {
@@ -251,10 +272,10 @@ class Policies:
                 }
             )
         built = cedarpy.Entities.from_json_str(json.dumps(entities))
-        if len(self._entities) >= ENTITIES_KEPT:
+        if len(self._entities) >= KEPT:
             self._entities.clear()
         self._entities[key] = built
-        return built
+        return key, built
 
 
 def kind_of(credential: str) -> str:
