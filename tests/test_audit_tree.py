@@ -29,7 +29,7 @@ from seedance.observability.audit.merkle import (
     verify_inclusion,
 )
 from seedance.observability.audit.verify import verify
-from tests.support.servers import SEEDANCE, ServerProcess
+from tests.support.servers import SEEDANCE, RunningServer, ServerProcess
 from tests.test_audit import signing_key, write_records
 
 # --------------------------------------------------------------------------- RFC 9162, here
@@ -262,3 +262,36 @@ def test_a_tampered_proof_or_an_unknown_key_is_refused(tmp_path: Path) -> None:
     assert checked.returncode == 1 and "no signature by" in checked.stdout
     missing = audit("prove", str(settings.path), "99")
     assert missing.returncode == 1 and "no record 99" in missing.stderr
+
+
+async def test_every_openai_reply_names_its_audit_record(
+    tmp_path: Path, make_server: Callable[..., RunningServer]
+) -> None:
+    """The index of a reply's audit record (GET /v1/lineage/{id} proves it), as the unchanged
+    openai SDK hands it over: a streamed chat's last chunk, a response, a Realtime
+    response.done; each the index of that request's record in the log."""
+    from tests.test_realtime import clients, until_done, user
+
+    log = tmp_path / "audit.jsonl"
+    server = make_server(audit_file=str(log))
+    ga, _ = clients(server)
+    seqs: dict[str, int] = {}
+    stream = await ga.chat.completions.create(
+        model="synthetic", messages=[{"role": "user", "content": "hi"}], max_tokens=3, stream=True
+    )
+    chunks = [chunk async for chunk in stream]
+    assert all((c.model_extra or {}).get("audit_seq") is None for c in chunks[:-1])
+    seqs[chunks[-1].id] = chunks[-1].model_extra["audit_seq"]  # type: ignore[index]
+    response = await ga.responses.create(model="synthetic", input="hi", max_output_tokens=3)
+    seqs[response.id] = response.model_extra["audit_seq"]  # type: ignore[index]
+    async with ga.realtime.connect(model="synthetic") as connection:
+        await connection.conversation.item.create(item=user("hi"))  # type: ignore[arg-type]
+        await connection.response.create(response={"max_output_tokens": 3})  # type: ignore[arg-type]
+        done = await until_done(connection)
+    seqs[done.id] = done.model_extra["audit_seq"]
+    server.stop()
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    by_seq = {r["seq"]: r for r in records}
+    assert len(set(seqs.values())) == 3
+    for reply, seq in seqs.items():
+        assert by_seq[seq]["kind"] == "request" and by_seq[seq]["outcome"] == "length", reply

@@ -402,6 +402,7 @@ class Rendered:
             "metadata": meta.get("metadata") or {},
             "usage": usage,
             "user": None,
+            **_audit_seq(end),
         }
 
     # ---------------------------------------------------------------- stream events
@@ -503,6 +504,13 @@ class Rendered:
             response.update(status="in_progress", output=[], usage=None, error=None)
             response.update(incomplete_details=None, completed_at=None)
         return {"type": kind, "sequence_number": number, "response": response}
+
+
+def _audit_seq(end: DoneFrame | ErrorFrame | None) -> dict[str, int]:
+    """An ended reply's audit record index, where it has one (GET /v1/lineage/{id})."""
+    if isinstance(end, DoneFrame) and end.audit_seq is not None:
+        return {"audit_seq": end.audit_seq}
+    return {}
 
 
 def call_number(position: int, step: int) -> int:

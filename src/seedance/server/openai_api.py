@@ -184,7 +184,7 @@ async def _finish(
     if log.stream:
         if not response.started:
             await response.start(200, SSE_HEADERS)
-        await response.event(chunks.delta(None, finish))
+        await response.event(chunks.delta(None, finish, audit_seq=end.audit_seq))
         if log.meta and log.meta.get("include_usage"):
             await response.event(chunks.usage(usage))
         await response.write(b"data: [DONE]\n\n", more=False)
@@ -305,7 +305,10 @@ class _Chunks:
         content: str | dict[str, Any] | None,
         finish: str | None = None,
         logprobs: list[TokenLogprob] | None = None,
+        *,
+        audit_seq: int | None = None,
     ) -> bytes:
+        """A chunk of the reply; the last (``finish``) carries its audit record's index."""
         if self.chat:
             if isinstance(content, dict):
                 delta: dict[str, Any] = content
@@ -317,7 +320,10 @@ class _Chunks:
             choice = {"index": 0, "text": text}
         choice["logprobs"] = self.logprobs(logprobs)
         choice["finish_reason"] = finish
-        return _encode({**self.head, "choices": [choice]})
+        chunk = {**self.head, "choices": [choice]}
+        if audit_seq is not None:  # GET /v1/lineage/{request_id}
+            chunk["audit_seq"] = audit_seq
+        return _encode(chunk)
 
     def logprobs(self, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
         """A choice's ``logprobs`` in its endpoint's shape (chat: ``content``, a list of

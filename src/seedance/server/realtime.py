@@ -382,6 +382,8 @@ class Realtime:
             output=items,
             usage=end.usage if isinstance(end, DoneFrame) else None,
         )
+        if isinstance(end, DoneFrame) and end.audit_seq is not None:  # GET /v1/lineage/{id}
+            response["audit_seq"] = end.audit_seq
         await self.send(events.event("response.done", response=response))
 
     async def item_done(
