@@ -26,6 +26,7 @@ from benchmarks.ha_suite import ha_suite
 from benchmarks.harness import Report, cores
 from benchmarks.http_suite import http_suite
 from benchmarks.idle import idle
+from benchmarks.lineage_suite import lineage_suite
 from benchmarks.llama_suite import llama_suite, native_suite
 from benchmarks.observability_suite import observability_suite
 from benchmarks.openai_suite import openai_suite
@@ -47,8 +48,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks.md"))
     parser.add_argument(
         "--suites",
-        default="1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20,21,22,23,24",
-        help="which suites to run (default all: 1-24)",
+        default="1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20,21,22,23,24,25",
+        help="which suites to run (default all: 1-25)",
     )
     args = parser.parse_args(argv)
     if cores() < 2:
@@ -81,6 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "22": functools.partial(native_suite, report),
         "23": functools.partial(ha_suite, report),
         "24": functools.partial(prefix_suite, report),
+        "25": functools.partial(lineage_suite, report),
     }
     for key in sorted(chosen, key=int):
         suites[key]()

@@ -186,6 +186,8 @@ def test_a_tenant_gets_its_requests_lineage_with_a_cosigned_proof(
     proof = lineage["proof"]
     assert proof["index"] == seq and proof["record"]["request_id"] == "lin-1"
     assert proof["record"]["tenant"] == "acme" and lineage["server"]["configuration_sha256"]
+    # Admitted at priority 0, no QoS class, by the tenants table's rules (no --policy).
+    assert lineage["admission"] == {"priority": 0, "qos": None, "slatag": None, "policies": None}
 
     # Checked here from the RFC and the note format, and by seedance audit verify-lineage.
     _, size, root = note_checkpoint(proof["checkpoint"], load_public(key))
@@ -206,6 +208,13 @@ def test_a_tenant_gets_its_requests_lineage_with_a_cosigned_proof(
         [*argv, "--witness-key", str(witness.key)], capture_output=True, text=True
     )
     assert forged.returncode == 1 and "is not in the tree" in forged.stdout, forged
+    lineage = answer.json()
+    lineage["admission"]["policies"] = ["vip"]  # a decision the record does not hold
+    saved.write_text(json.dumps(lineage))
+    forged = subprocess.run([*argv], capture_output=True, text=True)
+    assert forged.returncode == 1 and "admission (policies) is not the record's" in forged.stdout, (
+        forged
+    )
     stop(server)
 
 

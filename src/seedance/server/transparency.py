@@ -132,6 +132,14 @@ def transparency_routes(state: ServerState) -> list[Route]:
                     state.confidential.measurement() if state.confidential is not None else None
                 ),
             },
+            # How it was admitted: at what priority and QoS, and by which access policies
+            # (None: by the tenants table's rules; docs/policy.md).
+            "admission": {
+                "priority": record.get("priority"),
+                "qos": record.get("qos"),
+                "slatag": record.get("slatag"),
+                "policies": record.get("policies"),
+            },
             "proof": proof,
         }
         return Response(msgspec.json.encode(body), media_type="application/json")

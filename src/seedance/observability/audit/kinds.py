@@ -48,6 +48,10 @@ class Request(AuditRecord, kw_only=True):
     module_error: str | UnsetType = UNSET
     #: The Cedar policies that allowed it (``--policy``).
     policies: list[str] | UnsetType = UNSET
+    #: Its priority, and the QoS class (and SLA tag) it was admitted with.
+    priority: int | UnsetType = UNSET
+    qos: str | UnsetType = UNSET
+    slatag: str | UnsetType = UNSET
     queue_ms: float | UnsetType | None = UNSET
     ttft_ms: float | UnsetType | None = UNSET
     total_ms: float | UnsetType | None = UNSET

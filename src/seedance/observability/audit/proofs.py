@@ -234,6 +234,10 @@ def check_lineage(
             record.get("model_version"),
         ):
             raise ProofError("the lineage names another model version than the record")
+        admission = lineage.get("admission") or {}
+        for field, said in admission.items():
+            if said != record.get(field):
+                raise ProofError(f"the lineage's admission ({field}) is not the record's")
         _, signatures = note.parse(proof["checkpoint"])
         for witness in witnesses:
             if not any(
