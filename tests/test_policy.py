@@ -260,3 +260,56 @@ def test_a_denial_names_its_policies() -> None:
     decision = rules.decide(ask)
     assert not decision.allowed and decision.policies == ("no",)
     assert isinstance(cedar.Denied("x", ("no",)), Forbidden)
+
+
+async def test_a_tokens_claims_are_its_tags_and_its_subject_and_kind_are_named(
+    tmp_path: Path, make_server: Callable[..., RunningServer]
+) -> None:
+    """A JWT's string claims are the caller's tags: a policy lets the "quant" group use the
+    big model, and no one else (its subject and kind named too); a key cannot."""
+    import time
+
+    import jwt
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    private = Ed25519PrivateKey.generate()
+    (tmp_path / "jwt.pem").write_bytes(
+        private.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+    )
+    config = tmp_path / "seedance.toml"
+    config.write_text('[tenants.acme]\n[auth.jwt]\npublic_key = "jwt.pem"\n')
+    key = add_key(config, "acme").key
+    rules = tmp_path / "policy.cedar"
+    rules.write_text(
+        '@id("small") permit (principal, action, resource == Seedance::Model::"small");\n'
+        '@id("quant") permit (principal, action, resource == Seedance::Model::"big")\n'
+        'when { principal.kind == "token" && principal.hasTag("group")\n'
+        '       && principal.getTag("group") == "quant" && principal.subject == "ada" };\n'
+    )
+    server = make_server(
+        [SyntheticEngine(name="small"), SyntheticEngine(name="big")],
+        config_file=str(config),
+        access=load_access(config),
+        policy=str(rules),
+    )
+
+    def token(**claims: object) -> str:
+        body = {"tenant": "acme", "exp": int(time.time()) + 60, "sub": "ada", **claims}
+        return jwt.encode(body, private, "EdDSA")
+
+    async with httpx.AsyncClient(base_url=server.http_url) as http:
+
+        async def status(credential: str, model: str) -> int:
+            answer = await http.post(
+                "/v1/chat/completions", json=chat(model), headers=auth(credential)
+            )
+            return answer.status_code
+
+        assert await status(token(group="quant"), "big") == 200
+        assert await status(token(group="retail"), "big") == 403
+        assert await status(token(group="quant", sub="bob"), "big") == 403
+        assert await status(token(), "small") == 200
+        assert await status(key, "big") == 403 and await status(key, "small") == 200
