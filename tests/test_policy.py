@@ -23,7 +23,7 @@ from seedance.tenants import cedar, policy
 from seedance.tenants.auth import Principal
 from seedance.tenants.config import Tenant
 from seedance.tenants.keys import add_key
-from tests.support.servers import SEEDANCE, RunningServer
+from tests.support.servers import SEEDANCE, TEST_WORKERS, RunningServer
 
 
 def chat(model: str, priority: int = 0) -> dict[str, object]:
@@ -183,7 +183,9 @@ async def test_a_reload_under_load_changes_decisions_and_drops_no_request(
         # A policy that does not validate: the old one stays, and the log says why.
         rules.write_text('@id("bad") permit (principal, action, resource) when { context.nope };\n')
         await asyncio.sleep(2.5)
-        assert "policies not reloaded, the old ones stay" in caplog.text and "nope" in caplog.text
+        if not TEST_WORKERS:  # the workers log in their own processes
+            assert "policies not reloaded, the old ones stay" in caplog.text
+            assert "nope" in caplog.text
         assert set(answers) == {200}, answers
         before = len(answers)
         rules.write_text(
@@ -198,9 +200,10 @@ async def test_a_reload_under_load_changes_decisions_and_drops_no_request(
         await asyncio.gather(*clients)  # any error (a dropped request) is raised here
     assert set(answers[:before]) == {200} and answers[-8:] == [403] * 8, answers
     assert set(answers) == {200, 403}, answers
-    # Once refused, every later request is refused: no decision by the old policy after it.
-    first = answers.index(403)
-    assert set(answers[first + 8 :]) <= {403}, answers
+    if not TEST_WORKERS:  # each worker reloads on its own, within a second of the others
+        # Once refused, every later request is refused: no decision by the old policy after it.
+        first = answers.index(403)
+        assert set(answers[first + 8 :]) <= {403}, answers
 
 
 def test_seedance_policy_checks_validates_and_prints(tmp_path: Path) -> None:
