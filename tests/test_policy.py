@@ -234,6 +234,14 @@ def test_seedance_policy_checks_validates_and_prints(tmp_path: Path) -> None:
     admin = seedance("check", "--config", str(config), "--tenant", "ops", "--role", "admin",
                      "--action", "revoke_key")  # fmt: skip
     assert admin.returncode == 0 and admin.stdout.strip() == "allow (admins)"
+    rules.write_text(
+        '@id("quant") permit (principal, action, resource)\n'
+        'when { principal.hasTag("group") && principal.getTag("group") == "quant" };\n'
+    )
+    quant = seedance("check", "--policy", str(rules), "--key", key.id, *common,
+                     "--claim", "group=quant", "--claim", "desk=rates")  # fmt: skip
+    assert quant.returncode == 0 and quant.stdout.strip() == "allow (quant)", quant
+    assert seedance("check", "--policy", str(rules), "--key", key.id, *common).returncode == 1
     default = seedance("default")
     assert default.returncode == 0 and '@id("tenant-models")' in default.stdout
     (tmp_path / "default.cedar").write_text(default.stdout)

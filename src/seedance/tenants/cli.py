@@ -4,6 +4,7 @@ command line (docs/policy.md)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import sys
@@ -39,6 +40,14 @@ def add_parser(commands: Any) -> None:
     who.add_argument("--key", metavar="KEY_ID", help="the caller: an API key, by its id")
     who.add_argument("--tenant", metavar="NAME", help="the caller: a tenant (with --role)")
     check.add_argument("--role", choices=("user", "admin"), default="user")
+    check.add_argument("--subject", default="", help="a certificate's subject, a token's sub")
+    check.add_argument(
+        "--claim",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a token's string claim (its caller's tag); repeatable",
+    )
     check.add_argument(
         "--action", required=True, help="generate, embed, use, or an administrative verb"
     )
@@ -100,6 +109,13 @@ def _check(args: argparse.Namespace) -> int:
                 f"no tenant {args.tenant} in {args.config or 'the config (--config)'}"
             )
         principal = Principal(named, f"{named.name}:{args.role}", args.role)
+    claims = []
+    for claim in args.claim:
+        name, equals, value = claim.partition("=")
+        if not equals or not name:
+            raise ConfigError(f"--claim: NAME=VALUE, got {claim!r}")
+        claims.append((name, value))
+    principal = dataclasses.replace(principal, subject=args.subject, claims=tuple(sorted(claims)))
     served = tuple(args.served.split(",")) if args.served else tuple(filter(None, [args.model]))
     at = args.at
     if at is not None and at.tzinfo is None:
