@@ -42,7 +42,7 @@ from seedance.protocol.messages import SessionId, TenantId
 from seedance.server.connection import Connection
 from seedance.server.http_call import authenticate_call
 from seedance.server.state import ServerState
-from seedance.tenants.auth import Principal
+from seedance.tenants.auth import Principal, peer_of
 from seedance.tenants.keys import KeyAlreadyRevoked, KeyNotFound
 
 if TYPE_CHECKING:
@@ -279,7 +279,7 @@ def _admin(state: ServerState, request: Request, verb: str) -> Principal:
     """The caller of an administrative endpoint, who must be allowed to do ``verb`` (an admin
     key, or what the policies say: seedance.tenants.cedar.ADMIN_ACTIONS)."""
     principal = authenticate_call(state.services, request.scope, "admin")
-    state.access.check_admin(principal, verb)
+    state.access.check_admin(principal, verb, peer_of(request.scope))
     return principal
 
 

@@ -693,6 +693,7 @@ class Connection:
                 "resume another stream once it is done",
                 request_id=message.request_id,
             )
+        self.services.access.check_resume(self.principal, self.peer, e2e=self.channel is not None)
         session_id = self.session.session_id
         log = await self.services.streams.find(
             self.tenant, session_id, message.request_id, message.epoch

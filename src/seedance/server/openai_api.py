@@ -213,7 +213,9 @@ class StreamsEndpoint:
         services = self.services
         call = HttpCall(services, scope, send, "stream", request_id)
         try:
-            tenant = call.authenticate().name
+            principal = call.authenticate()
+            services.access.check_resume(principal, call.arrival.peer)
+            tenant = principal.name
             after_seq = _cursor(scope, request_id)
             log = await services.streams.find(tenant, request_id, request_id, None)
             if log.meta is None or "kind" not in log.meta:  # a /v1/responses response

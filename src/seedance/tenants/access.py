@@ -114,12 +114,18 @@ class Access:
             return None
         ask = Ask(
             principal, "generate", model, version, tuple(served), priority=priority, qos=qos,
-            region=self.region, e2e=e2e, tools=tools, client=peer.rpartition(":")[0] or None,
+            region=self.region, e2e=e2e, tools=tools, client=_address(peer),
         )  # fmt: skip
         return self.policies.check(ask).policies
 
-    def check_admin(self, principal: Principal, verb: str) -> None:
-        """May ``principal`` do the administrative ``verb``? Forbidden if not."""
+    def check_resume(self, principal: Principal, peer: str, *, e2e: bool = False) -> None:
+        """May ``principal`` follow one of its replies again? (Always, by the tenants table.)"""
+        if self.policies is not None:
+            ask = Ask(principal, "resume", region=self.region, e2e=e2e, client=_address(peer))
+            self.policies.check(ask)
+
+    def check_admin(self, principal: Principal, verb: str, peer: str) -> None:
+        """May ``principal`` (at ``peer``) do the administrative ``verb``? Forbidden if not."""
         if self.open:
             raise Forbidden(
                 "this server has no tenants, so no administrators: configure an admin key"
@@ -128,7 +134,7 @@ class Access:
             if principal.role != "admin":
                 raise Forbidden(f"credential {principal.credential} is not an admin's")
             return
-        self.policies.check(Ask(principal, verb, region=self.region))
+        self.policies.check(Ask(principal, verb, region=self.region, client=_address(peer)))
 
     def check_origin(self, headers: Iterable[tuple[bytes, bytes]]) -> None:
         """Refuse a browser handshake from an origin not on the allow-list (when there is one);
@@ -236,3 +242,8 @@ class Access:
         if dropped and self.on_subjects_dropped is not None:
             self.on_subjects_dropped(dropped)
         return True
+
+
+def _address(peer: str) -> str | None:
+    """The address of a ``host:port`` peer (None: not known)."""
+    return peer.rpartition(":")[0] or None

@@ -48,7 +48,6 @@ SCHEMA: Final = resources.files(__package__).joinpath("seedance.cedarschema").re
 DEFAULT_POLICY: Final = resources.files(__package__).joinpath("default.cedar").read_text()
 
 #: The actions a policy may name: what a request does, and the administrative verbs.
-REQUEST_ACTIONS: Final = ("generate", "embed", "use")
 ADMIN: Final = {"type": "Seedance::Action", "id": "admin"}
 ADMIN_ACTIONS: Final = (
     "reload_models",
@@ -149,6 +148,8 @@ class Policies:
         self.text = text
         self.source = source
         self.count = len(self._set)
+        if self.count == 0:  # a file being written, or emptied by mistake: it would deny all
+            raise PolicyError(f"{source}: no policy (a server with none would refuse everything)")
         try:
             self.zone = zoneinfo.ZoneInfo(timezone)
         except (zoneinfo.ZoneInfoNotFoundError, ValueError):
