@@ -290,6 +290,22 @@ def test_a_denial_names_its_policies() -> None:
     decision = rules.decide(ask)
     assert not decision.allowed and decision.policies == ("no",)
     assert isinstance(cedar.Denied("x", ("no",)), Forbidden)
+    # A forbid Cedar cannot evaluate (it skips it) denies; a permit so does not permit.
+    rules = cedar.Policies(
+        '@id("open") permit (principal, action, resource);\n'
+        '@id("overflow") forbid (principal, action, resource)\n'
+        "when { context.priority + 9223372036854775807 > 0 };\n"
+    )
+    high = rules.decide(cedar.Ask(principal, "generate", "m", served=("m",), priority=5))
+    assert not high.allowed and high.policies == ("overflow",) and "overflow" in high.errors[0]
+    assert "could not be evaluated" in high.explain(cedar.Ask(principal, "generate", "m"))
+    low = rules.decide(cedar.Ask(principal, "generate", "m", served=("m",), priority=-5))
+    assert not low.allowed and not low.errors  # evaluated: its condition held
+    rules = cedar.Policies(
+        '@id("overflow") permit (principal, action, resource)\n'
+        "when { context.priority + 9223372036854775807 > 0 };\n"
+    )
+    assert not rules.decide(cedar.Ask(principal, "generate", "m", priority=5)).allowed
 
 
 async def test_a_tokens_claims_are_its_tags_and_its_subject_and_kind_are_named(

@@ -77,6 +77,7 @@ ACTIONS: Final = [
 _AUTHORIZE: Final = cedarpy._internal.is_authorized
 _decode: Final = msgspec.json.Decoder(dict[str, Any]).decode
 _ACTION_NAMED: Final = re.compile(r' for Seedance::Action::"[^"]*"')
+_POLICY_NAMED: Final = re.compile(r"policy `([^`]+)`")
 #: Entity sets kept (one per caller and model), and decisions kept: all dropped past this many.
 KEPT: Final = 4096
 
@@ -116,12 +117,18 @@ class Decision:
     allowed: bool
     #: The policies that decided: the permits that allowed, or the forbids that denied.
     policies: tuple[str, ...]
-    #: Policies that could not be evaluated for this request (they count as not matching).
+    #: What Cedar could not evaluate for this request (a permit among it does not permit; a
+    #: forbid denies, named in ``policies``).
     errors: tuple[str, ...] = ()
 
     def explain(self, ask: Ask) -> str:
         what = f"model {ask.model!r}" if ask.model is not None else "this server"
         who = f"{ask.principal.name} ({ask.principal.credential})"
+        if self.errors and not self.allowed and self.policies:
+            return (
+                f"policy {', '.join(self.policies)} could not be evaluated for {who} to "
+                f"{ask.action} {what}, so it denies"
+            )
         if self.policies:
             return f"policy {', '.join(self.policies)} forbids {who} to {ask.action} {what}"
         return f"no policy permits {who} to {ask.action} {what}"
@@ -143,8 +150,12 @@ class Policies:
             raise PolicyError(f"{source}: " + "; ".join(reasons or ["does not validate"]))
         try:
             self._set = cedarpy.PolicySet.from_str(text)
+            static = json.loads(cedarpy.policies_to_json_str(text))["staticPolicies"]
         except ValueError as exc:
             raise PolicyError(f"{source}: {exc}") from None
+        #: Each policy's name (its @id, else Cedar's policyN), and the forbids among them.
+        self._names = {p: s.get("annotations", {}).get("id") or p for p, s in static.items()}
+        self._forbids = frozenset(p for p, s in static.items() if s["effect"] == "forbid")
         self.text = text
         self.source = source
         self.count = len(self._set)
@@ -185,12 +196,27 @@ class Policies:
         # cedarpy's own call, without its wrapper's copies and JSON round trips (pinned).
         result = _decode(_AUTHORIZE(request, self._set, entities._inner, None, False))
         diagnostics = result.get("diagnostics", {})
-        names = diagnostics.get("id_annotations_by_reason", {})
-        decision = Decision(
-            result["decision"] == "Allow",
-            tuple(names.get(p) or p for p in diagnostics.get("reason", ())),
-            tuple(str(e) for e in diagnostics.get("errors", ())),
-        )
+        names = self._names
+        errors = tuple(str(e) for e in diagnostics.get("errors", ()))
+        # Cedar skips a policy it cannot evaluate (an overflow, say); a forbid skipped so
+        # would let through what it might have stopped: that denies here, naming it.
+        failed = [p for e in errors for p in _POLICY_NAMED.findall(e) if p in self._forbids]
+        if failed:
+            decision = Decision(False, tuple(names.get(p, p) for p in failed), errors)
+        else:
+            decision = Decision(
+                result["decision"] == "Allow",
+                tuple(names.get(p, p) for p in diagnostics.get("reason", ())),
+                errors,
+            )
+        if errors:
+            logger.warning(
+                "policies %s: a decision for %s (%s) could not evaluate %s",
+                self.source,
+                ask.principal.name,
+                ask.action,
+                "; ".join(errors),
+            )
         if len(self._decisions) >= KEPT:
             self._decisions.clear()
         self._decisions[memo] = decision
