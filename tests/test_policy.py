@@ -358,3 +358,12 @@ async def test_a_tokens_claims_are_its_tags_and_its_subject_and_kind_are_named(
         assert await status(token(group="quant", sub="bob"), "big") == 403
         assert await status(token(), "small") == 200
         assert await status(key, "big") == 403 and await status(key, "small") == 200
+
+
+def test_the_docs_example_is_a_valid_policy_set() -> None:
+    import re
+
+    text = (Path(__file__).parents[1] / "docs" / "policy.md").read_text()
+    example = re.search(r"```cedar\n(.*?)```", text, re.S)
+    assert example is not None
+    assert cedar.Policies(example.group(1), "docs/policy.md").count == 5
