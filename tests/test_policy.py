@@ -145,6 +145,10 @@ async def test_a_policy_set_decides_every_request_and_its_ids_are_audited(
         code, text = await status(initech, "small")  # this server is in eu-west
         assert code == 403 and "initech-us-only" in text
         assert (await status(admin, "small"))[0] == 403  # an admin generates only if permitted
+        # The models listed are those each caller may use now.
+        for key, listed in ((acme, ["small"]), (globex, ["small"]), (initech, [])):
+            models = (await http.get("/v1/models", headers=auth(key))).json()["data"]
+            assert [m["id"] for m in models] == listed
         for key, expected in ((globex, 410), (acme, 403)):  # allowed to look, or not
             answer = await http.get("/v1/streams/chatcmpl-none", headers=auth(key))
             assert answer.status_code == expected, answer.text

@@ -45,7 +45,7 @@ from seedance.server.tokenize_api import TokenizeEndpoint
 from seedance.server.transparency import transparency_routes
 from seedance.server.web import web_routes
 from seedance.sessions.store import SessionStore
-from seedance.tenants.policy import may_use
+from seedance.tenants.auth import peer_of
 
 if TYPE_CHECKING:
     from seedance.models.registry import VerifiedModel
@@ -173,6 +173,7 @@ def create_app(
 
     async def models(request: Request) -> Response:
         principal = authenticate_call(services, request.scope, "models")
+        access, names, peer = services.access, list(state.models), peer_of(request.scope)
         data = [
             {
                 "id": name,
@@ -184,7 +185,7 @@ def create_app(
                 "engine": model.engine.info.engine,
             }
             for name, model in state.models.items()
-            if may_use(principal, name)
+            if access.lists(principal, name, model.version, names, model.engine.task, peer)
         ]
         return json_response({"object": "list", "data": data})
 

@@ -94,6 +94,23 @@ class Access:
         elif action != "generate":
             self.policies.check(Ask(principal, action, model, version, tuple(served)))
 
+    def lists(
+        self,
+        principal: Principal,
+        model: str,
+        version: str,
+        served: Iterable[str],
+        task: str,
+        peer: str,
+    ) -> bool:
+        """Whether ``GET /v1/models`` lists ``model`` (one that does ``task``) to ``principal``:
+        the tenants table's patterns, or whether the policies let it ``task`` the model now."""
+        if self.policies is None:
+            return policy.may_use(principal, model)
+        ask = Ask(principal, task, model, version, tuple(served), region=self.region,
+                  client=_address(peer))  # fmt: skip
+        return self.policies.decide(ask).allowed
+
     def check_generation(
         self,
         principal: Principal,
