@@ -100,7 +100,7 @@ class Ask:
 
     principal: Principal
     action: str
-    model: str | None = None  # None: the server (an administrative verb)
+    model: str | None = None  # None: the server (resume, an administrative verb)
     version: str = ""
     served: tuple[str, ...] = ()  # the models served (a tenant's models are those it may use)
     priority: int = 0
@@ -114,6 +114,8 @@ class Ask:
 
 @dataclass(frozen=True, slots=True)
 class Decision:
+    """Cedar's answer, and why."""
+
     allowed: bool
     #: The policies that decided: the permits that allowed, or the forbids that denied.
     policies: tuple[str, ...]
