@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Final
@@ -22,7 +23,7 @@ from seedance.tenants.auth import (
     client_address,
     credential_of,
 )
-from seedance.tenants.cedar import Ask, PolicyFile, file_stamp
+from seedance.tenants.cedar import Ask, PolicyFile
 from seedance.tenants.config import AccessConfig, Tenant
 from seedance.tenants.keys import revoke_key
 
@@ -48,7 +49,6 @@ class Access:
         self.on_subjects_dropped: Callable[[set[str]], None] | None = None
         #: Keys revoked on other nodes of the cluster: refused here too, after every reload.
         self._revoked_elsewhere: set[str] = set()
-        self._stamp = None if self.config_file is None else file_stamp(self.config_file)
         self._watcher: asyncio.Task[None] | None = None
         #: The Cedar policies (``--policy``); None: the tenants table's rules decide.
         self.policies: PolicyFile | None = None
@@ -57,6 +57,13 @@ class Access:
                 self.policies = PolicyFile(Path(config.policy.file), config.policy.timezone)
             except cedar.PolicyError as exc:
                 raise ConfigError(f"--policy: {exc}") from None
+        self._config = None if self.config_file is None else WatchedFile(self.config_file)
+        #: The files read again when they change, and what reads them.
+        self._watched: list[tuple[WatchedFile, Callable[[], object]]] = []
+        if self._config is not None:
+            self._watched.append((self._config, self.reload))
+        if self.policies is not None:
+            self._watched.append((WatchedFile(self.policies.path), self.policies.reload))
         self.region = dict(config.labels).get("region", "")
 
     @property
@@ -77,9 +84,6 @@ class Access:
         subjects = sum(len(t.tls_subjects) for t in access.tenants.values())
         certs = f", {subjects} client certificate subject(s)" if subjects else ""
         return f"{len(access.tenants)} tenant(s), {keys} API key(s){tokens}{certs}"
-
-    def describe_policies(self) -> str:
-        return "the tenants table's rules" if self.policies is None else self.policies.describe()
 
     # ------------------------------------------------------------------ decisions
 
@@ -189,8 +193,7 @@ class Access:
     # ------------------------------------------------------------------ reloads
 
     async def start(self) -> None:
-        watched = self.config_file is not None or self.policies is not None
-        if watched and self._watcher is None:
+        if self._watched and self._watcher is None:
             self._watcher = asyncio.create_task(self._watch(), name="access-reload")
 
     async def close(self) -> None:
@@ -203,13 +206,9 @@ class Access:
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(RELOAD_INTERVAL_S)
-            if self.config_file is not None:
-                stamp = file_stamp(self.config_file)
-                if stamp != self._stamp and stamp is not None:
-                    self._stamp = stamp
-                    self.reload()
-            if self.policies is not None and self.policies.changed():
-                self.policies.reload()
+            for file, read in self._watched:
+                if file.changed():
+                    read()
 
     def revoke(self, key_id: str) -> str:
         """Revoke a key now: in the config file when there is one (so that it stays revoked),
@@ -218,9 +217,9 @@ class Access:
         tenant = next((t.name for t in tenants for k in t.keys if k.id == key_id), None)
         if tenant is None:
             raise KeyError(key_id)
-        if self.config_file is not None:
-            revoke_key(self.config_file, key_id)
-            self._stamp = file_stamp(self.config_file)
+        if self._config is not None:
+            revoke_key(self._config.path, key_id)
+            self._config.seen()
             self.reload()
         else:
             before = self.authenticator.key_ids()
@@ -259,6 +258,33 @@ class Access:
         if dropped and self.on_subjects_dropped is not None:
             self.on_subjects_dropped(dropped)
         return True
+
+
+class WatchedFile:
+    """A file read again when it changes: its modification time and size as last seen."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.seen()
+
+    def seen(self) -> None:
+        """Take the file as it is now for read (this process wrote it itself)."""
+        self._stamp = self._now()
+
+    def changed(self) -> bool:
+        """Whether it changed since last seen (then it counts as seen); a file gone has not."""
+        stamp = self._now()
+        if stamp is None or stamp == self._stamp:
+            return False
+        self._stamp = stamp
+        return True
+
+    def _now(self) -> tuple[int, int] | None:
+        try:
+            stat = os.stat(self.path)
+        except OSError:
+            return None
+        return stat.st_mtime_ns, stat.st_size
 
 
 def _address(peer: str) -> str | None:

@@ -25,9 +25,9 @@ that decided (their ``@id`` annotation, else Cedar's ``policyN``) go to its audi
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import json
 import logging
-import os
 import re
 import zoneinfo
 from dataclasses import dataclass
@@ -252,12 +252,12 @@ class Policies:
         """The entities of ``ask`` (its caller, tenant and model), and what they were built
         from."""
         principal, tenant = ask.principal, ask.principal.tenant
-        allowed = tuple(m for m in ask.served if may_use(principal, m))
         key = (
             tenant.name,
             tenant.tier,
             tenant.max_priority,
-            allowed,
+            tenant.models,
+            ask.served,
             principal.credential,
             principal.role,
             principal.subject,
@@ -268,6 +268,7 @@ class Policies:
         found = self._entities.get(key)
         if found is not None:
             return key, found
+        allowed = [m for m in ask.served if may_use(principal, m)]
         tenant_uid = {"type": "Seedance::Tenant", "id": tenant.name}
         entities: list[dict[str, Any]] = [
             {
@@ -275,7 +276,7 @@ class Policies:
                 "attrs": {
                     "tier": tenant.tier,
                     "max_priority": tenant.max_priority,
-                    "models": list(allowed),
+                    "models": allowed,
                 },
                 "parents": [],
             },
@@ -316,8 +317,6 @@ def kind_of(credential: str) -> str:
 
 
 def _is_address(text: str) -> bool:
-    import ipaddress
-
     try:
         ipaddress.ip_address(text)
     except ValueError:
@@ -335,15 +334,14 @@ def load(path: Path, timezone: str = "UTC") -> Policies:
 
 
 class PolicyFile:
-    """The server's policies: the file ``--policy`` names, reloaded when it changes; a file that
-    does not load keeps the policies there were, and the log says why."""
+    """The server's policies: the file ``--policy`` names, reloaded when it changes (the access
+    watcher says when); a file that does not load keeps the policies there were, and the log
+    says why."""
 
     def __init__(self, path: Path, timezone: str = "UTC") -> None:
         self.path = path
         self.timezone = timezone
         self.policies = load(path, timezone)
-        self._stamp = file_stamp(path)
-        self.reloads = 0
 
     def describe(self) -> str:
         return f"{self.policies.count} Cedar policies from {self.path}"
@@ -364,23 +362,5 @@ class PolicyFile:
         except PolicyError as exc:
             logger.error("policies not reloaded, the old ones stay: %s", exc)
             return False
-        self.reloads += 1
         logger.info("policies reloaded: %s", self.describe())
         return True
-
-    def changed(self) -> bool:
-        """Whether the file changed since it was last read (then it is read again)."""
-        stamp = file_stamp(self.path)
-        if stamp == self._stamp or stamp is None:
-            return False
-        self._stamp = stamp
-        return True
-
-
-def file_stamp(path: Path) -> tuple[int, int] | None:
-    """A file's modification time and size (None: not there), to see that it changed."""
-    try:
-        stat = os.stat(path)
-    except OSError:
-        return None
-    return stat.st_mtime_ns, stat.st_size
