@@ -410,6 +410,14 @@ def end_status(end: DoneFrame | ErrorFrame | None) -> EndStatus:
     return "incomplete" if end.finish_reason == "length" else "completed"
 
 
+def audit_seq(end: DoneFrame | ErrorFrame | None) -> dict[str, int]:
+    """The ``audit_seq`` field of a reply that ended with ``end`` (its audit record's index:
+    GET /v1/lineage/{id}), where it has one; added to a Responses or Realtime response."""
+    if isinstance(end, DoneFrame) and end.audit_seq is not None:
+        return {"audit_seq": end.audit_seq}
+    return {}
+
+
 # --------------------------------------------------------------------------- errors
 
 _ERROR_TYPES: Final = {

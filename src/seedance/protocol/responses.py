@@ -41,7 +41,13 @@ from seedance.protocol.messages import (
     TokenLogprob,
     ToolCallTurn,
 )
-from seedance.protocol.openai import ROLES, JsonSchemaFormat, decode_body, end_status
+from seedance.protocol.openai import (
+    ROLES,
+    JsonSchemaFormat,
+    audit_seq,
+    decode_body,
+    end_status,
+)
 from seedance.protocol.schemas import format_schema
 from seedance.protocol.tools import CallReader, Tools, parse_tools
 
@@ -402,7 +408,7 @@ class Rendered:
             "metadata": meta.get("metadata") or {},
             "usage": usage,
             "user": None,
-            **_audit_seq(end),
+            **audit_seq(end),
         }
 
     # ---------------------------------------------------------------- stream events
@@ -504,13 +510,6 @@ class Rendered:
             response.update(status="in_progress", output=[], usage=None, error=None)
             response.update(incomplete_details=None, completed_at=None)
         return {"type": kind, "sequence_number": number, "response": response}
-
-
-def _audit_seq(end: DoneFrame | ErrorFrame | None) -> dict[str, int]:
-    """An ended reply's audit record index, where it has one (GET /v1/lineage/{id})."""
-    if isinstance(end, DoneFrame) and end.audit_seq is not None:
-        return {"audit_seq": end.audit_seq}
-    return {}
 
 
 def call_number(position: int, step: int) -> int:

@@ -43,6 +43,7 @@ from seedance.protocol.messages import (
     RequestId,
     TenantId,
 )
+from seedance.protocol.openai import audit_seq
 from seedance.protocol.qos import qos_from_headers
 from seedance.protocol.realtime import (
     UNSUPPORTED,
@@ -382,8 +383,7 @@ class Realtime:
             output=items,
             usage=end.usage if isinstance(end, DoneFrame) else None,
         )
-        if isinstance(end, DoneFrame) and end.audit_seq is not None:  # GET /v1/lineage/{id}
-            response["audit_seq"] = end.audit_seq
+        response.update(audit_seq(end))
         await self.send(events.event("response.done", response=response))
 
     async def item_done(
