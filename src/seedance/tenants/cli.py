@@ -4,7 +4,6 @@ command line (docs/policy.md)."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import os
 import sys
@@ -96,26 +95,25 @@ def _check(args: argparse.Namespace) -> int:
     from seedance.tenants.config import AccessConfig
 
     access = (load_access(Path(args.config)) if args.config else None) or AccessConfig()
-    if args.key is not None:
-        found = [(t, k) for t in access.tenants.values() for k in t.keys if k.id == args.key]
-        if not found:
-            raise ConfigError(f"no key {args.key} in {args.config or 'the config (--config)'}")
-        tenant, key = found[0]
-        principal = Principal(tenant, key.id, key.role)
-    else:
-        named = access.tenants.get(args.tenant)
-        if named is None:
-            raise ConfigError(
-                f"no tenant {args.tenant} in {args.config or 'the config (--config)'}"
-            )
-        principal = Principal(named, f"{named.name}:{args.role}", args.role)
+    where = args.config or "the config (--config)"
     claims = []
     for claim in args.claim:
         name, equals, value = claim.partition("=")
         if not equals or not name:
             raise ConfigError(f"--claim: NAME=VALUE, got {claim!r}")
         claims.append((name, value))
-    principal = dataclasses.replace(principal, subject=args.subject, claims=tuple(sorted(claims)))
+    who = {"subject": args.subject, "claims": tuple(sorted(claims))}
+    if args.key is not None:
+        found = [(t, k) for t in access.tenants.values() for k in t.keys if k.id == args.key]
+        if not found:
+            raise ConfigError(f"no key {args.key} in {where}")
+        tenant, key = found[0]
+        principal = Principal(tenant, key.id, key.role, **who)
+    else:
+        named = access.tenants.get(args.tenant)
+        if named is None:
+            raise ConfigError(f"no tenant {args.tenant} in {where}")
+        principal = Principal(named, f"{named.name}:{args.role}", args.role, **who)
     served = tuple(args.served.split(",")) if args.served else tuple(filter(None, [args.model]))
     at = args.at
     if at is not None and at.tzinfo is None:
