@@ -64,14 +64,13 @@ def audit_cost(folder: Path, fsync: str, count: int) -> tuple[float, float]:
     if fsync == "interval":
         for index in range(count):
             log.submit(record(index))
-        log.close()
     else:
         for first in range(0, count, CONCURRENT):
             waiting = [log.submit(record(i)) for i in range(first, min(count, first + CONCURRENT))]
             for future in waiting:
                 assert future is not None
                 future.result(timeout=30)
-        log.close()
+    log.close()
     elapsed = time.perf_counter() - started
     return count / elapsed, path.stat().st_size / count
 
